@@ -1,0 +1,45 @@
+"""The `kvserve` command line: one sub-command module per subsystem.
+
+Each module in COMMANDS defines `register(subparsers)`, which adds its parser and sets `func`. Modules are
+imported when the command line is built, so they must keep heavy imports (torch, the engine) inside the
+function that runs the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvserve import __version__
+
+# name -> module under kvserve.cli; a module that is not there yet is skipped.
+COMMANDS = ("generate", "serve", "bench", "plan", "simulate", "eval", "train_demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"kvserve.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"kvserve.cli.{name}":
+                continue
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
