@@ -1,0 +1,207 @@
+"""Frozen configuration dataclasses, validated on construction. Torch-free.
+
+Environment variables are read in one place: `kvserve.env`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvserve.core.errors import InvalidRequestError, ModelLoadError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the engine needs, read from a Hugging Face `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: tuple[
+        tuple[str, object], ...
+    ] = ()  # sorted items of the HF rope dict, minus theta
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(
+                    f"config.json: {name} must be positive, got {getattr(self, name)}"
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        return str(dict(self.rope_scaling).get("rope_type", "default"))
+
+    @property
+    def rope_scaling_dict(self) -> dict:
+        return dict(self.rope_scaling)
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes (spec section 4)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        try:
+            hidden = int(raw["hidden_size"])
+            num_heads = int(raw["num_attention_heads"])
+            rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            # transformers < 5 keeps theta at the top level; >= 5 moves it into rope_parameters.
+            theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+            if "type" in rope and "rope_type" not in rope:
+                rope["rope_type"] = rope.pop("type")
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            sliding = raw.get("sliding_window")
+            if raw.get("use_sliding_window") is False:
+                sliding = None  # qwen2 carries a window size it does not use
+            return cls(
+                model_type=str(raw["model_type"]),
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                intermediate_size=int(raw["intermediate_size"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", False)),
+                mlp_bias=bool(raw.get("mlp_bias", False)),
+                rope_scaling=tuple(sorted(rope.items())),
+                sliding_window=int(sliding) if sliding else None,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json is missing the key {exc.args[0]!r}") from exc
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(
+                f"{model_dir}: no config.json (expected a Hugging Face model directory)"
+            )
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `num_blocks` blocks of `block_size` tokens each."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 512 * 1024**2
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise InvalidRequestError(
+                f"block_size must be >= 1, got {self.block_size}", "block_size"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise InvalidRequestError(
+                f"num_blocks must be >= 1, got {self.num_blocks}", "num_blocks"
+            )
+        if self.kv_cache_memory_bytes < 1:
+            raise InvalidRequestError("kv_cache_memory_bytes must be positive", "kv_cache_memory")
+
+    def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        num_blocks = self.kv_cache_memory_bytes // (kv_bytes_per_token * self.block_size)
+        if num_blocks < 1:
+            raise InvalidRequestError(
+                f"kv cache memory {self.kv_cache_memory_bytes} B holds no block of {self.block_size} "
+                f"tokens at {kv_bytes_per_token} B/token",
+                "kv_cache_memory",
+            )
+        return num_blocks
+
+
+ADMISSION_POLICIES = ("on_demand", "reserve")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One token budget per step shared by decode tokens and prompt chunks (spec section 5)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    admission: str = "on_demand"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be >= 1", "max_num_seqs")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError(
+                "max_num_batched_tokens must be >= 1", "max_num_batched_tokens"
+            )
+        if self.max_model_len < 2:
+            raise InvalidRequestError("max_model_len must be >= 2", "max_model_len")
+        if self.admission not in ADMISSION_POLICIES:
+            raise InvalidRequestError(
+                f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}",
+                "admission",
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to build an engine. `model` is the checkpoint's config."""
+
+    model_dir: str
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPE_BYTES)}", "dtype")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token(self.dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.resolve_num_blocks(self.kv_bytes_per_token)

@@ -1,0 +1,97 @@
+"""Cross-layer step types: what the scheduler decides and what the runner returns. Plain frozen data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.core.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent to the runner the first time a request is scheduled; it keeps per-request sampling state
+    (seeded generator, token history for penalties) until the request id appears in
+    `SchedulerOutput.finished_request_ids`. Preemption does not reset that state."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute `token_ids` at positions [start_position, start_position + len(token_ids)) of one request.
+
+    `block_ids` is the request's whole block table after this step's allocation. `sample` is true when the
+    chunk reaches the end of the known tokens, so its last position yields the next token.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[int, ...]
+    sample: bool
+    num_output_tokens: int  # output tokens the request had when scheduled (min_tokens, penalties)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens this chunk's last position attends to (cached + new)."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's decision. `chunks` are in batch order (running requests first, then admitted ones)."""
+
+    new_requests: tuple[NewRequestData, ...]
+    chunks: tuple[ScheduledChunk, ...]
+    finished_request_ids: tuple[str, ...]  # the runner drops their state
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log probability, its rank (1 = most likely), and the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """Tokens sampled this step, one entry per chunk with `sample=True`."""
+
+    sampled: tuple[SampledTokens, ...]
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one step did for one request: tokens appended and, if it ended, why."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    num_cached_tokens: int

@@ -1,0 +1,85 @@
+"""A request as the scheduler sees it: token ids and progress, no text."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvserve.core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in the engine. Owned by the scheduler once added.
+
+    Prefill and decode are one thing: `num_computed_tokens` catches up with `num_tokens`. A prefix-cache hit
+    starts it above zero; preemption by recompute resets it to zero (emitted tokens are kept).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: never None, prompt + max_tokens <= max_model_len
+    arrival_time: float
+    eos_token_ids: frozenset[int] = frozenset()
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until admitted
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Prompt plus the longest output it may produce: what `reserve` admission charges."""
+        return len(self.prompt_token_ids) + self.max_tokens
+
+    def token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """All token ids (prompt then output) in [start, end)."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return tuple(self.output_token_ids[start - num_prompt : end - num_prompt])
+        return self.prompt_token_ids[start:] + tuple(self.output_token_ids[: end - num_prompt])
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)

@@ -1,0 +1,99 @@
+"""Engine options -> `EngineConfig`, and the checkpoint's tokenizer and stop tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.core.errors import InvalidRequestError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
+
+
+def resolve_dtype(dtype: str, device: str, model: ModelConfig) -> str:
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda"):
+        return model.torch_dtype if model.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+    return "float32"  # bf16/fp16 matmuls are far slower than fp32 on CPUs without native support
+
+
+def build_engine_config(
+    model_dir: str | Path,
+    *,
+    dtype: str = "auto",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
+    enable_prefix_caching: bool = True,
+    admission: str = "on_demand",
+    seed: int = 0,
+) -> EngineConfig:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    model = ModelConfig.from_dir(model_dir)
+    limit = model.max_position_embeddings
+    if model.sliding_window is not None and model.sliding_window < limit:
+        # Within the window, sliding-window attention is full attention: cap the context to stay exact.
+        limit = model.sliding_window
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise InvalidRequestError(
+            f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens",
+            "max_model_len",
+        )
+    return EngineConfig(
+        model_dir=str(model_dir),
+        model=model,
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            admission=admission,
+        ),
+        dtype=resolve_dtype(dtype, device, model),
+        device=device,
+        seed=seed,
+    )
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    model_dir = Path(model_dir)
+    return (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file()
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's Hugging Face tokenizer, or None when the directory has none."""
+    if not has_tokenizer(model_dir):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def stop_token_ids(model_dir: str | Path, model: ModelConfig, tokenizer) -> frozenset[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer (Llama 3 lists several)."""
+    ids = set(model.eos_token_ids)
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in ids)

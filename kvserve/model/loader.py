@@ -1,0 +1,129 @@
+"""Load a local Hugging Face checkpoint directory into a `DecoderLM`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvserve.config import ModelConfig
+from kvserve.core.errors import ModelLoadError
+from kvserve.model.decoder import DecoderLM
+from kvserve.model.registry import get_arch
+
+# Our fused parameter <- the checkpoint's tensors, concatenated along the output dimension.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+logger = logging.getLogger(__name__)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        extra = (
+            " (found pytorch_model.bin: convert it to safetensors)"
+            if any(model_dir.glob("*.bin"))
+            else ""
+        )
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights{extra}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(
+            f"{model_dir}: weight shards listed in the index are missing: {missing}"
+        )
+    return files
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _checkpoint_names(param_name: str) -> list[str]:
+    """Checkpoint tensor names that make up one of our parameters (HF names keep the `model.` prefix)."""
+    for fused, parts in _FUSED.items():
+        if f".{fused}." in param_name:
+            return [param_name.replace(fused, part) for part in parts]
+    return [param_name]
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def load_model(
+    model_dir: str | Path,
+    config: ModelConfig,
+    max_positions: int,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> DecoderLM:
+    model_dir = Path(model_dir)
+    arch = get_arch(config.model_type)
+    with torch.device("meta"):
+        model = DecoderLM(config, arch, max_positions)
+    checkpoint = read_checkpoint(model_dir)
+    state: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    used: set[str] = set()
+    expected = model.state_dict()
+    for name, meta_tensor in expected.items():
+        sources = [_hf_name(n) for n in _checkpoint_names(name)]
+        absent = [s for s in sources if s not in checkpoint]
+        if absent:
+            missing.extend(absent)
+            continue
+        tensor = (
+            torch.cat([checkpoint[s] for s in sources])
+            if len(sources) > 1
+            else checkpoint[sources[0]]
+        )
+        if tensor.shape != meta_tensor.shape:
+            raise ModelLoadError(
+                f"{model_dir}: tensor {sources} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(meta_tensor.shape)} from config.json"
+            )
+        state[name] = tensor.to(dtype=TORCH_DTYPES[dtype], device=device)
+        used.update(sources)
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise ModelLoadError(f"{model_dir}: checkpoint is missing tensors: {shown}")
+    if config.tie_word_embeddings and "lm_head.weight" in checkpoint:
+        used.add(
+            "lm_head.weight"
+        )  # a tied checkpoint may still store the head; it equals the embedding
+    model = model.to_empty(device=device)
+    model.load_state_dict(state, strict=True, assign=True)
+    # Buffers (rotary cos/sin) were on meta: rebuild them for real.
+    model.rotary.build(device)
+    unused = sorted(set(checkpoint) - used)
+    if unused:
+        logger.warning(
+            "%s: ignoring %d checkpoint tensors not used by %s: %s",
+            model_dir,
+            len(unused),
+            config.model_type,
+            ", ".join(unused[:5]),
+        )
+    return model.eval()

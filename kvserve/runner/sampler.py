@@ -1,0 +1,167 @@
+"""Batched sampling: logit processors, greedy and random selection, and logprobs. No per-token Python loops.
+
+Order (as vLLM): logit bias, min_tokens masking of stop tokens, repetition / presence / frequency penalties;
+greedy rows take the argmax of the processed logits; random rows divide by temperature, apply top-k, top-p and
+min-p, and sample with the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p and lets a
+seeded request use its own generator. Logprobs are those of the model's raw distribution (before any
+processing), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.core.outputs import TokenLogprob
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, as tensors (built by the runner from request states)."""
+
+    temperature: torch.Tensor  # [S] float, 0 for greedy rows
+    top_k: torch.Tensor  # [S] long, 0 = off
+    top_p: torch.Tensor  # [S] float
+    min_p: torch.Tensor  # [S] float
+    generators: list[torch.Generator | None]  # per row; None = the runner's shared generator
+    num_logprobs: list[int | None]  # per row
+    # Sparse additions: (rows, token ids, values) for logit_bias; (rows, token ids) masked by min_tokens.
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Penalties (None when no row uses any).
+    repetition_penalty: torch.Tensor | None = None  # [S]
+    presence_penalty: torch.Tensor | None = None  # [S]
+    frequency_penalty: torch.Tensor | None = None  # [S]
+    output_counts: torch.Tensor | None = None  # [S, V] occurrences in the output so far
+    prompt_mask: torch.Tensor | None = None  # [S, V] token appears in the prompt
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.output_counts is None:
+        return logits
+    counts = batch.output_counts
+    seen = (counts > 0) | batch.prompt_mask
+    rep = batch.repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - batch.frequency_penalty.unsqueeze(1) * counts
+    return logits - batch.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Bias, min_tokens bans and penalties: what greedy and random selection both see."""
+    if batch.bias is None and batch.banned is None and batch.output_counts is None:
+        return logits
+    logits = logits.clone()
+    if batch.bias is not None:
+        rows, ids, values = batch.bias
+        logits.index_put_((rows, ids), values, accumulate=True)
+    logits = apply_penalties(logits, batch)
+    if batch.banned is not None:
+        rows, ids = batch.banned
+        logits[rows, ids] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p for random rows: returns masked, scaled logits [S, V]."""
+    temperature = batch.temperature.clamp_min(1e-5).unsqueeze(1)
+    logits = logits / temperature
+    use_top_k = bool((batch.top_k > 0).any())
+    use_top_p = bool((batch.top_p < 1.0).any())
+    if use_top_k or use_top_p:
+        sorted_logits, _ = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        if use_top_k:
+            k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp_max(vocab)
+            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [S, 1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        if use_top_p:
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it does.
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop = mass_before > batch.top_p.unsqueeze(1)
+            drop[:, 0] = False
+            threshold = (
+                sorted_logits.masked_fill(drop, float("inf")).min(dim=-1, keepdim=True).values
+            )
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if bool((batch.min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def exponential_race(
+    probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator
+) -> torch.Tensor:
+    """Sample one index per row of `probs` [S, V]: argmax(p / E) with E ~ Exp(1) i.i.d."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        if len(unseeded) == len(generators):
+            noise.exponential_(generator=shared)
+        else:
+            rows = torch.tensor(unseeded, device=probs.device)
+            noise[rows] = torch.empty_like(probs[rows]).exponential_(generator=shared)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        # logits: [S, V] float32
+        processed = process_logits(logits, batch)
+        token_ids = processed.argmax(dim=-1)
+        if not batch.all_greedy:
+            random_rows = (batch.temperature > 0).nonzero().squeeze(1)
+            sub = SamplingBatch(
+                temperature=batch.temperature[random_rows],
+                top_k=batch.top_k[random_rows],
+                top_p=batch.top_p[random_rows],
+                min_p=batch.min_p[random_rows],
+                generators=[batch.generators[i] for i in random_rows.tolist()],
+                num_logprobs=[],
+            )
+            probs = filter_logits(processed[random_rows], sub).softmax(dim=-1)
+            token_ids[random_rows] = exponential_race(probs, sub.generators, self.generator)
+        return token_ids.tolist(), self._logprobs(logits, token_ids, batch.num_logprobs)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
+    ) -> list[TokenLogprob | None]:
+        wanted = [i for i, k in enumerate(num_logprobs) if k is not None]
+        results: list[TokenLogprob | None] = [None] * len(num_logprobs)
+        if not wanted:
+            return results
+        rows = torch.tensor(wanted, device=logits.device)
+        logprobs = logits[rows].log_softmax(dim=-1)  # [W, V]
+        chosen_ids = token_ids[rows]
+        chosen = logprobs.gather(1, chosen_ids.unsqueeze(1))  # [W, 1]
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        max_k = max(num_logprobs[i] for i in wanted)
+        top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+        chosen_list, ranks_list = chosen.squeeze(1).tolist(), ranks.tolist()
+        top_v = top_values.tolist() if max_k else None
+        top_i = top_ids.tolist() if max_k else None
+        for j, row in enumerate(wanted):
+            k = num_logprobs[row]
+            top = tuple(zip(top_i[j][:k], top_v[j][:k], strict=True)) if k else ()
+            results[row] = TokenLogprob(int(chosen_ids[j]), chosen_list[j], ranks_list[j], top)
+        return results

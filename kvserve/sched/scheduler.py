@@ -1,0 +1,226 @@
+"""The scheduler: which tokens of which requests run in the next step. Torch-free.
+
+There is no prefill phase and no decode phase: each request has `num_computed_tokens` and `num_tokens`, and a
+step gives it up to the remaining token budget's worth of the difference (spec section 5). Running requests
+are served first in arrival order; waiting requests are admitted FCFS while the budget, `max_num_seqs` and the
+cache allow. With `on_demand` admission a running request that cannot grow preempts the newest running
+request (recompute); with `reserve` admission a request is admitted only when prompt + max_tokens fit, so
+nothing is ever preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.outputs import (
+    NewRequestData,
+    RequestUpdate,
+    RunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from kvserve.core.request import Request, RequestStatus
+from kvserve.kv.manager import KVCacheManager
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # told to the runner with the next step
+        self.stats = SchedulerStats()
+
+    # --- queue ------------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside the step (abort, stop string, timeout); frees their blocks."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            ended.append(request)
+        return ended
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.first_scheduled_time is not None:
+            self._finished_ids.append(request.request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def has_pending_runner_updates(self) -> bool:
+        return bool(self._finished_ids)
+
+    # --- one step ---------------------------------------------------------------------------------------
+
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_requests: list[NewRequestData] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the newest running request
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._chunk(request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break
+
+        # Admitting while preempting would let a newcomer take the blocks just freed for a running request.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_ids, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            lookahead = 0
+            if self.config.admission == "reserve":
+                lookahead = request.max_num_tokens - num_cached - num_new
+            if not self.kv.allocate_slots(request, num_new, computed_ids, lookahead):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                request.num_cached_tokens = num_cached
+                new_requests.append(
+                    NewRequestData(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        request.eos_token_ids,
+                    )
+                )
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+
+        finished_ids = tuple(self._finished_ids)
+        self._finished_ids.clear()
+        self.stats.num_steps += 1
+        return SchedulerOutput(
+            new_requests=tuple(new_requests),
+            chunks=tuple(chunks),
+            finished_request_ids=finished_ids,
+            preempted_request_ids=tuple(r.request_id for r in preempted),
+        )
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.token_ids(start, start + num_new),
+            start_position=start,
+            block_ids=tuple(self.kv.block_ids(request.request_id)),
+            sample=start + num_new == request.num_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[RequestUpdate]:
+        """Advance each scheduled request by its chunk, append sampled tokens, and apply stop rules."""
+        sampled = {s.request_id: s for s in runner_output.sampled}
+        updates: list[RequestUpdate] = []
+        for chunk in scheduler_output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # ended between schedule and update
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(request)
+            if not chunk.sample:
+                continue
+            result = sampled[chunk.request_id]
+            new_token_ids: list[int] = []
+            status = None
+            for token_id in result.token_ids:
+                request.output_token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                status = self._stop_status(request, token_id)
+                if status is not None:
+                    break
+            logprobs = result.logprobs[: len(new_token_ids)] if result.logprobs else None
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updates.append(
+                RequestUpdate(
+                    request_id=request.request_id,
+                    new_token_ids=tuple(new_token_ids),
+                    new_logprobs=logprobs,
+                    finish_reason=status.finish_reason if status else None,
+                    num_cached_tokens=request.num_cached_tokens,
+                )
+            )
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_out = request.num_output_tokens
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
