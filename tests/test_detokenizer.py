@@ -1,0 +1,83 @@
+"""Incremental detokenisation with a real byte-level BPE tokenizer (GPT-2's)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.engine.detokenizer import IncrementalDetokenizer
+from tests.checkpoints import GPT2_TOKENIZER
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(GPT2_TOKENIZER))
+
+
+def stream(tokenizer, text: str, stop=(), prompt="Say:"):
+    """Feed `text`'s tokens one at a time; returns (deltas, detokenizer)."""
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(
+        tokenizer, tuple(tokenizer.encode(prompt)), SamplingParams(stop=stop)
+    )
+    deltas = []
+    for i, token_id in enumerate(ids):
+        deltas.append(detok.update([token_id], finished=i == len(ids) - 1))
+        if detok.stopped:
+            break
+    return deltas, detok
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    text = "naïve café 🙂 日本語 done"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split()), "the emoji and CJK must span several byte-level tokens"
+    deltas, _ = stream(tokenizer, text)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_stop_string_is_never_emitted(tokenizer):
+    deltas, detok = stream(tokenizer, "alpha beta STOP gamma", stop=("STOP",))
+    assert "".join(deltas) == "alpha beta "
+    assert detok.stopped and detok.stop_string == "STOP"
+    assert not any("ST" in d for d in deltas)
+
+
+def test_partial_stop_prefix_is_released_when_it_turns_out_not_to_stop(tokenizer):
+    deltas, detok = stream(tokenizer, "one END two ENDING", stop=("ENDX",))
+    assert "".join(deltas) == "one END two ENDING" and not detok.stopped
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    text=st.text(alphabet="ab cé🙂\n", min_size=1, max_size=30),
+    stops=st.lists(st.text(alphabet="ab cé🙂", min_size=1, max_size=3), max_size=2),
+)
+def test_stream_equals_truncated_full_decode(tokenizer, text, stops):
+    deltas, _ = stream(tokenizer, text, stop=tuple(stops))
+    full = tokenizer.decode(tokenizer.encode(text))
+    cut = min((full.find(s) for s in stops if s in full), default=len(full))
+    assert "".join(deltas) == full[:cut]
+
+
+def test_engine_stop_string_truncates_and_frees(gpt2_model_dir):
+    from kvserve import LLM
+
+    llm = LLM(str(gpt2_model_dir), num_blocks=32)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    free_run = llm.generate("The quick brown fox", params)[0].outputs[0]
+    text = free_run.text
+    assert len(text) > 6
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    expected = text[: text.find(stop)]
+    stopped = llm.generate("The quick brown fox", params.with_updates(stop=(stop,)))[0].outputs[0]
+    assert stopped.text == expected
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert free_run.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+    llm.engine.check_invariants()
+    assert llm.engine.num_free_blocks() == 32

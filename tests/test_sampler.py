@@ -1,0 +1,144 @@
+"""The sampler against analytic distributions, and sampling behaviour through the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.runner.sampler import Sampler, SamplingBatch, apply_penalties, filter_logits
+
+LOGITS = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]]))
+
+
+def batch(**overrides) -> SamplingBatch:
+    rows = overrides.pop("rows", 1)
+    values = dict(
+        temperature=torch.ones(rows),
+        top_k=torch.zeros(rows, dtype=torch.long),
+        top_p=torch.ones(rows),
+        min_p=torch.zeros(rows),
+        generators=[None] * rows,
+        num_logprobs=[None] * rows,
+    )
+    values.update(overrides)
+    return SamplingBatch(**values)
+
+
+def support(logits: torch.Tensor) -> list[int]:
+    return torch.isfinite(logits[0]).nonzero().squeeze(1).tolist()
+
+
+def test_top_k_top_p_min_p_supports():
+    assert support(filter_logits(LOGITS, batch(top_k=torch.tensor([3])))) == [0, 1, 2]
+    # top_p 0.7: 0.4 + 0.25 = 0.65 < 0.7, so the third token is needed to reach it.
+    assert support(filter_logits(LOGITS, batch(top_p=torch.tensor([0.7])))) == [0, 1, 2]
+    assert support(filter_logits(LOGITS, batch(top_p=torch.tensor([0.6])))) == [0, 1]
+    assert support(filter_logits(LOGITS, batch(top_p=torch.tensor([0.3])))) == [0]
+    # min_p 0.3: keep p >= 0.3 * 0.4 = 0.12
+    assert support(filter_logits(LOGITS, batch(min_p=torch.tensor([0.3])))) == [0, 1, 2]
+    # temperature 2 flattens: p ~ sqrt(p0) renormalised
+    scaled = filter_logits(LOGITS, batch(temperature=torch.tensor([2.0]))).softmax(-1)
+    expected = LOGITS.div(2).softmax(-1)
+    torch.testing.assert_close(scaled, expected)
+
+
+def test_sampling_matches_the_filtered_distribution():
+    """200k draws through the exponential race: empirical frequencies within sampling noise of p."""
+    num = 200_000
+    sampler = Sampler(seed=123)
+    logits = LOGITS.expand(num, -1).contiguous()
+    b = batch(
+        rows=num, top_k=torch.full((num,), 4, dtype=torch.long), temperature=torch.full((num,), 0.8)
+    )
+    tokens, _ = sampler(logits, b)
+    counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
+    empirical = counts / num
+    p = LOGITS[0, :4].div(0.8).softmax(-1).double()
+    expected = torch.cat([p, torch.zeros(2, dtype=torch.float64)])
+    assert counts[4:].sum() == 0, "top_k=4 must never sample tokens 4 and 5"
+    # Per-token 5-sigma binomial bound.
+    sigma = torch.sqrt(expected * (1 - expected) / num)
+    assert torch.all((empirical - expected).abs() <= 5 * sigma + 1e-12), (empirical, expected)
+
+
+def test_penalties_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    b = batch(
+        repetition_penalty=torch.tensor([2.0]),
+        presence_penalty=torch.tensor([0.5]),
+        frequency_penalty=torch.tensor([0.25]),
+        output_counts=torch.tensor([[2.0, 1.0, 0.0, 0.0]]),
+        prompt_mask=torch.tensor([[False, False, True, False]]),
+    )
+    out = apply_penalties(logits, b)
+    # token 0: 2/2 - 0.25*2 - 0.5 = 0; token 1: -1*2 - 0.25 - 0.5 = -2.75; token 2 (prompt): 0.5/2; token 3.
+    torch.testing.assert_close(out, torch.tensor([[0.0, -2.75, 0.25, 1.0]]))
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), num_blocks=128)
+
+
+PROMPT = [10, 20, 30, 40, 50]
+
+
+def test_same_seed_same_output_and_batch_independent(llm):
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
+    alone = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    again = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    others = SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True)
+    batched = llm.generate([[1, 2, 3], PROMPT, [4, 5]], [others, params, others])[1]
+    other_seed = llm.generate([PROMPT], params.with_updates(seed=8))[0].outputs[0].token_ids
+    assert alone == again == batched.outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_logprobs_shape_and_values(llm):
+    params = SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True)
+    completion = llm.generate([PROMPT], params)[0].outputs[0]
+    assert len(completion.logprobs) == 5
+    reference = llm.engine.score(PROMPT + completion.token_ids[:-1]).log_softmax(-1)
+    for i, lp in enumerate(completion.logprobs):
+        row = reference[len(PROMPT) - 1 + i]
+        assert lp.token_id == completion.token_ids[i]
+        assert lp.rank == 1  # greedy picks the most likely token
+        assert math.isclose(lp.logprob, row[lp.token_id].item(), abs_tol=1e-4)
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+    assert math.isclose(
+        completion.cumulative_logprob, sum(lp.logprob for lp in completion.logprobs)
+    )
+
+
+def test_min_tokens_and_eos(llm):
+    # Bias EOS (id 2) so it wins every step: min_tokens holds it back for exactly 4 tokens.
+    params = SamplingParams(max_tokens=10, temperature=0, min_tokens=4, logit_bias={2: 100.0})
+    completion = llm.generate([PROMPT], params)[0].outputs[0]
+    assert completion.token_ids[-1] == 2 and len(completion.token_ids) == 5
+    assert completion.finish_reason == "stop" and completion.stop_reason == 2
+    ignored = llm.generate([PROMPT], params.with_updates(ignore_eos=True, min_tokens=0))[0].outputs[
+        0
+    ]
+    assert ignored.token_ids == [2] * 10 and ignored.finish_reason == "length"
+
+
+def test_stop_token_ids(llm):
+    params = SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[7], logit_bias={7: 100.0})
+    completion = llm.generate([PROMPT], params)[0].outputs[0]
+    assert completion.token_ids == [7] and completion.finish_reason == "stop"
+
+
+def test_n_samples_share_prompt_and_differ(llm):
+    prompt = list(range(3, 40))  # 37 tokens: two full blocks
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
+    output = llm.generate([prompt], params)[0]
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1
+    # samples 1 and 2 reused sample 0's full prompt blocks
+    assert [c.num_cached_tokens for c in output.outputs][1:] == [32, 32]
+    again = llm.generate([prompt], params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
+    assert llm.engine.num_free_blocks() == llm.engine.num_blocks
