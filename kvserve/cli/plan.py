@@ -1,0 +1,247 @@
+"""`kvserve plan`: capacity arithmetic for a model on hardware; `--measure` this machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+EPILOG = """\
+examples:
+  kvserve plan SmolLM2-135M --hardware h100-sxm
+  kvserve plan Llama-3.1-8B --weights int4-g128 --kv-dtype fp8 --prompt 4000 --output 800 --compare
+  kvserve plan ./my-model/ --weights mixed --memory 24 --bandwidth 1008 --peak 165
+  kvserve plan Qwen2.5-7B --hardware rtx-4090 --device-cost 1800 --power-w 450 --json
+  kvserve plan --measure                  # save this machine's roofline, then:
+  kvserve plan SmolLM2-135M --hardware this-machine --weights fp32 --plot roofline.png
+
+weight formats: bf16 fp16 fp32 | int8 (per channel) | int4-g128 int4-g64 int4-g32 int4-g128-zp
+  (block linears quantised, the rest bf16) | mixed | linear=FMT,embed=FMT,head=FMT,norm=FMT
+hardware: h100-sxm a100-80gb l40s l4 rtx-4090 m2-ultra ddr5-desktop this-machine, or a profile JSON
+"""
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="capacity, latency and cost arithmetic for a model on hardware",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", help="preset name, HF model directory, or config.json")
+    g = p.add_argument_group("formats")
+    g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (default bf16)")
+    g.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8", "int8"))
+    g = p.add_argument_group("hardware")
+    g.add_argument(
+        "--hardware",
+        metavar="NAME|PATH",
+        help="built-in profile, this-machine, or a profile JSON (default h100-sxm)",
+    )
+    g.add_argument("--memory", type=float, metavar="GB", help="device memory, GB")
+    g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth, GB/s")
+    g.add_argument("--peak", type=float, metavar="TFLOP/s", help="dense peak, TFLOP/s")
+    g.add_argument(
+        "--compare",
+        nargs="?",
+        const="all",
+        metavar="NAMES",
+        help="also tabulate across profiles (comma list; default all built-ins and a "
+        "saved this-machine)",
+    )
+    g = p.add_argument_group("workload")
+    g.add_argument(
+        "--prompt", type=int, default=2000, metavar="TOKENS", help="prompt tokens (2000)"
+    )
+    g.add_argument("--output", type=int, default=500, metavar="TOKENS", help="output tokens (500)")
+    g.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="prompt tokens every request shares, cached (0)",
+    )
+    g.add_argument("--requests-per-day", type=float, default=100_000, metavar="N", help="(100000)")
+    g = p.add_argument_group("prices")
+    g.add_argument(
+        "--price-per-hour", type=float, metavar="USD", help="rental price per device-hour"
+    )
+    g.add_argument(
+        "--device-cost", type=float, metavar="USD", help="purchase price of an owned device"
+    )
+    g.add_argument("--power-w", type=float, metavar="W", help="owned device power (profile's)")
+    g.add_argument("--electricity", type=float, default=0.15, metavar="USD/kWh", help="(0.15)")
+    g.add_argument("--years", type=float, default=3.0, help="amortisation years (3)")
+    g = p.add_argument_group("assumptions")
+    g.add_argument("--mfu", type=float, default=0.5, help="prefill model FLOP utilisation (0.5)")
+    g.add_argument(
+        "--bw-fraction",
+        type=float,
+        metavar="F",
+        help="fraction of peak bandwidth achieved (0.8 of a datasheet, 1.0 of a measurement)",
+    )
+    g.add_argument(
+        "--overhead-gb",
+        type=float,
+        default=2.0,
+        metavar="GB",
+        help="runtime memory besides weights and KV cache (2)",
+    )
+    g.add_argument(
+        "--utilisation",
+        type=float,
+        metavar="U",
+        help="utilisation for the cost (default: what the requests per day imply)",
+    )
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print JSON instead of text")
+    g.add_argument("--plot", metavar="FILE", help="write a roofline plot (png, pdf, svg)")
+    g = p.add_argument_group("measure this machine")
+    g.add_argument("--measure", action="store_true", help="measure GEMV bandwidth and GEMM FLOP/s")
+    g.add_argument(
+        "--save", metavar="PATH", help="where to save it (default: the this-machine profile)"
+    )
+    g.add_argument("--device", default="cpu", help="torch device to measure (cpu)")
+    g.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        help="dtype to measure (fp32 on cpu, bf16 on an accelerator)",
+    )
+    g.add_argument("--budget-s", type=float, help="time budget for the GEMM sweep")
+    p.set_defaults(func=run)
+
+
+def _hardware(args: argparse.Namespace, measured: Any = None) -> Any:
+    from kvserve.plan.hardware import get_profile, manual_profile
+
+    manual = (args.memory, args.bandwidth, args.peak)
+    if measured is not None:
+        base = measured
+    elif args.hardware:
+        base = get_profile(args.hardware)
+    elif all(v is None for v in manual):
+        base = get_profile("h100-sxm")
+    else:
+        base = None
+    if base is not None and all(v is None for v in manual):
+        return base
+    return manual_profile(*manual, base=base)
+
+
+def _compare_profiles(spec: str) -> list[Any]:
+    from kvserve.plan.hardware import BUILTIN, THIS_MACHINE, default_profile_path, get_profile
+
+    if spec != "all":
+        return [get_profile(name) for name in spec.split(",") if name.strip()]
+    profiles = list(BUILTIN.values())
+    if default_profile_path().is_file():
+        profiles.append(get_profile(THIS_MACHINE))
+    return profiles
+
+
+def _measure(args: argparse.Namespace) -> Any:
+    from dataclasses import replace
+
+    from kvserve.measure import default_config, measure_roofline
+    from kvserve.plan.hardware import save_profile
+    from kvserve.plan.report import fmt_bw, fmt_flops, fmt_s
+
+    cfg = default_config(args.device, args.dtype)
+    if args.budget_s is not None:
+        cfg = replace(cfg, budget_s=args.budget_s)
+    out = sys.stderr if args.json else sys.stdout
+    print(f"measuring {args.device} in {cfg.dtype} (about a minute at most)...", file=out)
+
+    def show(p: Any) -> None:
+        what = "GEMV" if p.kind == "gemv" else f"GEMM {p.num_columns:>5} columns"
+        print(
+            f"  {what:<20} {fmt_s(p.median_s):>10}  {fmt_flops(p.flops_per_s):>15}  "
+            f"{fmt_bw(p.bytes_per_s):>12}  intensity {p.intensity_flops_per_byte:.3g}",
+            file=out,
+        )
+
+    profile = measure_roofline(cfg, progress=show)
+    path = save_profile(profile, args.save)
+    print(
+        f"bandwidth {fmt_bw(profile.bandwidth_bytes_per_s)}, "
+        f"peak {fmt_flops(profile.peak_flops_per_s)} ({profile.compute_dtype}), "
+        f"ridge {profile.ridge_flops_per_byte:.3g} FLOP/byte; saved to {path}",
+        file=out,
+    )
+    return profile
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.plan import (
+        Assumptions,
+        PlanError,
+        Prices,
+        Workload,
+        load_model,
+        make_plan,
+        parse_weight_format,
+    )
+    from kvserve.plan.report import compare_row, render_compare, render_text
+
+    try:
+        measured = _measure(args) if args.measure else None
+        if not args.model:
+            if measured is None:
+                print(
+                    "kvserve plan: give a MODEL (preset, directory or config.json) or --measure",
+                    file=sys.stderr,
+                )
+                return 2
+            if args.plot:
+                from kvserve.plan.plot import plot_roofline
+
+                print(f"roofline written to {plot_roofline(args.plot, measured)}")
+            if args.json:
+                print(json.dumps(measured.to_dict(), indent=2))
+            return 0
+        model = load_model(args.model)
+        fmt = parse_weight_format(args.weights)
+        hardware = _hardware(args, measured)
+        workload = Workload(args.prompt, args.output, args.shared_prefix, args.requests_per_day)
+        assumptions = Assumptions(
+            mfu=args.mfu,
+            bandwidth_fraction=args.bw_fraction,
+            overhead_bytes=args.overhead_gb * 1e9,
+            utilisation=args.utilisation,
+        )
+        prices = Prices(
+            args.price_per_hour, args.device_cost, args.power_w, args.electricity, args.years
+        )
+        plan = make_plan(model, hardware, fmt, args.kv_dtype, workload, assumptions, prices)
+        others = []
+        if args.compare:
+            # Each profile at its own reference price: a price given by hand fits one device only.
+            base_prices = Prices(
+                electricity_usd_per_kwh=args.electricity, amortisation_years=args.years
+            )
+            others = [
+                make_plan(model, hw, fmt, args.kv_dtype, workload, assumptions, base_prices)
+                for hw in _compare_profiles(args.compare)
+            ]
+        if args.plot:
+            from kvserve.plan.plot import plot_roofline
+
+            plot_path = plot_roofline(args.plot, hardware, plan)
+    except PlanError as exc:
+        print(f"kvserve plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        data = plan.to_dict()
+        if others:
+            data["compare"] = [compare_row(p) for p in others]
+        print(json.dumps(data, indent=2))
+    else:
+        print(render_text(plan), end="")
+        if others:
+            print("\nCompare (profile reference prices; not the prices given above)")
+            print(render_compare(others), end="")
+        if args.plot:
+            print(f"\nroofline written to {plot_path}")
+    return 0
