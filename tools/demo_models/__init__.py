@@ -1,0 +1,1 @@
+"""Reproducible pipeline for the embedded demo models (issue 4); see README.md."""
