@@ -41,8 +41,8 @@ class MeasureConfig:
     gemm_size: int = 4096
     columns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
     warmup: int = 2
-    min_samples: int = 3
-    min_time_s: float = 0.25  # per point
+    min_samples: int = 5
+    min_time_s: float = 0.5  # per point
     sample_s: float = 1e-3  # calls are grouped so one sample lasts at least this long
     budget_s: float = 45.0  # larger column counts are skipped once this is spent
 

@@ -34,7 +34,7 @@ def fmt_num(x: float | None, digits: int = 3) -> str:
 
 
 def fmt_flops(x: float) -> str:
-    return f"{x / 1e12:.3g} TFLOP/s" if x >= 1e11 else f"{x / 1e9:.3g} GFLOP/s"
+    return f"{x / 1e12:.3g} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.3g} GFLOP/s"
 
 
 def fmt_bw(x: float) -> str:
