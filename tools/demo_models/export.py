@@ -48,6 +48,12 @@ def export_model(run_dir: Path, tokenizer_dir: Path, out_dir: Path) -> None:
     ).save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out_dir / name)
+    # transformers >= 5 writes rope_parameters and dtype; older readers look for these two keys.
+    config_path = out_dir / "config.json"
+    raw = json.loads(config_path.read_text())
+    raw.setdefault("rope_theta", raw.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    raw.setdefault("torch_dtype", "bfloat16")
+    config_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
 def verify_export(run_dir: Path, tokenizer_dir: Path, out_dir: Path, preset_name: str) -> dict:
@@ -147,22 +153,28 @@ def model_card(
         lines += [
             "## Held-out perplexity",
             "",
-            f"exp(mean token NLL) over non-overlapping {results['window_len']}-token windows of the held-out "
-            "split (bf16 weights upcast to fp32), per token of this tokenizer.",
+            f"exp(total NLL / scored tokens) over non-overlapping {results['window_len']}-token "
+            "windows of the held-out split (bf16 weights upcast to fp32), per token of the shared "
+            f"tokenizer; this model is **{name}**. Lower is better.",
             "",
-            "| kind | scored tokens | this model | "
-            + " | ".join(results["models"])
-            + " | unigram |",
-            "|---|---:|---:|" + "---:|" * len(results["models"]) + "---:|",
+            "| kind | scored tokens | " + " | ".join(results["models"]) + " | unigram baseline |",
+            "|---|---:|" + "---:|" * len(results["models"]) + "---:|",
         ]
         for kind, entry in results["kinds"].items():
-            others = " | ".join(f"{entry[m]['ppl']:.2f}" for m in results["models"])
+            ppls = " | ".join(f"{entry[m]['ppl']:.2f}" for m in results["models"])
             lines.append(
-                f"| {kind} | {entry['num_scored_tokens']:,d} | {entry[name]['ppl']:.2f} | "
-                f"{others} | {entry['unigram']['ppl']:.2f} |"
+                f"| {kind} | {entry['num_scored_tokens']:,d} | {ppls} | "
+                f"{entry['unigram']['ppl']:.2f} |"
             )
         lines.append("")
     lines += [
+        "## Use",
+        "",
+        "`kvserve serve` and `kvserve generate` use the demo target when given no model; the draft "
+        "pairs with it for speculative decoding (same tokenizer). Any Hugging Face Llama loader reads "
+        "this directory. Chat template: `<|bos|><|user|>\\n...<|end|>\\n<|assistant|>\\n`; "
+        "generation stops at `<|end|>`.",
+        "",
         "## Verification",
         "",
         f"transformers loads this directory; its logits equal the training model's "
