@@ -7,6 +7,9 @@ import pytest
 from tests.checkpoints import ARCHS, build_checkpoint, build_gpt2_tokenized_checkpoint
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny test models gain nothing from intra-op threads, and on a loaded 2-core machine every parallel
+# region waits for the busiest core. Servers started by tests inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

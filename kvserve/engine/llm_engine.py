@@ -203,6 +203,11 @@ class LLMEngine:
     def num_requests(self) -> int:
         return len(self._parents)
 
+    @property
+    def num_waiting_samples(self) -> int:
+        """Samples not yet admitted: the scheduler's waiting queue plus n > 1 samples held back."""
+        return self.scheduler.num_waiting + sum(len(p.pending) for p in self._parents.values())
+
     # --- the loop ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -1,0 +1,233 @@
+"""The asyncio front end: the engine loop runs in its own thread so HTTP handling never waits on a forward.
+
+Requests and aborts are queued as commands and applied between steps; each step's outputs are handed to the
+per-request asyncio queues with `call_soon_threadsafe`. An abort (client gone, timeout) therefore takes effect
+before the next step, and its blocks return to the pool then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvserve.core.errors import KVServeError
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published by the engine thread after every step (read by /ready and /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+
+
+class EngineDeadError(KVServeError):
+    """The engine loop stopped on an internal error; the server reports 503 from then on."""
+
+
+class AsyncEngine:
+    def __init__(
+        self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None
+    ):
+        self.engine = engine
+        self.on_step = on_step
+        self._commands: deque[tuple] = deque()
+        self._wakeup = threading.Condition()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._num_pending_adds = 0
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.stats = self._collect_stats()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- public -----------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._queues)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted but not yet admitted by the scheduler (including ones not yet handed over)."""
+        return self.stats.num_waiting + self._num_pending_adds
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        return self.engine.validate(prompt_token_ids, params)  # reads only immutable configuration
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream snapshots of one request until it finishes. Leaving early (client disconnect, timeout,
+        cancellation) aborts the request."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
+        self.engine.validate(prompt_token_ids, params)
+        if request_id in self._queues:
+            raise KVServeError(f"duplicate request id {request_id!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), queue)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self._submit(
+            ("add", request_id, prompt_token_ids, params, prompt, cache_salt, arrival_time)
+        )
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stopping = True
+        with self._wakeup:
+            self._wakeup.notify()
+        self._thread.join(timeout_s)
+
+    def call_in_engine_thread(self, fn: Callable[[LLMEngine], object], timeout_s: float = 30.0):
+        """Run `fn(engine)` between steps and return its result (for maintenance such as warm-up)."""
+        done = threading.Event()
+        box: list = []
+
+        def task(engine: LLMEngine) -> None:
+            try:
+                box.append((True, fn(engine)))
+            except BaseException as exc:  # handed back to the caller
+                box.append((False, exc))
+            done.set()
+
+        self._submit(("call", task))
+        if not done.wait(timeout_s):
+            raise TimeoutError("the engine thread did not run the call in time")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    # --- engine thread ----------------------------------------------------------------------------------
+
+    def _submit(self, command: tuple) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            self._num_pending_adds += command[0] == "add"
+            self._wakeup.notify()
+
+    def _next_command(self) -> tuple | None:
+        with self._wakeup:
+            if not self._commands:
+                return None
+            command = self._commands.popleft()
+            self._num_pending_adds -= command[0] == "add"
+            return command
+
+    def _deliver(self, request_id: str, item) -> None:
+        entry = self._queues.get(request_id)
+        if entry is None:
+            return
+        loop, queue = entry
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (shutdown)
+            pass
+
+    def _apply_commands(self) -> None:
+        while (command := self._next_command()) is not None:
+            kind = command[0]
+            if kind == "add":
+                _, request_id, prompt_ids, params, prompt, salt, arrival = command
+                if request_id not in self._queues:
+                    continue  # the caller gave up before the request reached the engine
+                try:
+                    self.engine.add_request(
+                        request_id,
+                        prompt_ids,
+                        params,
+                        prompt=prompt,
+                        cache_salt=salt,
+                        arrival_time=arrival,
+                    )
+                except KVServeError as exc:
+                    self._deliver(request_id, exc)
+            elif kind == "abort":
+                self.engine.abort_request(command[1])
+            elif kind == "call":
+                command[1](self.engine)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wakeup:
+                    while not self._commands and not self.engine.has_unfinished_requests():
+                        if self._stopping:
+                            return
+                        self._wakeup.wait()
+                    if self._stopping and not self.engine.has_unfinished_requests():
+                        return
+                self._apply_commands()
+                outputs = self.engine.step()
+                self.stats = self._collect_stats()
+                if self.on_step is not None:
+                    self.on_step(outputs)
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+        except BaseException as exc:  # a bug in the engine: fail every waiting request, loudly
+            logger.exception("engine loop failed")
+            self.error = exc
+            dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
+            for request_id in list(self._queues):
+                self._deliver(request_id, dead)
+
+    def _collect_stats(self) -> EngineStats:
+        engine = self.engine
+        scheduler = engine.scheduler
+        kv = engine.kv_manager
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=engine.num_waiting_samples,
+            kv_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_blocks=kv.num_blocks,
+            num_preemptions=scheduler.stats.num_preemptions,
+            prefix_cache_queries=kv.stats.num_queries,
+            prefix_cache_hits=kv.stats.num_hits,
+            num_steps=scheduler.stats.num_steps,
+        )

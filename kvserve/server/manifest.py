@@ -1,0 +1,67 @@
+"""Provenance: one manifest of what is served, whose hash is every response's `system_fingerprint`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from kvserve import __version__
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "config.json",
+)
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def build_manifest(
+    model_dir: str | Path,
+    *,
+    served_model_name: str,
+    dtype: str,
+    chat_template: str | None,
+    engine_options: dict,
+) -> dict:
+    """SHA-256 of weights, tokenizer files and chat template; engine version; dtype and cache options."""
+    model_dir = Path(model_dir)
+    weights = {p.name: sha256_file(p) for p in sorted(model_dir.glob("*.safetensors"))}
+    tokenizer = {
+        name: sha256_file(model_dir / name)
+        for name in _TOKENIZER_FILES
+        if (model_dir / name).is_file()
+    }
+    return {
+        "engine": "kvserve",
+        "engine_version": __version__,
+        "served_model_name": served_model_name,
+        "weights_sha256": weights,
+        "tokenizer_sha256": tokenizer,
+        "chat_template_sha256": (
+            hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None
+        ),
+        "dtype": dtype,
+        "quantization": None,
+        "kv_cache_dtype": dtype,
+        "engine_options": engine_options,
+    }
+
+
+def manifest_hash(manifest: dict) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint(manifest_sha256: str) -> str:
+    return "fp_" + manifest_sha256[:16]

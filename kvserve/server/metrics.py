@@ -1,0 +1,143 @@
+"""Prometheus metrics (prometheus-client), on a registry of the app's own.
+
+Per-request latencies are observed when a request ends, from the engine's own timestamps. Scheduler and cache
+state (running / waiting, KV usage, preemptions, prefix-cache queries and hits) is read from the engine's
+published stats at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.engine.async_engine import EngineStats
+from kvserve.engine.outputs import CompletionOutput
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        stats = self._stats() or EngineStats()
+        yield GaugeMetricFamily(
+            "kvserve_num_requests_running", "Requests running", stats.num_running
+        )
+        yield GaugeMetricFamily(
+            "kvserve_num_requests_waiting", "Requests waiting for admission", stats.num_waiting
+        )
+        yield GaugeMetricFamily(
+            "kvserve_kv_cache_usage_ratio", "Fraction of KV blocks held by requests", stats.kv_usage
+        )
+        yield CounterMetricFamily(
+            "kvserve_num_preemptions", "Requests preempted (recompute)", stats.num_preemptions
+        )
+        yield CounterMetricFamily(
+            "kvserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            stats.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "kvserve_prefix_cache_hits",
+            "Prompt tokens served from the prefix cache",
+            stats.prefix_cache_hits,
+        )
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "kvserve_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvserve_inter_token_latency_seconds",
+            "Gap between consecutive tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvserve_e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "kvserve_request_queue_time_seconds",
+            "Arrival to first scheduling",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(
+            "kvserve_generation_tokens", "Tokens generated", registry=r
+        )
+        self.request_success = Counter(
+            "kvserve_request_success",
+            "Requests that completed, by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "kvserve_request_errors",
+            "Requests that failed, by error type",
+            ["error_type"],
+            registry=r,
+        )
+        r.register(_EngineCollector(stats))
+
+    def observe_completion(
+        self, num_prompt_tokens: int, completions: list[CompletionOutput]
+    ) -> None:
+        """Record one finished request (all its samples)."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        for completion in completions:
+            self.generation_tokens.inc(len(completion.token_ids))
+            self.request_success.labels(completion.finish_reason or "abort").inc()
+            m = completion.metrics
+            if m is None:
+                continue
+            if m.queue_time_s is not None:
+                self.queue_time.observe(m.queue_time_s)
+            if m.ttft_s is not None:
+                self.ttft.observe(m.ttft_s)
+            for previous, current in zip(m.token_times, m.token_times[1:], strict=False):
+                self.itl.observe(current - previous)
+            if m.finished_time is not None:
+                self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def observe_error(self, error_type: str) -> None:
+        self.request_errors.labels(error_type).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

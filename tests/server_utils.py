@@ -1,0 +1,91 @@
+"""Start `kvserve serve` as a real process on 127.0.0.1 and wait until it is ready."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(
+    model_dir: str | Path, *args: str, timeout_s: float = 180.0, log_path: Path | None = None
+):
+    """Yields (base_url, process). Stops it with SIGTERM, then SIGKILL if it lingers."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.cli",
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *args,
+    ]
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not ready after {timeout_s} s")
+            time.sleep(0.2)
+        yield base_url, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if log_path:
+            log.close()
+
+
+def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    return predicate()
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of a streamed response, checking the framing (`data: ...` + blank line)."""
+    raw = response.read().decode() if not hasattr(response, "_content") else response.text
+    assert raw.endswith("\n\n"), "an SSE stream must end with a blank line"
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: "), f"bad SSE event {block[:80]!r}"
+        events.append(block[len("data: ") :])
+    return events

@@ -1,0 +1,166 @@
+"""Server limits and lifecycle: API keys, queue limit (429), request timeout, readiness, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvserve.engine.args import build_engine_config
+from kvserve.engine.llm_engine import LLMEngine
+from tests.server_utils import free_port, running_server, wait_until
+
+pytestmark = pytest.mark.slow
+
+LONG = {"prompt": "Tell a long story:", "max_tokens": 450, "ignore_eos": True}
+
+
+def test_api_key_and_queue_limit(gpt2_model_dir):
+    with running_server(
+        gpt2_model_dir,
+        "--api-key",
+        "s3cret",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting",
+        "1",
+        "--max-model-len",
+        "512",
+    ) as (url, _):
+        missing = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+        wrong = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}
+        )
+        for response in (missing, wrong):
+            assert response.status_code == 401
+            assert response.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{url}/health").status_code == 200  # liveness needs no key
+        auth = {"Authorization": "Bearer s3cret"}
+        ok = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth
+        )
+        assert ok.status_code == 200
+
+        # One running (max_num_seqs 1), one waiting (= --max-waiting): the next is refused.
+        with httpx.Client(timeout=60, headers=auth) as http:
+            with http.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}) as a:
+                a_lines = a.iter_lines()  # keep the iterator: closing it would close the connection
+                next(a_lines)
+                with http.stream(
+                    "POST", f"{url}/v1/completions", json={**LONG, "stream": True}
+                ) as b:
+                    assert wait_until(lambda: httpx.get(f"{url}/ready").json()["num_waiting"] == 1)
+                    refused = http.post(
+                        f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}
+                    )
+                    assert refused.status_code == 429
+                    assert refused.headers["retry-after"] == "1"
+                    assert refused.json()["error"]["type"] == "rate_limit_error"
+                    assert b.status_code == 200
+        state = wait_until(lambda: httpx.get(f"{url}/ready").json()["num_unfinished"] == 0)
+        assert state
+        after = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth
+        )
+        assert after.status_code == 200
+
+
+def test_request_timeout_aborts_and_reports(gpt2_model_dir):
+    with running_server(gpt2_model_dir, "--request-timeout", "0.3", "--max-model-len", "512") as (
+        url,
+        _,
+    ):
+        slow = httpx.post(f"{url}/v1/completions", json=LONG, timeout=60)
+        assert slow.status_code == 504
+        assert slow.json()["error"]["code"] == "request_timeout"
+        streamed = httpx.post(
+            f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=60
+        ).text
+        events = [e[6:] for e in streamed.split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "request_timeout"
+        debug = wait_until(
+            lambda: (d := httpx.get(f"{url}/debug/engine").json())["num_requests"] == 0 and d
+        )
+        assert debug["num_free_blocks"] == debug["num_blocks"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvserve_request_errors_total{error_type="timeout_error"} 2.0' in metrics
+        quick = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
+        )
+        assert quick.status_code == 200
+
+
+def test_sigterm_lets_in_flight_requests_finish(gpt2_model_dir):
+    with running_server(gpt2_model_dir, "--grace-period", "30", "--max-model-len", "512") as (
+        url,
+        proc,
+    ):
+        body = {"prompt": "Count:", "max_tokens": 120, "ignore_eos": True, "stream": True}
+        lines: list[str] = []
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if not line:
+                        continue  # the blank line that ends each event
+                    lines.append(line)
+                    if len(lines) == 3:
+                        proc.send_signal(signal.SIGTERM)
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # uvicorn re-raises the signal after its graceful shutdown, so -SIGTERM is a clean exit too.
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)
+
+
+def test_ready_is_503_while_loading(gpt2_model_dir):
+    import uvicorn
+
+    from kvserve.server.app import build_app
+    from kvserve.server.serving import ServingOptions
+
+    release = threading.Event()
+    config = build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=512)
+
+    def slow_factory() -> LLMEngine:
+        release.wait(60)
+        return LLMEngine(config)
+
+    app = build_app(slow_factory, ServingOptions(served_model_name="m"))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: _status(f"{url}/health") == 200)
+        loading = httpx.get(f"{url}/ready")
+        assert loading.status_code == 503 and loading.json()["status"] == "loading"
+        busy = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+        assert busy.status_code == 503 and busy.json()["error"]["type"] == "service_unavailable"
+        release.set()
+        assert wait_until(lambda: _status(f"{url}/ready") == 200, timeout_s=60)
+        ready = httpx.get(f"{url}/ready").json()
+        assert ready["model"] == "m" and len(ready["manifest_sha256"]) == 64
+        assert ready["kv_free_blocks"] == ready["kv_total_blocks"] == 64
+        manifest = httpx.get(f"{url}/manifest").json()["manifest"]
+        assert set(manifest["weights_sha256"]) == {"model.safetensors"}
+        assert "tokenizer.json" in manifest["tokenizer_sha256"] and manifest["dtype"] == "float32"
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        time.sleep(0.1)
+        return None
