@@ -1,1 +1,25 @@
-"""kvserve.bench."""
+"""kvserve.bench: an HTTP load generator for OpenAI-compatible servers, and its metrics and reports.
+
+Speaks HTTP only (never imports the engine), so it measures kvserve, vLLM and llama.cpp's server the
+same way. Definitions follow spec.md sections 1-2.
+
+Module map:
+
+- `records`    frozen records: a prepared request, a streamed event, a finished request
+- `text`       synthetic text: `code` (easy to predict) and `prose` (hard to predict)
+- `tokenization` token counts (server `/tokenize`, local dir, approximate), exact-length fitting
+- `workloads`  random / sharegpt / shared-prefix request lists, seeded per request index
+- `arrivals`   open-loop gamma/Poisson schedules, traces, gap statistics
+- `client`     one streamed OpenAI request -> RequestRecord; server identity probes
+- `loadgen`    the asyncio driver: absolute-time sends, closed loop, lag monitor, Ctrl-C
+- `metrics`    pure per-request metrics and percentiles from raw records
+- `slo`        named objectives (per-request and pooled-percentile) and goodput
+- `prometheus` server-side counters over a run from `/metrics` (queue time, cache hits, acceptance)
+- `summary`    run level: window, throughput, goodput, Little's law, wall-clock decomposition
+- `capacity`   the rate search (bisection, then neighbour checks), independent of the network
+- `runner`     one run: connect, prepare, execute, write the run directory
+- `session`    one invocation: a single run, a sweep of rates, or a capacity search
+- `identity`   what was measured: server, model, tokenizer, manifest, hardware (spec section 2)
+- `report`     console table and HTML report; `plots` draws its figures (matplotlib Agg)
+- `compare`    two runs: metric deltas and per-request output identity by hash
+"""

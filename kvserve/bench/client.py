@@ -1,0 +1,259 @@
+"""One streamed OpenAI-compatible request -> RequestRecord, and probes of the server's identity.
+
+Every SSE `data:` event is timestamped with `time.perf_counter()` as soon as its line arrives,
+before it is parsed. Tokens per event come from the server when it says so: a running
+`usage.completion_tokens` (vLLM's `continuous_usage_stats`) or per-token logprob entries. Queue time
+is read only when the server reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvserve.bench.records import BenchError, RequestRecord, RequestSpec, StreamEvent
+
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+MODES = ("natural", "forced")
+REJECT_STATUSES = (429, 503)
+PROBE_PATHS = ("/v1/models", "/ready", "/manifest", "/version", "/props", "/health")
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How to talk to the target. `extra_body` (JSON text) is merged into every request body."""
+
+    base_url: str
+    model: str
+    endpoint: str = "chat"
+    api_key: str | None = None
+    mode: str = "natural"
+    temperature: float = 0.0
+    timeout_s: float = 600.0
+    per_chunk_usage: bool = True
+    extra_body: str = "{}"
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise BenchError(f"--endpoint must be one of {tuple(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.mode not in MODES:
+            raise BenchError(f"--mode must be one of {MODES}, got {self.mode!r}")
+        if self.timeout_s <= 0:
+            raise BenchError(f"--timeout must be > 0, got {self.timeout_s}")
+        try:
+            if not isinstance(json.loads(self.extra_body), dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            raise BenchError(f"--extra-body must be a JSON object: {exc}") from exc
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def path(self) -> str:
+        return ENDPOINTS[self.endpoint]
+
+
+def normalise_base_url(url: str) -> str:
+    """`http://host:port`, accepting a trailing `/` or `/v1` (the OpenAI client's convention)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def build_payload(cfg: ClientConfig, spec: RequestSpec) -> dict:
+    stream_options: dict = {"include_usage": True}
+    if cfg.per_chunk_usage:
+        stream_options["continuous_usage_stats"] = True
+    body: dict = {
+        "model": cfg.model,
+        "max_tokens": spec.max_tokens,
+        "temperature": cfg.temperature,
+        "stream": True,
+        "stream_options": stream_options,
+    }
+    if cfg.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
+    if cfg.mode == "forced":  # spec section 2: ignore_eos + min_tokens = max_tokens
+        body |= {"ignore_eos": True, "min_tokens": spec.max_tokens}
+    return body | json.loads(cfg.extra_body)
+
+
+def _queue_time_s(obj: dict) -> float | None:
+    """Server-reported queue time (admission - arrival), in seconds, from `metrics` or `usage`."""
+    for holder in (obj.get("metrics"), obj.get("usage")):
+        if isinstance(holder, dict):
+            for key in ("queue_time_s", "time_in_queue", "queue_time"):
+                if isinstance(holder.get(key), int | float):
+                    return float(holder[key])
+    return None
+
+
+@dataclass
+class _Stream:
+    """Mutable accumulation for one in-flight request (private to this module)."""
+
+    endpoint: str
+    events: list[StreamEvent] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    fingerprint: str | None = None
+    queue_time_s: float | None = None
+    error: str | None = None
+    done: bool = False
+
+    def feed(self, t_s: float, payload: str) -> None:
+        if payload == "[DONE]":
+            self.done = True
+            return
+        obj = json.loads(payload)
+        if "error" in obj:
+            err = obj["error"]
+            self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:500]
+            return
+        text, num_logprobs = "", None
+        for choice in obj.get("choices") or ():
+            if self.endpoint == "chat":
+                delta = choice.get("delta") or {}
+                for key in ("content", "reasoning_content", "reasoning"):
+                    text += delta.get(key) or ""
+                logprobs = (choice.get("logprobs") or {}).get("content")
+            else:
+                text += choice.get("text") or ""
+                logprobs = (choice.get("logprobs") or {}).get("tokens")
+            if isinstance(logprobs, list):
+                num_logprobs = (num_logprobs or 0) + len(logprobs)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        cum = None
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            cum = usage.get("completion_tokens")
+            self.completion_tokens = cum if cum is not None else self.completion_tokens
+            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+        self.fingerprint = obj.get("system_fingerprint") or self.fingerprint
+        queue_time_s = _queue_time_s(obj)
+        self.queue_time_s = queue_time_s if queue_time_s is not None else self.queue_time_s
+        self.events.append(StreamEvent(t_s, len(text), cum, num_logprobs))
+        if text:
+            self.texts.append(text)
+
+
+async def send_request(
+    http: httpx.AsyncClient,
+    cfg: ClientConfig,
+    spec: RequestSpec,
+    request_id: str,
+    phase: str,
+    t_scheduled_s: float,
+    origin_s: float,
+    sink: dict[str, tuple[RequestRecord, str]],
+) -> tuple[RequestRecord, str]:
+    """Stream one request; returns its record and the output text (kept out of the record), and also
+    puts them in `sink[request_id]`, so that a request cancelled mid-stream still leaves what it
+    received."""
+    clock = time.perf_counter
+    st = _Stream(cfg.endpoint)
+    status: int | None = None
+    outcome = "failed"
+    extra: dict = {}
+    t_send = clock() - origin_s
+    try:
+        async with asyncio.timeout(cfg.timeout_s):
+            async with http.stream("POST", cfg.path, json=build_payload(cfg, spec)) as resp:
+                status = resp.status_code
+                if status != 200:
+                    body = (await resp.aread()).decode("utf-8", "replace")
+                    st.error = f"HTTP {status}: {body[:300]}"
+                    if resp.headers.get("retry-after"):
+                        extra["retry_after"] = resp.headers["retry-after"]
+                    outcome = "rejected" if status in REJECT_STATUSES else "failed"
+                else:
+                    async for line in resp.aiter_lines():
+                        t = clock() - origin_s
+                        if line.startswith("data:"):
+                            st.feed(t, line[5:].strip())
+                        if st.done or st.error:
+                            break
+                    if st.error is None and not (st.done or st.finish_reason):
+                        st.error = "stream ended without a finish_reason or [DONE]"
+                    outcome = "ok" if st.error is None else "failed"
+    except TimeoutError:
+        outcome, st.error = "timeout", f"no complete answer within {cfg.timeout_s:g} s"
+    except asyncio.CancelledError:
+        outcome, st.error = "cancelled", "cancelled (interrupted)"
+        raise
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        outcome, st.error = "failed", f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        text = "".join(st.texts)
+        record = RequestRecord(
+            request_id=request_id,
+            index=spec.index,
+            phase=phase,
+            outcome=outcome,
+            t_scheduled_s=t_scheduled_s,
+            t_send_s=t_send,
+            t_end_s=clock() - origin_s,
+            max_tokens=spec.max_tokens,
+            events=tuple(st.events),
+            num_prompt_tokens_client=spec.num_prompt_tokens,
+            num_prompt_tokens_server=st.prompt_tokens,
+            num_completion_tokens_server=st.completion_tokens,
+            finish_reason=st.finish_reason,
+            http_status=status,
+            error=st.error,
+            output_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            num_output_chars=len(text),
+            system_fingerprint=st.fingerprint,
+            queue_time_s=st.queue_time_s,
+            prompt_sha256=spec.prompt_sha256,
+            extra=extra,
+        )
+        sink[request_id] = (record, text)
+    return record, text
+
+
+def probe_server(base_url: str, headers: dict[str, str], timeout_s: float = 10.0) -> dict:
+    """GET the identity endpoints that exist; {path: parsed JSON (or text)}. Missing ones are left
+    out."""
+    out: dict = {}
+    with httpx.Client(
+        base_url=base_url, headers=headers, timeout=timeout_s, trust_env=False
+    ) as http:
+        for path in PROBE_PATHS:
+            try:
+                resp = http.get(path)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code != 200:
+                continue
+            try:
+                out[path] = resp.json()
+            except ValueError:
+                out[path] = resp.text[:2000]
+    return out
+
+
+def scrape_metrics(base_url: str, headers: dict[str, str]) -> str | None:
+    """The server's Prometheus `/metrics` text, or None."""
+    try:
+        resp = httpx.get(base_url + "/metrics", headers=headers, timeout=10.0, trust_env=False)
+    except httpx.HTTPError:
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
+def first_model_id(probes: dict) -> str | None:
+    models = probes.get("/v1/models")
+    if isinstance(models, dict) and models.get("data"):
+        return models["data"][0].get("id")
+    return None
