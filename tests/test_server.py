@@ -321,3 +321,20 @@ def test_metrics_parse_and_count_requests(server, client):
     assert ("kvserve_kv_cache_usage_ratio", ()) in after
     assert delta("kvserve_prefix_cache_queries_total") >= 3 * 2
     assert ("kvserve_num_preemptions_total", ()) in after
+
+
+def test_server_reports_queue_time_and_resets_prefix_cache(server):
+    body = {"model": MODEL, "prompt": "The same prompt " * 8, "max_tokens": 3, "temperature": 0}
+    first = httpx.post(f"{server}/v1/completions", json=body).json()
+    assert first["metrics"]["queue_time_s"] >= 0 and first["metrics"]["ttft_s"] > 0
+    assert (
+        httpx.post(f"{server}/v1/completions", json=body).json()["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+        > 0
+    )
+    assert httpx.post(f"{server}/reset_prefix_cache").json() == {"status": "ok"}
+    after = httpx.post(f"{server}/v1/completions", json={**body, "stream": True}).text
+    chunks = [json.loads(e[6:]) for e in after.split("\n\n") if e.startswith("data: {")]
+    final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]][0]
+    assert final["metrics"]["num_cached_tokens"] == 0 and final["metrics"]["queue_time_s"] >= 0

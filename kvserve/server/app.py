@@ -238,6 +238,18 @@ def build_app(
         s._require_tokenizer()
         return {"prompt": s.tokenizer.decode(body.tokens)}
 
+    @app.post("/reset_prefix_cache", dependencies=[Depends(require_key)])
+    async def reset_prefix_cache() -> JSONResponse:
+        """Forget cached prefixes (benchmarks that replay one workload at several rates need it).
+        Refused with 409 while any request holds blocks."""
+        s = serving()
+        done = await asyncio.to_thread(
+            s.engine.call_in_engine_thread, lambda e: e.kv_manager.pool.reset_prefix_cache()
+        )
+        if not done:
+            raise APIError(409, "requests are running; retry when idle", "conflict")
+        return JSONResponse({"status": "ok"})
+
     @app.get("/debug/engine")
     async def debug_engine() -> dict:
         """Block-pool state, for tests and operators: all blocks free when nothing runs."""

@@ -242,6 +242,7 @@ class OpenAIServing:
             "system_fingerprint": self.fingerprint,
             "choices": choices,
             "usage": self._usage(job, finals),
+            "metrics": _server_metrics(finals[0].outputs[0]) if finals else None,
         }
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
@@ -274,9 +275,8 @@ class OpenAIServing:
                         )
                     if completion.finished and choice_index not in job.finished_choices:
                         job.finished_choices.add(choice_index)
-                        yield self._sse(
-                            job, [self._finish_choice(job, choice_index, completion)], latest
-                        )
+                        finish = self._finish_choice(job, choice_index, completion)
+                        yield self._sse(job, [finish], latest, _server_metrics(completion))
                 if output.finished:
                     finals[index] = output
         except (APIError, KVServeError) as exc:
@@ -306,9 +306,13 @@ class OpenAIServing:
             body["usage"] = usage
         return body
 
-    def _sse(self, job: _Job, choices: list[dict], latest: dict[int, RequestOutput]) -> str:
+    def _sse(
+        self, job: _Job, choices: list[dict], latest: dict[int, RequestOutput], metrics=None
+    ) -> str:
         usage = self._usage(job, latest) if job.continuous_usage else None
         body = self._envelope(job, choices, usage=usage, with_usage_key=job.include_usage)
+        if metrics:
+            body["metrics"] = metrics
         return f"data: {json.dumps(body)}\n\n"
 
     def _delta_choice(self, job: _Job, index: int, c: CompletionOutput) -> dict:
@@ -411,3 +415,18 @@ class OpenAIServing:
             record["prompts"] = job.prompt_texts
             record["outputs"] = [c.text for c in completions]
         logger.info("request %s", json.dumps(record))
+
+
+def _server_metrics(completion: CompletionOutput) -> dict | None:
+    """Server-side timings of one sample (a kvserve extension; clients that do not know it ignore it):
+    queue time is admission - arrival, which a client cannot measure (spec section 1)."""
+    m = completion.metrics
+    if m is None:
+        return None
+    return {
+        "queue_time_s": m.queue_time_s,
+        "ttft_s": m.ttft_s,
+        "e2e_s": None if m.finished_time is None else m.finished_time - m.arrival_time,
+        "num_cached_tokens": completion.num_cached_tokens,
+        "num_preemptions": m.num_preemptions,
+    }
