@@ -1,0 +1,319 @@
+"""`kvserve simulate`: what-if serving runs on the engine's own scheduler and KV manager, timed by a
+roofline or by a profile calibrated on the real engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_POLICIES = "static,reserve,on_demand,on_demand-chunked"
+
+EPILOG = """\
+examples:
+  kvserve simulate Llama-3.1-8B --hardware h100-sxm --request-rate 0.5,1,2,4 \\
+      --input-len uniform:2000:6000 --output-len lognormal:1500:0.5:16:4000 --plot rates.png
+  kvserve simulate Llama-3.1-8B --policy on_demand-chunked --find-capacity \\
+      --slo ttft=3s,worst_gap=200ms --price-per-hour 3
+  kvserve simulate --calibrate ./my-model --save profile.json       # time the real engine, fit
+  kvserve simulate --profile profile.json --trace runs/bench-X/requests.jsonl \\
+      --policy on_demand-chunked                                     # replay a bench run
+
+policies: static | reserve | on_demand | reserve-chunked | on_demand-chunked (spec section 5).
+  -chunked: at most --chunk-tokens new tokens per step; otherwise max_model_len + max_num_seqs.
+lengths: N | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA[:LOW:HIGH]   (as kvserve bench serve)
+objectives (--slo): ttft|tpot|e2e|worst_gap|queue_time=LIMIT per request, or pNN_<metric>=LIMIT
+"""
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    rates = tuple(float(t) for t in text.split(",") if t.strip())
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be > 0 or inf, got {text!r}")
+    return rates
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "simulate",
+        help="simulate serving policies on the engine's scheduler with a cost model",
+        description=__doc__,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", help="preset, HF model directory or config.json (roofline)")
+    g = p.add_argument_group("cost model: roofline (default) or a calibrated profile")
+    g.add_argument("--hardware", default=None, help="built-in profile, this-machine or JSON")
+    g.add_argument("--memory", type=float, metavar="GB", help="device memory, GB")
+    g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth, GB/s")
+    g.add_argument("--peak", type=float, metavar="TFLOP/s", help="dense peak, TFLOP/s")
+    g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (bf16)")
+    g.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8", "int8"))
+    g.add_argument("--mfu", type=float, default=0.5, help="prompt-chunk FLOP utilisation (0.5)")
+    g.add_argument("--bw-fraction", type=float, help="achieved fraction of peak bandwidth")
+    g.add_argument("--overhead-gb", type=float, default=2.0, help="runtime memory (2 GB)")
+    g.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed cost per step (0)")
+    g.add_argument("--profile", metavar="PATH", help="calibrated step profile (JSON)")
+    g = p.add_argument_group("calibrate on the real engine")
+    g.add_argument("--calibrate", metavar="MODEL_DIR", help="time engine steps, fit a profile")
+    g.add_argument("--save", metavar="PATH", default="step-profile.json", help="profile output")
+    g.add_argument("--device", default="cpu", help="torch device for calibration (cpu)")
+    g.add_argument("--dtype", default="auto", help="engine dtype for calibration (auto)")
+    g.add_argument(
+        "--calibrate-max-len", type=int, default=1024, help="longest context calibrated (1024)"
+    )
+    g.add_argument(
+        "--calibrate-budget-s", type=float, default=120.0, help="time for the sweep (120 s)"
+    )
+    g = p.add_argument_group("engine limits")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="running sequences (64)")
+    g.add_argument(
+        "--chunk-tokens", type=int, default=None, help="token budget of -chunked policies (512)"
+    )
+    g.add_argument("--block-size", type=int, default=None, help="KV block size (16)")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: memory)")
+    g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size instead")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--static-batch-size", type=int, default=None, help="(max-num-seqs)")
+    g.add_argument("--static-timeout", default="1s", help="static dispatch timeout (1s)")
+    g.add_argument("--policy", default=DEFAULT_POLICIES, help=f"({DEFAULT_POLICIES})")
+    g = p.add_argument_group("workload")
+    g.add_argument("--input-len", default="uniform:2000:6000", help="prompt tokens")
+    g.add_argument("--output-len", default="lognormal:1500:0.5:16:4000", help="output tokens")
+    g.add_argument("--num-requests", type=int, default=200, help="measured requests (200)")
+    g.add_argument("--warmup", type=int, default=0, help="warm-up requests, excluded (0)")
+    g.add_argument(
+        "--request-rate",
+        type=_rates,
+        default=None,
+        help="rates, e.g. 0.5,1,2,inf (1; a trace: its own)",
+    )
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trace", default=None, help="bench requests.jsonl or an arrival trace")
+    g = p.add_argument_group("objectives, capacity, cost")
+    g.add_argument("--slo", action="append", default=[], help="named objective set")
+    g.add_argument("--min-attainment", type=float, default=0.9)
+    g.add_argument("--find-capacity", action="store_true", help="highest rate meeting --slo")
+    g.add_argument("--capacity-start", type=float, default=1.0)
+    g.add_argument("--capacity-max", type=float, default=1024.0)
+    g.add_argument("--capacity-tol", type=float, default=0.05)
+    g.add_argument("--capacity-max-trials", type=int, default=16)
+    g.add_argument("--price-per-hour", type=float, default=None, help="USD per device-hour")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    g.add_argument("--output", metavar="FILE", help="also write the JSON here")
+    g.add_argument("--plot", metavar="FILE", help="p99 TTFT and ITL vs rate")
+    g.add_argument("--records-dir", metavar="DIR", help="bench-format run dirs per policy/rate")
+    p.set_defaults(func=run)
+
+
+def _hardware(args: argparse.Namespace):
+    from kvserve.plan.hardware import get_profile, manual_profile
+
+    manual = (args.memory, args.bandwidth, args.peak)
+    base = get_profile(args.hardware) if args.hardware else None
+    if all(v is None for v in manual):
+        return base or get_profile("h100-sxm")
+    return manual_profile(*manual, base=base)
+
+
+def _deployment(args: argparse.Namespace, profile_path: str | None):
+    from kvserve.plan import Assumptions, load_model
+    from kvserve.sim.cost import StepProfile
+    from kvserve.sim.setup import profile_deployment, roofline_deployment
+
+    if profile_path:
+        return profile_deployment(StepProfile.load(profile_path))
+    if not args.model:
+        raise ValueError("give a MODEL (preset, directory, config.json) or --profile PATH")
+    assumptions = Assumptions(
+        mfu=args.mfu, bandwidth_fraction=args.bw_fraction, overhead_bytes=args.overhead_gb * 1e9
+    )
+    kv_bytes = args.kv_cache_gb * 1e9 if args.kv_cache_gb is not None else None
+    return roofline_deployment(
+        load_model(args.model),
+        _hardware(args),
+        args.weights,
+        args.kv_dtype,
+        assumptions,
+        args.step_overhead_ms / 1e3,
+        kv_bytes,
+    )
+
+
+def _shape(args: argparse.Namespace, deployment, max_len_needed: int):
+    from kvserve.bench.slo import parse_duration_s
+    from kvserve.sim.study import EngineShape
+
+    d = deployment.defaults
+
+    def pick(value, key, fallback):
+        return value if value is not None else d.get(key, fallback)
+
+    block_size = pick(args.block_size, "block_size", 16)
+    num_blocks = args.num_blocks or d.get("num_blocks") or deployment.num_blocks(block_size)
+    max_model_len = pick(args.max_model_len, "max_model_len", max_len_needed)
+    return EngineShape(
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        max_num_seqs=pick(args.max_num_seqs, "max_num_seqs", 64),
+        chunk_tokens=pick(args.chunk_tokens, "max_num_batched_tokens", 512),
+        enable_prefix_caching=not args.no_prefix_caching and d.get("enable_prefix_caching", True),
+        static_batch_size=args.static_batch_size,
+        static_timeout_s=parse_duration_s(args.static_timeout),
+    )
+
+
+def _source(args: argparse.Namespace):
+    """(rate -> requests, the rates to run, workload description)."""
+    from kvserve.bench.workloads import LengthDist
+    from kvserve.sim.workload import (
+        Workload,
+        nominal_rate,
+        requests_from_trace,
+        scale_arrivals,
+    )
+
+    input_len, output_len = LengthDist.parse(args.input_len), LengthDist.parse(args.output_len)
+    if args.trace:
+        trace = requests_from_trace(args.trace, input_len, output_len, args.seed)
+        base = nominal_rate(trace)
+        rates = args.request_rate or (base,)
+
+        def from_trace(rate: float | None):
+            if rate is None or base is None or rate == base:
+                return trace
+            return scale_arrivals(trace, rate / base)
+
+        desc = {"kind": "trace", "path": args.trace, "num_requests": len(trace), "rate": base}
+        return from_trace, rates, desc, trace
+    workload = Workload(
+        input_len, output_len, args.num_requests, args.warmup, args.burstiness, args.seed
+    )
+    rates = args.request_rate or (1.0,)
+    return workload.requests, rates, workload.describe(), workload.requests(1.0)
+
+
+def _write_records(root: Path, result: dict, run) -> None:
+    from kvserve.bench.records import write_jsonl
+    from kvserve.bench.summary import json_safe
+
+    rate = result["nominal_rate_rps"]
+    out = root / f"{result['policy']}_rate_{'trace' if rate is None else f'{rate:g}'}"
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "requests.jsonl", run.records())
+    summary = json_safe(result["summary"] | {"sim": result["sim"], "source": "kvserve simulate"})
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def _simulate(args: argparse.Namespace, profile_path: str | None) -> int:
+    from kvserve import __version__
+    from kvserve.bench.slo import ObjectiveSet
+    from kvserve.bench.summary import json_safe
+    from kvserve.plan import Prices
+    from kvserve.sim.report import plot_rates, render_capacity, render_runs
+    from kvserve.sim.study import Policy, evaluate, search_capacity
+
+    deployment = _deployment(args, profile_path)
+    source, rates, workload_desc, sample = _source(args)
+    max_len_needed = max(r.num_prompt_tokens + r.num_output_tokens for r in sample)
+    shape = _shape(args, deployment, max_len_needed)
+    policies = tuple(Policy.parse(name) for name in args.policy.split(",") if name.strip())
+    objective_sets = tuple(ObjectiveSet.parse(s) for s in args.slo)
+    usd_per_hour = args.price_per_hour
+    price_source = "given" if usd_per_hour is not None else None
+    if usd_per_hour is None and not profile_path:
+        usd_per_hour, price_source = Prices().hourly_usd(_hardware(args))
+    log = sys.stderr if args.json else sys.stdout
+    runs = []
+    for rate in rates:
+        requests = source(rate)
+        for policy in policies:
+            result, run = evaluate(
+                policy, shape, deployment.cost_model, requests, rate, objective_sets, usd_per_hour
+            )
+            runs.append(result)
+            if args.records_dir:
+                _write_records(Path(args.records_dir), result, run)
+    capacity = []
+    if args.find_capacity:
+        for policy in policies:
+            capacity.append(
+                search_capacity(
+                    policy,
+                    source,
+                    shape,
+                    deployment.cost_model,
+                    objective_sets,
+                    args.min_attainment,
+                    args.capacity_start,
+                    args.capacity_max,
+                    args.capacity_tol,
+                    args.capacity_max_trials,
+                    usd_per_hour,
+                )
+            )
+    doc = {
+        "kvserve_version": __version__,
+        "command": sys.argv,
+        "deployment": deployment.description,
+        "engine": shape.describe(),
+        "workload": workload_desc,
+        "mode": "forced length (ignore_eos, max_tokens = the output length)",
+        "objectives": [o.name for o in objective_sets],
+        "min_attainment": args.min_attainment,
+        "price": {"usd_per_hour": usd_per_hour, "source": price_source},
+        "runs": runs,
+        "capacity": capacity,
+    }
+    if args.output:
+        Path(args.output).write_text(json.dumps(json_safe(doc), indent=1))
+    if args.json:
+        print(json.dumps(json_safe(doc), indent=1))
+    else:
+        print(_header(doc), file=log)
+        print(render_runs(runs), end="", file=log)
+        for name in doc["objectives"]:
+            print(f"goodput objective: {name}", file=log)
+        if capacity:
+            print(render_capacity(capacity), end="", file=log)
+    if args.plot:
+        title = f"{deployment.description.get('model', '')} {workload_desc.get('kind', '')}"
+        print(f"plot written to {plot_rates(args.plot, runs, title)}", file=log)
+    return 0
+
+
+def _header(doc: dict) -> str:
+    d, e = doc["deployment"], doc["engine"]
+    what = d.get("model", "profile")
+    if d["cost_model"] == "roofline":
+        what += f" on {d['hardware']} ({d['weights']}, KV {d['kv_dtype']})"
+    return (
+        f"{what}; cost model {d['cost_model']}; KV cache {e['kv_cache_tokens']} tokens "
+        f"({e['num_blocks']} blocks); max {e['max_num_seqs']} seqs; "
+        f"{doc['mode']}; price {doc['price']['usd_per_hour']} USD/h"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.bench.records import BenchError
+    from kvserve.plan import PlanError
+    from kvserve.sim.workload import SimError
+
+    try:
+        profile_path = args.profile
+        if args.calibrate:
+            from kvserve.engine.calibrate import calibrate_main
+
+            profile_path = calibrate_main(args)
+            if not (args.trace or args.request_rate or args.find_capacity):
+                return 0
+        return _simulate(args, profile_path)
+    except (SimError, PlanError, BenchError, ValueError) as exc:
+        print(f"kvserve simulate: {exc}", file=sys.stderr)
+        return 2

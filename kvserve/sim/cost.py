@@ -1,0 +1,272 @@
+"""Cost models: how long one engine step takes, from what the step computes.
+
+A step is described by `StepLoad`: for each scheduled request, the new tokens it computes and the
+context already cached before them (the scheduler's chunk: `start_position`, `len(token_ids)`).
+Two models turn it into seconds:
+
+- `RooflineStepCost`: spec section 4's roofline through kvserve.plan.arith. Bytes = the weights
+  once + every scheduled request's cache read and new KV written; FLOPs = the planner's decode
+  FLOPs for one-token chunks (each new token attending to its cached context) and its prefill FLOPs
+  for prompt chunks (new tokens attending causally to each other and to the cached prefix). Decode
+  runs at peak, prompt chunks at MFU x peak, as the planner assumes; the step takes the max of
+  memory time and compute time. A pure decode step is exactly the planner's decode-step time and a
+  lone prompt chunk exactly its prefill time.
+- `StepProfile`: a per-step linear model fitted to timed steps of the real engine
+  (`kvserve simulate --calibrate`), saved as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvserve.core.outputs import SchedulerOutput
+from kvserve.plan import arith
+
+PROFILE_KIND = "kvserve-step-profile"
+
+
+@dataclass(frozen=True)
+class ChunkLoad:
+    """One request's share of a step: `num_new_tokens` after `num_cached_tokens` of context."""
+
+    num_new_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def num_attended(self) -> int:
+        """(new token, attended token) pairs: token j of the chunk attends to cached + j tokens."""
+        n = self.num_new_tokens
+        return n * self.num_cached_tokens + n * (n + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What one step computes, in the terms a cost model needs."""
+
+    chunks: tuple[ChunkLoad, ...]
+
+    @classmethod
+    def of(cls, scheduler_output: SchedulerOutput) -> StepLoad:
+        return cls(
+            tuple(ChunkLoad(c.num_tokens, c.start_position) for c in scheduler_output.chunks)
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def decode_chunks(self) -> tuple[ChunkLoad, ...]:
+        return tuple(c for c in self.chunks if c.num_new_tokens == 1)
+
+    @property
+    def prompt_chunks(self) -> tuple[ChunkLoad, ...]:
+        return tuple(c for c in self.chunks if c.num_new_tokens > 1)
+
+
+# Per-step features a calibrated profile may weigh; each is a count per step.
+FEATURES = {
+    "const": lambda s: 1.0,
+    "num_tokens": lambda s: float(s.num_tokens),
+    "num_seqs": lambda s: float(s.num_seqs),
+    # decode attention: tokens each one-token chunk reads (cached + itself)
+    "decode_context_tokens": lambda s: float(sum(c.num_cached_tokens + 1 for c in s.decode_chunks)),
+    # the same when the backend pads every decode row to the longest context in the step
+    "decode_padded_context_tokens": lambda s: float(
+        len(s.decode_chunks) * max((c.num_cached_tokens + 1 for c in s.decode_chunks), default=0)
+    ),
+    # prompt-chunk attention: causal (token, attended token) pairs
+    "prompt_attention_pairs": lambda s: float(sum(c.num_attended for c in s.prompt_chunks)),
+    "prompt_tokens": lambda s: float(sum(c.num_new_tokens for c in s.prompt_chunks)),
+}
+DEFAULT_FEATURES = (
+    "const",
+    "num_tokens",
+    "num_seqs",
+    "decode_context_tokens",
+    "prompt_attention_pairs",
+)
+
+
+def feature_vector(load: StepLoad, names: tuple[str, ...]) -> list[float]:
+    return [FEATURES[name](load) for name in names]
+
+
+class CostModel(Protocol):
+    """Seconds one engine step takes to execute a scheduler decision."""
+
+    def step_s(self, scheduler_output: SchedulerOutput) -> float: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class RooflineStepCost:
+    """The planner's roofline (`kvserve.plan.arith.RooflineCost`) applied to any mix of decode
+    tokens and prompt chunks, plus a fixed per-step overhead (scheduling, launches; 0 by default)."""
+
+    roofline: arith.RooflineCost
+    step_overhead_s: float = 0.0
+
+    def step_bytes(self, load: StepLoad) -> float:
+        """W + k x sum over requests of (cached + new) tokens: every weight once, each request's
+        cache read and its new KV written (spec's W + B k t when every chunk is one token)."""
+        r = self.roofline
+        if not load.chunks:
+            return 0.0
+        total = sum(c.num_cached_tokens + c.num_new_tokens for c in load.chunks)
+        return arith.decode_step_bytes(r.weight_bytes, r.kv_bytes_per_token, 1, total)
+
+    def step_flops(self, load: StepLoad) -> tuple[float, float]:
+        """(decode FLOPs, prompt FLOPs). Decode: the planner's 2 N_matmul B + 4 L d B t with t the
+        mean attended context (cached + the new token; linear in t, so the mean is exact). Prompt
+        chunks: the planner's prefill FLOPs of T new tokens after S cached ones,
+        2 N_matmul T + 2 L d T^2 + 4 L d S T, per chunk."""
+        model = self.roofline.model
+        decode = load.decode_chunks
+        decode_flops = 0.0
+        if decode:
+            mean_context = sum(c.num_cached_tokens + 1 for c in decode) / len(decode)
+            decode_flops = arith.decode_step_flops(model, len(decode), mean_context)
+        prompt_flops = sum(
+            arith.prefill_flops(model, c.num_new_tokens, c.num_cached_tokens)
+            for c in load.prompt_chunks
+        )
+        return decode_flops, prompt_flops
+
+    def step_s(self, scheduler_output: SchedulerOutput) -> float:
+        return self.load_s(StepLoad.of(scheduler_output))
+
+    def load_s(self, load: StepLoad) -> float:
+        if not load.chunks:
+            return 0.0
+        r = self.roofline
+        decode_flops, prompt_flops = self.step_flops(load)
+        # Prompt chunks run at MFU x peak (the planner's TTFT assumption), decode tokens at peak.
+        peak_equivalent_flops = decode_flops + prompt_flops / r.mfu
+        return self.step_overhead_s + arith.roofline_time_s(
+            peak_equivalent_flops,
+            self.step_bytes(load),
+            r.bandwidth_bytes_per_s,
+            r.peak_flops_per_s,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        r = self.roofline
+        return {
+            "kind": "roofline",
+            "model": r.model.name,
+            "weight_bytes": r.weight_bytes,
+            "kv_bytes_per_token": r.kv_bytes_per_token,
+            "bandwidth_bytes_per_s": r.bandwidth_bytes_per_s,
+            "peak_flops_per_s": r.peak_flops_per_s,
+            "mfu": r.mfu,
+            "step_overhead_s": self.step_overhead_s,
+        }
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """A calibrated step cost: sum of `coef_s[i] x feature[i]` over the named step features,
+    measured on one engine, model, dtype and device (`meta` says which, and how well it fit)."""
+
+    features: tuple[str, ...]
+    coef_s: tuple[float, ...]
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.features if f not in FEATURES]
+        if unknown or len(self.features) != len(self.coef_s):
+            raise ValueError(f"bad step profile: unknown features {unknown} or length mismatch")
+
+    def step_s(self, scheduler_output: SchedulerOutput) -> float:
+        return self.load_s(StepLoad.of(scheduler_output))
+
+    def load_s(self, load: StepLoad) -> float:
+        if not load.chunks:
+            return 0.0
+        return float(np.dot(self.coef_s, feature_vector(load, self.features)))
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "profile", "coef_s": dict(zip(self.features, self.coef_s, strict=True))} | {
+            k: v for k, v in self.meta.items() if k != "samples"
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": PROFILE_KIND,
+            "features": list(self.features),
+            "coef_s": list(self.coef_s),
+        } | self.meta
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepProfile:
+        if data.get("kind") != PROFILE_KIND:
+            raise ValueError(f"not a step profile (kind {data.get('kind')!r})")
+        meta = {k: v for k, v in data.items() if k not in ("kind", "features", "coef_s")}
+        return cls(tuple(data["features"]), tuple(float(c) for c in data["coef_s"]), meta)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepProfile:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError, KeyError, ValueError) as exc:
+            raise ValueError(f"cannot read step profile {path}: {exc}") from exc
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin |a x - b| with x >= 0, by dropping the most negative coefficient and refitting until
+    none is negative (enough for a handful of features; an exact NNLS would agree on
+    well-conditioned data)."""
+    free = list(range(a.shape[1]))
+    x = np.zeros(a.shape[1])
+    while free:
+        sol, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
+        if (sol >= 0).all():
+            x[free] = sol
+            return x
+        free.pop(int(np.argmin(sol)))
+    return x
+
+
+def fit_profile(
+    loads: list[StepLoad],
+    times_s: list[float],
+    features: tuple[str, ...] = DEFAULT_FEATURES,
+    meta: dict | None = None,
+) -> StepProfile:
+    """Fit non-negative per-feature costs minimising the squared *relative* error of each step, so
+    the many short decode steps (which set ITL) weigh as much as the few long prompt steps."""
+    if len(loads) != len(times_s) or len(loads) < len(features):
+        raise ValueError(f"need at least {len(features)} timed steps, got {len(loads)}")
+    y = np.asarray(times_s, dtype=float)
+    x = np.asarray([feature_vector(s, features) for s in loads], dtype=float)
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    w = 1.0 / y[:, None]
+    coef = nonnegative_lstsq(x / scale * w, np.ones_like(y)) / scale
+    pred = x @ coef
+    rel = np.abs(pred - y) / y
+    fit = {
+        "num_steps": len(y),
+        "median_abs_rel_error": float(np.median(rel)),
+        "p90_abs_rel_error": float(np.percentile(rel, 90)),
+        "max_abs_rel_error": float(rel.max()),
+        "r2": float(1 - ((pred - y) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-300)),
+    }
+    return StepProfile(tuple(features), tuple(float(c) for c in coef), (meta or {}) | {"fit": fit})

@@ -1,0 +1,105 @@
+"""The discrete-event loop of continuous batching: the engine's own Scheduler and KVCacheManager,
+with a cost model in place of the model runner (design.md: the digital twin).
+
+Each iteration does what `LLMEngine.step` does, in simulated time:
+
+    requests whose arrival time has passed are added (the engine adds them between steps)
+    scheduler.schedule(now)                 -> SchedulerOutput (the real decision)
+    now += cost_model.step_s(StepLoad.of(SchedulerOutput))
+    scheduler.update(SchedulerOutput, fake RunnerOutput)   (one FAKE_TOKEN_ID per sampling chunk)
+
+Tokens are stamped at the end of the step that sampled them; a request is first scheduled at the
+start of its first step. When nothing can run, time jumps to the next arrival.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.outputs import RunnerOutput, SampledTokens, SchedulerOutput
+from kvserve.kv.manager import KVCacheManager
+from kvserve.sched.scheduler import Scheduler
+from kvserve.sim.cost import CostModel
+from kvserve.sim.timeline import (
+    FAKE_TOKEN_ID,
+    RequestTimeline,
+    SimRun,
+    make_request,
+    validation_error,
+)
+from kvserve.sim.workload import SimError, SimRequest
+
+# Called after every step with the KV manager, the step's decision and the simulated time at its
+# end: tests check invariants and record decisions here.
+StepHook = Callable[[KVCacheManager, SchedulerOutput, float], None]
+
+
+def fake_runner_output(scheduler_output: SchedulerOutput) -> RunnerOutput:
+    """What the runner would return, with every sampled token = FAKE_TOKEN_ID."""
+    return RunnerOutput(
+        tuple(
+            SampledTokens(c.request_id, (FAKE_TOKEN_ID,))
+            for c in scheduler_output.chunks
+            if c.sample
+        )
+    )
+
+
+def simulate_continuous(
+    requests: tuple[SimRequest, ...],
+    cost_model: CostModel,
+    scheduler_config: SchedulerConfig,
+    num_blocks: int,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    policy: str = "continuous",
+    on_step: StepHook | None = None,
+) -> SimRun:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    scheduler = Scheduler(scheduler_config, kv)
+    timelines = [RequestTimeline(r) for r in requests]
+    by_id = {t.request_id: t for t in timelines}
+    pending = sorted(timelines, key=lambda t: (t.request.arrival_s, t.request.index))
+    run = SimRun(policy, timelines, num_blocks=num_blocks)
+    now = 0.0
+    next_arrival = 0
+    while next_arrival < len(pending) or scheduler.has_unfinished():
+        while next_arrival < len(pending) and pending[next_arrival].request.arrival_s <= now:
+            timeline = pending[next_arrival]
+            next_arrival += 1
+            sim = timeline.request
+            timeline.error = validation_error(
+                sim, scheduler_config.max_model_len, num_blocks, block_size
+            )
+            if timeline.error is None:
+                scheduler.add_request(make_request(sim))
+        out = scheduler.schedule(now)
+        if out.empty:
+            if scheduler.has_unfinished() and next_arrival == len(pending):
+                raise SimError(
+                    f"the scheduler is stuck at t={now:.3f}s with {scheduler.num_waiting} waiting "
+                    "and nothing running (a request larger than the cache?)"
+                )
+            if next_arrival < len(pending):
+                now = max(now, pending[next_arrival].request.arrival_s)
+            continue
+        for new in out.new_requests:
+            by_id[new.request_id].first_scheduled_s = now
+        for rid in out.preempted_request_ids:
+            by_id[rid].num_preemptions += 1
+        step_s = cost_model.step_s(out)
+        now += step_s
+        run.busy_s += step_s
+        run.num_steps += 1
+        run.peak_kv_usage = max(run.peak_kv_usage, kv.usage)
+        for update in scheduler.update(out, fake_runner_output(out)):
+            timeline = by_id[update.request_id]
+            timeline.token_times_s.extend([now] * len(update.new_token_ids))
+            if update.finish_reason is not None:
+                timeline.finish_s = now
+        if on_step is not None:
+            on_step(kv, out, now)
+    run.num_preemptions = scheduler.stats.num_preemptions
+    run.end_s = now
+    return run

@@ -1,0 +1,115 @@
+"""From the user's description of a deployment to a cost model and a KV cache size.
+
+- roofline: a model (preset, HF directory or config.json), a weight format, a KV dtype and a
+  hardware profile, through kvserve.plan: the cache holds what the memory leaves after the weights
+  and the runtime overhead (spec section 4's memory budget).
+- profile: a calibrated step profile, which also records the engine configuration it was measured
+  with (cache blocks, block size, limits), so the twin runs with the same cache by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.plan import (
+    Assumptions,
+    HardwareProfile,
+    KVFormat,
+    ModelSpec,
+    arith,
+    parse_weight_format,
+)
+from kvserve.sim.cost import CostModel, RooflineStepCost, StepProfile
+from kvserve.sim.workload import SimError
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A cost model and the cache it runs with; `defaults` are engine settings the cost model
+    came with (a profile's engine configuration), used where the user gave none."""
+
+    cost_model: CostModel
+    kv_cache_bytes: float | None  # None: given as blocks
+    kv_bytes_per_token: float | None
+    description: dict[str, Any]
+    defaults: dict[str, Any]
+
+    def num_blocks(self, block_size: int) -> int:
+        if self.kv_cache_bytes is None or not self.kv_bytes_per_token:
+            raise SimError(
+                "this cost model does not say how large the KV cache is: give --num-blocks"
+            )
+        num = int(self.kv_cache_bytes // (self.kv_bytes_per_token * block_size))
+        if num < 1:
+            raise SimError(
+                f"the KV cache ({self.kv_cache_bytes / 1e9:.3g} GB) holds no block of {block_size} "
+                "tokens: the weights and overhead fill the memory"
+            )
+        return num
+
+
+def roofline_deployment(
+    model: ModelSpec,
+    hardware: HardwareProfile,
+    weights: str = "bf16",
+    kv_dtype: str = "bf16",
+    assumptions: Assumptions | None = None,
+    step_overhead_s: float = 0.0,
+    kv_cache_bytes: float | None = None,
+) -> Deployment:
+    a = (assumptions or Assumptions()).resolved(hardware)
+    fmt = parse_weight_format(weights)
+    weight_bytes = fmt.weight_bytes(model)
+    b = KVFormat(kv_dtype).bytes_per_value(model.head_dim)
+    k = arith.kv_bytes_per_token(model, b)
+    bandwidth = hardware.bandwidth_bytes_per_s * a.bandwidth_fraction
+    roofline = arith.RooflineCost(
+        model, weight_bytes, k, bandwidth, hardware.peak_flops_per_s, a.mfu
+    )
+    free = arith.free_cache_bytes(hardware.memory_bytes, weight_bytes, a.overhead_bytes)
+    if kv_cache_bytes is None:
+        kv_cache_bytes = free
+    description = {
+        "cost_model": "roofline",
+        "model": model.name,
+        "model_source": model.source,
+        "hardware": hardware.name,
+        "hardware_source": hardware.source,
+        "weights": fmt.name,
+        "kv_dtype": kv_dtype,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": k,
+        "kv_cache_bytes": kv_cache_bytes,
+        "assumptions": {
+            "mfu": a.mfu,
+            "bandwidth_fraction": a.bandwidth_fraction,
+            "overhead_bytes": a.overhead_bytes,
+            "step_overhead_s": step_overhead_s,
+        },
+    }
+    return Deployment(
+        RooflineStepCost(roofline, step_overhead_s),
+        kv_cache_bytes,
+        k,
+        description,
+        {"max_model_len": model.max_position_embeddings},
+    )
+
+
+# Engine settings a profile records and the twin adopts by default.
+PROFILE_ENGINE_KEYS = (
+    "num_blocks",
+    "block_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+)
+
+
+def profile_deployment(profile: StepProfile) -> Deployment:
+    engine = profile.meta.get("engine", {})
+    description = {"cost_model": "profile"} | profile.describe()
+    defaults = {k: engine[k] for k in PROFILE_ENGINE_KEYS if engine.get(k) is not None}
+    return Deployment(profile, None, None, description, defaults)
