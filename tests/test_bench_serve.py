@@ -216,3 +216,55 @@ def test_live_server_smoke(tmp_path):
     summary, records = harness.load_run(tmp_path)
     assert summary["counts"]["ok"] == 8
     harness.check_token_counts(records, retokenized_exact=False)
+
+
+def test_sweep_resets_the_prefix_cache_before_each_rate(tmp_path, capsys):
+    # the server's first reset answers 409 (requests running): the bench retries it
+    script = scripted.Script(reset_prefix_cache=True, reset_busy_times=1)
+    with scripted.scripted_server(script) as (url, log):
+        rc = harness.run_bench(
+            url, tmp_path, "--sweep", "200,inf", "--num-requests", "3", "--warmup", "1",
+            "--input-len", "6", "--output-len", "3", "--no-plots", "--reset-prefix-cache",
+        )  # fmt: skip
+    assert rc == 0
+    # one reset before each rate's first request (its warm-up): none, then after 1 + 3 requests
+    assert log.resets_at_request == [0, 4] and log.num_reset_conflicts == 1
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert sweep["prefix_cache_reset"] is True
+    assert [row["prefix_cache_reset"] for row in sweep["rows"]] == ["ok", "ok"]
+    assert "prefix cache reset before every rate" in sweep["note"]
+    assert "prefix cache reset before every rate" in capsys.readouterr().out
+    summary, _ = harness.load_run(tmp_path / "rate_inf")
+    assert summary["metadata"]["prefix_cache_reset"] == {
+        "requested": True,
+        "status": "ok",
+        "detail": None,
+    }
+    # every measured record keeps the server's per-request metrics object
+    _, records = harness.load_run(tmp_path / "rate_200")
+    assert all(r.extra["server_metrics"] == {"queue_time_s": script.queue_time_s} for r in records)
+
+
+def test_reset_prefix_cache_on_a_server_without_it_warns_and_runs(tmp_path, capsys):
+    with scripted.scripted_server() as (url, log):
+        rc = harness.run_bench(
+            url, tmp_path, "--num-requests", "2", "--warmup", "0", "--input-len", "6",
+            "--output-len", "3", "--no-plots", "--reset-prefix-cache",
+        )  # fmt: skip
+    assert rc == 0 and log.num_resets == 0
+    captured = capsys.readouterr()
+    assert "WARNING: prefix cache not reset (unsupported)" in captured.err
+    assert "prefix cache: reset FAILED (unsupported" in captured.out
+    summary, _ = harness.load_run(tmp_path)
+    assert summary["metadata"]["prefix_cache_reset"]["status"] == "unsupported"
+    assert summary["counts"]["ok"] == 2
+    # without the flag nothing is posted and the summary says so
+    with scripted.scripted_server(scripted.Script(reset_prefix_cache=True)) as (url, log):
+        assert harness.run_bench(url, tmp_path / "b", "--num-requests", "1", "--warmup", "0",
+                                 "--input-len", "6", "--output-len", "3", "--no-plots") == 0  # fmt: skip
+    assert log.num_resets == 0
+    summary, _ = harness.load_run(tmp_path / "b")
+    assert summary["metadata"]["prefix_cache_reset"] == {
+        "requested": False,
+        "status": "not requested",
+    }

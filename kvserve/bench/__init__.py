@@ -1,7 +1,9 @@
-"""kvserve.bench: an HTTP load generator for OpenAI-compatible servers, and its metrics and reports.
+"""kvserve.bench: an HTTP load generator for OpenAI-compatible servers, and its metrics and reports;
+and an offline phase-split latency bench of the in-process engine.
 
-Speaks HTTP only (never imports the engine), so it measures kvserve, vLLM and llama.cpp's server the
-same way. Definitions follow spec.md sections 1-2.
+`bench serve` speaks HTTP only (never imports the engine), so it measures kvserve, vLLM and
+llama.cpp's server the same way. Definitions follow spec.md sections 1-3. Only `latency` imports the
+engine (its public LLM API, design.md).
 
 Module map:
 
@@ -22,4 +24,7 @@ Module map:
 - `identity`   what was measured: server, model, tokenizer, manifest, hardware (spec section 2)
 - `report`     console table and HTML report; `plots` draws its figures (matplotlib Agg)
 - `compare`    two runs: metric deltas and per-request output identity by hash
+- `latency`    `bench latency`: time each engine step of a batch over a B x P x O grid (in-process)
+- `phases`     its pure part: prefill/decode split, identical-output check, roofline bound per regime
+- `latency_report` its console table and figure
 """

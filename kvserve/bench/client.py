@@ -108,6 +108,7 @@ class _Stream:
     completion_tokens: int | None = None
     fingerprint: str | None = None
     queue_time_s: float | None = None
+    server_metrics: dict | None = None  # kvserve's per-request `metrics` (on the finish chunk)
     error: str | None = None
     done: bool = False
 
@@ -142,6 +143,8 @@ class _Stream:
         self.fingerprint = obj.get("system_fingerprint") or self.fingerprint
         queue_time_s = _queue_time_s(obj)
         self.queue_time_s = queue_time_s if queue_time_s is not None else self.queue_time_s
+        if isinstance(obj.get("metrics"), dict):
+            self.server_metrics = obj["metrics"]
         self.events.append(StreamEvent(t_s, len(text), cum, num_logprobs))
         if text:
             self.texts.append(text)
@@ -195,6 +198,8 @@ async def send_request(
         outcome, st.error = "failed", f"{type(exc).__name__}: {exc}"[:500]
     finally:
         text = "".join(st.texts)
+        if st.server_metrics is not None:
+            extra["server_metrics"] = st.server_metrics
         record = RequestRecord(
             request_id=request_id,
             index=spec.index,
@@ -241,6 +246,37 @@ def probe_server(base_url: str, headers: dict[str, str], timeout_s: float = 10.0
             except ValueError:
                 out[path] = resp.text[:2000]
     return out
+
+
+def reset_prefix_cache(
+    base_url: str, headers: dict[str, str], wait_s: float = 10.0, retry_s: float = 0.25
+) -> dict:
+    """POST /reset_prefix_cache (kvserve; vLLM in dev mode) so that a run does not start with the
+    previous run's prompts cached. {"status": "ok" | "unsupported" | "busy" | "failed", "detail"}.
+    A 409 (requests still running, e.g. ones the client gave up on) is retried for `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            resp = httpx.post(
+                base_url + "/reset_prefix_cache", headers=headers, timeout=30.0, trust_env=False
+            )
+        except httpx.HTTPError as exc:
+            return {"status": "failed", "detail": f"{type(exc).__name__}: {exc}"[:300]}
+        if resp.status_code == 200:
+            return {"status": "ok", "detail": None}
+        if resp.status_code in (404, 405, 501):
+            return {
+                "status": "unsupported",
+                "detail": f"HTTP {resp.status_code}: the server has no POST /reset_prefix_cache",
+            }
+        if resp.status_code != 409:
+            return {"status": "failed", "detail": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+        if time.monotonic() >= deadline:
+            return {
+                "status": "busy",
+                "detail": f"HTTP 409 for {wait_s:g} s: requests still running",
+            }
+        time.sleep(retry_s)
 
 
 def scrape_metrics(base_url: str, headers: dict[str, str]) -> str | None:

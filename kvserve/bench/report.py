@@ -50,6 +50,15 @@ def headline(summary: dict) -> list[str]:
         f"out {wl.get('output_len', '-')}), tokenizer {wl.get('tokenizer')}",
         f"arrivals: {arr.get('process')} ({arr.get('loop')} loop), seed {arr.get('seed')}",
     ]
+    reset = meta.get("prefix_cache_reset")
+    if reset is not None:
+        lines.append(
+            "prefix cache: reset before this run"
+            if reset["status"] == "ok"
+            else "prefix cache: not reset (--reset-prefix-cache not given)"
+            if not reset["requested"]
+            else f"prefix cache: reset FAILED ({reset['status']}: {reset['detail']})"
+        )
     c = summary["counts"]
     lines.append(
         f"measured {c['measured']}: ok {c['ok']}, failed {c['failed']}, rejected {c['rejected']}, "

@@ -24,6 +24,7 @@ from kvserve.bench.client import (
     ClientConfig,
     first_model_id,
     probe_server,
+    reset_prefix_cache,
     scrape_metrics,
     send_request,
 )
@@ -66,6 +67,7 @@ class ServeConfig:
     capacity_max_rps: float = 256.0
     capacity_rel_tol: float = 0.1
     capacity_max_trials: int = 12
+    reset_prefix_cache: bool = False  # POST /reset_prefix_cache before every run (each rate)
     command: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -182,6 +184,7 @@ def _metadata(
     result: LoadResult,
     num_requests: int,
     scrapes: tuple[str | None, str | None],
+    cache_reset: dict,
 ) -> dict:
     labels = dict(cfg.labels)
     fingerprints = sorted({r.system_fingerprint for r in result.records if r.system_fingerprint})
@@ -227,6 +230,7 @@ def _metadata(
         },
         "identity": identity_fields(target.probes, labels, fingerprints),
         "labels": labels,
+        "prefix_cache_reset": cache_reset,
         "server_counters": server_counters(*scrapes),
         "server_probes": target.probes,
         "client_host": client_host(),
@@ -247,6 +251,13 @@ def execute_run(
         arrivals.max_concurrency,
         cfg.duration_s if offsets is None else None,
     )
+    cache_reset = {"requested": cfg.reset_prefix_cache, "status": "not requested"}
+    if cfg.reset_prefix_cache:
+        cache_reset |= reset_prefix_cache(target.client.base_url, target.client.headers)
+        if cache_reset["status"] != "ok":
+            log(
+                f"WARNING: prefix cache not reset ({cache_reset['status']}): {cache_reset['detail']}"
+            )
     before = scrape_metrics(target.client.base_url, target.client.headers)
     log(f"{arrivals.describe()['process']}: {num} requests ({cfg.num_warmup} warm-up) -> {run_dir}")
     result = asyncio.run(_drive(target.client, plan, cfg.progress))
@@ -263,7 +274,9 @@ def execute_run(
         wall_s=result.wall_s,
         prefill_tok_s=cfg.prefill_tok_s,
     )
-    summary = {"metadata": _metadata(cfg, target, arrivals, result, num, (before, after))} | summary
+    summary = {
+        "metadata": _metadata(cfg, target, arrivals, result, num, (before, after), cache_reset)
+    } | summary
     summary = json_safe(summary)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(run_dir / "requests.jsonl", records)

@@ -24,6 +24,7 @@ def sweep_row(summary: dict, offered_rps: float, run_dir: Path, min_attainment: 
     hit_rate = summary["metadata"]["server_counters"]["prefix_cache_hit_rate"]
     row = {
         "prefix_cache_hit_rate": hit_rate,
+        "prefix_cache_reset": summary["metadata"]["prefix_cache_reset"]["status"],
         "offered_rps": offered_rps,
         "dir": str(run_dir),
         "ok": c["ok"],
@@ -40,6 +41,23 @@ def sweep_row(summary: dict, offered_rps: float, run_dir: Path, min_attainment: 
             "passed": passes(g[0], min_attainment) if g else None,
         }
     return row
+
+
+def reset_note(rows: list[dict], requested: bool) -> str:
+    """Whether every rate started from an empty prefix cache, for the sweep's summary."""
+    if not requested:
+        return (
+            "prefix cache NOT reset between rates (--reset-prefix-cache not given): every rate "
+            "sends the same prompts, so a server with prefix caching may serve later rates' "
+            "prompts from cache (see the cache hit column, when the server reports it)"
+        )
+    statuses = sorted({r["prefix_cache_reset"] for r in rows})
+    if statuses == ["ok"]:
+        return "prefix cache reset before every rate (POST /reset_prefix_cache)"
+    return (
+        f"prefix cache reset requested, but the server answered {', '.join(statuses)}: later "
+        "rates may still hit the cache of earlier ones' prompts"
+    )
 
 
 def _rate_dir(out: Path, rate: float) -> Path:
@@ -77,14 +95,14 @@ def _sweep(cfg: ServeConfig, target: Target, workload: Workload, out: Path) -> i
         "rates": list(cfg.sweep_rates),
         "rows": rows,
         "objective": cfg.objective_sets[0].name if cfg.objective_sets else None,
-        "note": "every rate sends the same prompts: a server with prefix caching may serve later "
-        "rates' prompts from cache (see prefix_cache_hit_rate, when the server reports it)",
+        "prefix_cache_reset": cfg.reset_prefix_cache,
+        "note": reset_note(rows, cfg.reset_prefix_cache),
     }
     (out / "sweep.json").write_text(json.dumps(json_safe(doc), indent=1), encoding="utf-8")
     report.write_sweep_html(
         out / "report.html", "kvserve bench serve: sweep", rows, plots=cfg.plots
     )
-    print(report.sweep_table(rows), flush=True)
+    print(report.sweep_table(rows) + "\n" + doc["note"], flush=True)
     return 130 if len(rows) < len(cfg.sweep_rates) or summary["metadata"]["interrupted"] else 0
 
 

@@ -17,16 +17,17 @@ SERVE_EPILOG = """\
 examples:
   kvserve bench serve --base-url http://127.0.0.1:8000 --num-requests 200 --request-rate 4 \\
       --input-len lognormal:512:0.6:16:2048 --output-len 128 --slo ttft=3s,worst_gap=100ms
-  kvserve bench serve --mode forced --input-len 32 --output-len 256 --max-concurrency 16
-  --num-requests 128 kvserve bench serve --sweep 1,2,4,8,inf --num-requests 100 --slo
-  p99_ttft=2s,p99_itl=100ms kvserve bench serve --find-capacity --duration 60 --slo
-  ttft=2s,worst_gap=200ms --min-attainment 0.95
+  kvserve bench serve --mode forced --input-len 32 --output-len 256 --max-concurrency 16 \\
+      --num-requests 128
+  kvserve bench serve --sweep 1,2,4,8,inf --num-requests 100 --reset-prefix-cache \\
+      --slo p99_ttft=2s,p99_itl=100ms
+  kvserve bench serve --find-capacity --duration 60 --slo ttft=2s,worst_gap=200ms \\
+      --min-attainment 0.95
 
 length distributions: N | fixed:N | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA[:LOW:HIGH] (clipped)
 objectives (--slo, repeatable, one named set each): per request
-ttft|tpot|e2e|worst_gap|queue_time=LIMIT,
-  or pooled percentiles pNN_<ttft|tpot|itl|itl_token|e2e|worst_gap|queue_time>=LIMIT; LIMIT like 3s,
-  100ms
+  ttft|tpot|e2e|worst_gap|queue_time=LIMIT, or pooled percentiles
+  pNN_<ttft|tpot|itl|itl_token|e2e|worst_gap|queue_time>=LIMIT; LIMIT like 3s, 100ms
 """
 
 
@@ -148,6 +149,12 @@ def _add_serve(sub) -> None:
         "--capacity-tol", type=float, default=0.1, help="relative width to stop bisecting"
     )
     g.add_argument("--capacity-max-trials", type=int, default=12)
+    g.add_argument(
+        "--reset-prefix-cache",
+        action="store_true",
+        help="POST /reset_prefix_cache before each run (every sweep rate, every capacity trial) so "
+        "that no run is served from the previous one's cache; warns when the server lacks it",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="output directory (default runs/bench-<time>)")
     g.add_argument(
@@ -241,6 +248,7 @@ def _serve_config(args: argparse.Namespace):
         capacity_max_rps=args.capacity_max,
         capacity_rel_tol=args.capacity_tol,
         capacity_max_trials=args.capacity_max_trials,
+        reset_prefix_cache=args.reset_prefix_cache,
         command=tuple(sys.argv),
     )
 
