@@ -165,6 +165,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     admission: str = "on_demand"
+    # Speculative decoding: slots allocated past each chunk of a speculating request, so the proposer can
+    # write its draft positions (gamma when speculating, else 0).
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -175,11 +178,45 @@ class SchedulerConfig:
             )
         if self.max_model_len < 2:
             raise InvalidRequestError("max_model_len must be >= 2", "max_model_len")
+        if self.num_lookahead_tokens < 0:
+            raise InvalidRequestError("num_lookahead_tokens must be >= 0", "num_lookahead_tokens")
         if self.admission not in ADMISSION_POLICIES:
             raise InvalidRequestError(
                 f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}",
                 "admission",
             )
+
+
+SPECULATIVE_METHODS = ("draft", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (spec section 7): a proposer and how many tokens it proposes per step."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    draft_model_dir: str | None = None
+    draft_model: ModelConfig | None = None
+    ngram_min: int = 1  # n-gram lookup tries the longest suffix first, down to ngram_min tokens
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+                "speculative_method",
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise InvalidRequestError(
+                "num_speculative_tokens must be in [1, 16]", "num_speculative_tokens"
+            )
+        if self.method == "draft" and (self.draft_model_dir is None or self.draft_model is None):
+            raise InvalidRequestError(
+                "the draft method needs a draft model directory", "speculative_model"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise InvalidRequestError("need 1 <= ngram_min <= ngram_max", "ngram_min")
 
 
 @dataclass(frozen=True)
@@ -193,6 +230,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -200,7 +238,11 @@ class EngineConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model.kv_bytes_per_token(self.dtype)
+        """Cache bytes per token slot: the target's, plus the draft model's (it shares the block ids)."""
+        total = self.model.kv_bytes_per_token(self.dtype)
+        if self.speculative is not None and self.speculative.draft_model is not None:
+            total += self.speculative.draft_model.kv_bytes_per_token(self.dtype)
+        return total
 
     @property
     def num_blocks(self) -> int:

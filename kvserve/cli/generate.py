@@ -25,6 +25,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--admission", default="on_demand", choices=["on_demand", "reserve"])
     group.add_argument("--seed", type=int, default=0)
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-model", default=None, help="draft model directory (same tokenizer)"
+    )
+    spec.add_argument("--speculative-method", default=None, choices=["draft", "ngram"])
+    spec.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="gamma: proposals per step"
+    )
+    spec.add_argument("--ngram-min", type=int, default=1)
+    spec.add_argument("--ngram-max", type=int, default=4)
 
 
 def parse_bytes(text: str) -> int:
@@ -48,6 +58,11 @@ def engine_options(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         admission=args.admission,
         seed=args.seed,
+        speculative_model=args.speculative_model,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
     )
 
 

@@ -17,6 +17,7 @@ class NewRequestData:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    max_tokens: int  # resolved output limit (proposals never run past it)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ScheduledChunk:
     block_ids: tuple[int, ...]
     sample: bool
     num_output_tokens: int  # output tokens the request had when scheduled (min_tokens, penalties)
+    num_spec_tokens: int = 0  # the last num_spec_tokens of token_ids are proposals to verify
 
     @property
     def num_tokens(self) -> int:
@@ -74,9 +76,18 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class SampledTokens:
+    """Tokens a chunk committed: the accepted proposals plus one sampled token (a correction or the bonus).
+
+    `num_accepted` of the chunk's proposals were accepted, so the chunk's last
+    `num_spec_tokens - num_accepted` positions were rejected: their cache entries are discarded.
+    `spec_token_ids` are new proposals for the next step.
+    """
+
     request_id: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None = None
+    num_accepted: int = 0
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -95,3 +106,5 @@ class RequestUpdate:
     new_logprobs: tuple[TokenLogprob, ...] | None
     finish_reason: str | None
     num_cached_tokens: int
+    num_spec_proposed: int = 0  # proposals verified this step
+    num_spec_accepted: int = 0

@@ -53,6 +53,9 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until admitted
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,6 +37,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
+    speculate: bool = True  # use the engine's speculative decoding for this request, if it has one
 
     def __post_init__(self) -> None:
         # Accept lists/dicts from callers but store hashable tuples.

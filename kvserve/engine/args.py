@@ -6,7 +6,13 @@ import json
 import logging
 from pathlib import Path
 
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -36,6 +42,11 @@ def build_engine_config(
     enable_prefix_caching: bool = True,
     admission: str = "on_demand",
     seed: int = 0,
+    speculative_model: str | Path | None = None,
+    speculative_method: str | None = None,
+    num_speculative_tokens: int = 4,
+    ngram_min: int = 1,
+    ngram_max: int = 4,
 ) -> EngineConfig:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -52,6 +63,28 @@ def build_engine_config(
             f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens",
             "max_model_len",
         )
+    speculative = None
+    if speculative_model is not None or speculative_method is not None:
+        method = speculative_method or "draft"
+        draft = None
+        if method == "draft":
+            if speculative_model is None:
+                raise InvalidRequestError(
+                    "speculative method 'draft' needs --speculative-model DIR", "speculative_model"
+                )
+            draft_dir = Path(speculative_model)
+            if not draft_dir.is_dir():
+                raise ModelLoadError(f"draft model directory {str(draft_dir)!r} does not exist")
+            draft = ModelConfig.from_dir(draft_dir)
+            check_same_vocabulary(model_dir, draft_dir)
+        speculative = SpeculativeConfig(
+            method=method,
+            num_speculative_tokens=num_speculative_tokens,
+            draft_model_dir=str(speculative_model) if draft else None,
+            draft_model=draft,
+            ngram_min=ngram_min,
+            ngram_max=ngram_max,
+        )
     return EngineConfig(
         model_dir=str(model_dir),
         model=model,
@@ -66,11 +99,35 @@ def build_engine_config(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             admission=admission,
+            num_lookahead_tokens=speculative.num_speculative_tokens if speculative else 0,
         ),
         dtype=resolve_dtype(dtype, device, model),
         device=device,
         seed=seed,
+        speculative=speculative,
     )
+
+
+def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
+    """A draft must map every token id to the same token as the target: compare whole vocabularies
+    (token -> id, special tokens included), not their sizes."""
+    target, draft = load_tokenizer(target_dir), load_tokenizer(draft_dir)
+    if target is None or draft is None:
+        missing = target_dir if target is None else draft_dir
+        raise ModelLoadError(
+            f"{missing} has no tokenizer, so the draft's vocabulary cannot be checked against the target's"
+        )
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(
+            t
+            for t in set(target_vocab) | set(draft_vocab)
+            if target_vocab.get(t) != draft_vocab.get(t)
+        )
+        raise ModelLoadError(
+            f"the draft model's tokenizer ({draft_dir}) maps ids to tokens differently from the target's "
+            f"({len(differing)} tokens differ, e.g. {differing[:3]}); a draft must share the tokenizer"
+        )
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:

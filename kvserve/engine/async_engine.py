@@ -36,6 +36,12 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_steps: int = 0
+    spec_num_verify_steps: int = 0
+    spec_num_proposed: int = 0
+    spec_num_accepted: int = 0
+    spec_num_emitted: int = 0
+    spec_draft_time_s: float = 0.0
+    spec_target_time_s: float = 0.0
 
 
 class EngineDeadError(KVServeError):
@@ -220,7 +226,14 @@ class AsyncEngine:
         engine = self.engine
         scheduler = engine.scheduler
         kv = engine.kv_manager
+        spec = engine.runner.spec_stats
         return EngineStats(
+            spec_num_verify_steps=spec.num_verify_steps,
+            spec_num_proposed=spec.num_proposed,
+            spec_num_accepted=spec.num_accepted,
+            spec_num_emitted=spec.num_emitted,
+            spec_draft_time_s=spec.draft_time_s,
+            spec_target_time_s=spec.target_time_s,
             num_running=scheduler.num_running,
             num_waiting=engine.num_waiting_samples,
             kv_usage=kv.usage,

@@ -74,6 +74,29 @@ class _Requests:
         self.count += 1
 
 
+def _batches(rec: StepRecorder, reqs: _Requests, sizes: list[int], max_prompt: int) -> None:
+    """Batches of every size at a short and a long prompt: decode steps at many batch sizes and
+    contexts, prompt chunks of many sizes."""
+    for batch in sizes:
+        for prompt in (max(2, max_prompt // 8), max_prompt):
+            for _ in range(batch):
+                reqs.add(int(reqs.rng.integers(prompt // 2, prompt + 1)), 24)
+            rec.drain()
+
+
+def _staggered(rec: StepRecorder, reqs: _Requests, num: int, max_prompt: int) -> None:
+    """Prompts joining running decodes a few steps apart (mixed steps), as in serving."""
+    added = 0
+    while added < num:
+        for _ in range(int(reqs.rng.integers(1, 4))):
+            reqs.add(int(reqs.rng.integers(2, max_prompt + 1)), int(reqs.rng.integers(8, 48)))
+            added += 1
+        for _ in range(int(reqs.rng.integers(2, 8))):
+            if rec.engine.has_unfinished_requests():
+                rec.step()
+    rec.drain()
+
+
 def run_sweep(
     engine: LLMEngine,
     max_len: int,
@@ -81,39 +104,27 @@ def run_sweep(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> StepRecorder:
-    """Drive the designed sweep until it ends or `budget_s` is spent; returns the timed steps."""
+    """Repeat the designed sweep (batches, then staggered arrivals) while `budget_s` lasts, at
+    least once; repeats average out a noisy machine. Returns the timed steps."""
     rec = StepRecorder(engine)
     reqs = _Requests(engine, seed)
     limits = engine.config.scheduler
-    num_output = 24
-    max_prompt = max(2, min(max_len, limits.max_model_len) - num_output - 1)
+    max_prompt = max(2, min(max_len, limits.max_model_len) - 48 - 1)
     # Warm-up: allocation and first-call costs, not kept.
     reqs.add(min(64, max_prompt), WARMUP_STEPS)
     rec.drain(keep=False)
     start = time.monotonic()
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= limits.max_num_seqs]
-    for batch in sizes:
-        for prompt in (max(2, max_prompt // 8), max_prompt):
-            if time.monotonic() - start > budget_s:
-                break
-            for _ in range(batch):
-                reqs.add(int(reqs.rng.integers(prompt // 2, prompt + 1)), num_output)
-            rec.drain()
-            if progress:
-                progress(f"batch {batch:>3} prompt <= {prompt:>5}: {len(rec.times_s)} steps")
-    # Staggered arrivals: prompts join running decodes (mixed steps), as in serving.
-    num_mixed = 2 * max(sizes)
-    added = 0
-    while added < num_mixed and time.monotonic() - start <= budget_s:
-        for _ in range(int(reqs.rng.integers(1, 4))):
-            reqs.add(int(reqs.rng.integers(2, max_prompt + 1)), int(reqs.rng.integers(8, 48)))
-            added += 1
-        for _ in range(int(reqs.rng.integers(2, 8))):
-            if engine.has_unfinished_requests():
-                rec.step()
-    rec.drain()
-    if progress:
-        progress(f"mixed arrivals: {len(rec.times_s)} steps in {time.monotonic() - start:.1f}s")
+    rounds = 0
+    while True:
+        _batches(rec, reqs, sizes, max_prompt)
+        _staggered(rec, reqs, 2 * max(sizes), max_prompt)
+        rounds += 1
+        if progress:
+            elapsed = time.monotonic() - start
+            progress(f"round {rounds}: {len(rec.times_s)} steps in {elapsed:.1f}s")
+        if (time.monotonic() - start) * (rounds + 1) / rounds > budget_s:  # one more would overrun
+            break
     return rec
 
 

@@ -247,6 +247,8 @@ class LLMEngine:
         completion = sample.completion
         metrics = completion.metrics
         completion.num_cached_tokens = update.num_cached_tokens
+        completion.num_spec_proposed += update.num_spec_proposed
+        completion.num_spec_accepted += update.num_spec_accepted
         new_ids = list(update.new_token_ids)
         completion.token_ids.extend(new_ids)
         completion.delta_token_ids = new_ids
@@ -354,4 +356,6 @@ def _copy_completion(c: CompletionOutput) -> CompletionOutput:
         stop_reason=c.stop_reason,
         metrics=c.metrics,
         num_cached_tokens=max(c.num_cached_tokens, 0),
+        num_spec_proposed=c.num_spec_proposed,
+        num_spec_accepted=c.num_spec_accepted,
     )

@@ -47,6 +47,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    num_spec_proposed: int = 0  # speculative proposals verified for this sample
+    num_spec_accepted: int = 0
 
     @property
     def finished(self) -> bool:

@@ -111,7 +111,8 @@ class KVCacheManager:
         """Register the request's full, computed blocks under their chained hashes."""
         if not self.enable_prefix_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # A request that stopped inside a run of accepted proposals has computed past its last token.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return

@@ -1,11 +1,13 @@
 """The model runner: owns the weights, the KV tensors and per-request sampling state.
 
 It turns a `SchedulerOutput` into input tensors once per step, runs the forward pass, computes logits only for
-the rows that sample, and samples. It never imports the scheduler: block ids arrive in the output it is given.
+the rows that sample, and samples (or verifies proposals, then proposes again). It never imports the
+scheduler: block ids arrive in the output it is given.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,9 +21,12 @@ from kvserve.core.outputs import (
     SchedulerOutput,
 )
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.model.attention import build_attention_metadata, get_attention_backend
+from kvserve.model.attention import get_attention_backend
 from kvserve.model.loader import TORCH_DTYPES, load_model
+from kvserve.runner.draft import DraftModel
+from kvserve.runner.forward import allocate_kv_cache, forward_chunks
 from kvserve.runner.sampler import Sampler, SamplingBatch
+from kvserve.runner.spec_decode import DraftJob, NgramProposer, verify_greedy, verify_stochastic
 
 
 @dataclass
@@ -32,7 +37,33 @@ class RequestState:
     prompt_token_ids: tuple[int, ...]
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
+    max_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    draft_num_computed: int = 0  # draft-model cache entries valid for [0, draft_num_computed)
+    draft_probs: torch.Tensor | None = (
+        None  # q rows [n, V] of the pending proposals (None: point masses)
+    )
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self.prompt_token_ids) + self.output_token_ids
+
+    @property
+    def speculates(self) -> bool:
+        # Penalties depend on the tokens before each position; proposals would need per-position counts.
+        return self.params.speculate and not _has_penalty(self.params)
+
+
+@dataclass
+class SpecStats:
+    """Cumulative speculative-decoding counters (the engine reports them)."""
+
+    num_verify_steps: int = 0  # chunks that verified at least one proposal
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0  # tokens committed by verifying chunks
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0  # target forwards in steps that verified proposals
 
 
 class ModelRunner:
@@ -43,6 +74,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
+        self.max_model_len = config.scheduler.max_model_len
         self.model = load_model(
             config.model_dir,
             config.model,
@@ -52,21 +84,22 @@ class ModelRunner:
         )
         self.attention = get_attention_backend(attention_backend)
         self.vocab_size = config.model.vocab_size
-        model = config.model
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            model.num_layers,
-            2,
-            num_blocks,
-            self.block_size,
-            model.num_kv_heads,
-            model.head_dim,
-            dtype=TORCH_DTYPES[config.dtype],
-            device=self.device,
+        self.kv_cache, self.kv_caches = allocate_kv_cache(
+            self.model, num_blocks, self.block_size, TORCH_DTYPES[config.dtype], self.device
         )
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.sampler = Sampler(config.seed, self.device)
         self.states: dict[str, RequestState] = {}
+        spec = config.speculative
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec else 0
+        self.ngram = (
+            NgramProposer(spec.ngram_min, spec.ngram_max)
+            if spec and spec.method == "ngram"
+            else None
+        )
+        self.draft = None
+        if spec is not None and spec.method == "draft":
+            self.draft = DraftModel(config, num_blocks, self.attention, self.vocab_size)
+        self.spec_stats = SpecStats()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -74,7 +107,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Measured from the allocated tensors, not from the formula."""
+        """Measured from the allocated target tensors, not from the formula."""
         return self.kv_cache_bytes // (self.num_blocks * self.block_size)
 
     def add_request(self, new: NewRequestData) -> None:
@@ -83,8 +116,10 @@ class ModelRunner:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.sampling_params.seed)
         self.states[new.request_id] = RequestState(
-            new.sampling_params, new.prompt_token_ids, new.eos_token_ids, generator
+            new.sampling_params, new.prompt_token_ids, new.eos_token_ids, generator, new.max_tokens
         )
+
+    # --- one step ---------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
@@ -92,61 +127,150 @@ class ModelRunner:
             self.states.pop(request_id, None)
         for new in scheduler_output.new_requests:
             self.add_request(new)
+        for request_id in scheduler_output.preempted_request_ids:
+            self.states[request_id].draft_num_computed = 0  # its blocks are gone
         chunks = scheduler_output.chunks
         if not chunks:
             return RunnerOutput(sampled=())
-        logits, sampling_chunks = self.forward_logits(chunks)
-        if not sampling_chunks:
-            return RunnerOutput(sampled=())
-        token_ids, logprobs = self.sampler(logits, self.sampling_batch(sampling_chunks))
-        sampled = []
-        for chunk, token_id, logprob in zip(sampling_chunks, token_ids, logprobs, strict=True):
-            self.states[chunk.request_id].output_token_ids.append(token_id)
-            sampled.append(
-                SampledTokens(
-                    chunk.request_id, (token_id,), None if logprob is None else (logprob,)
-                )
-            )
-        return RunnerOutput(sampled=tuple(sampled))
-
-    @torch.inference_mode()
-    def score(self, chunks: tuple[ScheduledChunk, ...]) -> torch.Tensor:
-        """Logits [T, V] for every position of the chunks (evaluation and cache-equivalence checks)."""
-        return self.forward_logits(chunks, every_position=True)[0]
-
-    def forward_logits(
-        self, chunks: tuple[ScheduledChunk, ...], every_position: bool = False
-    ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run the model over every chunk; logits [S, V] for the last position of each sampling chunk."""
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        logit_rows: list[int] = []
-        sampling_chunks: list[ScheduledChunk] = []
+        sampling = [c for c in chunks if c.sample]
+        rows, row = [], 0
         for chunk in chunks:
-            input_ids.extend(chunk.token_ids)
-            positions.append(torch.arange(chunk.start_position, chunk.context_len))
-            if chunk.sample:
-                logit_rows.append(len(input_ids) - 1)
-                sampling_chunks.append(chunk)
-        meta = build_attention_metadata(
-            [(c.start_position, c.num_tokens, list(c.block_ids)) for c in chunks],
-            self.block_size,
-            self.device,
+            row += chunk.num_tokens
+            if chunk.sample:  # the last committed token and each proposal predict a token
+                rows.extend(range(row - 1 - chunk.num_spec_tokens, row))
+        start = time.perf_counter()
+        logits = forward_chunks(
+            self.model, self.kv_caches, self.attention,
+            [(c.start_position, c.token_ids, c.block_ids) for c in chunks],
+            self.block_size, self.device, rows,
+        )  # fmt: skip
+        if any(c.num_spec_tokens for c in sampling):
+            self.spec_stats.target_time_s += time.perf_counter() - start
+        results = self._sample(logits, sampling)
+        proposals = self._propose(sampling) if self.num_speculative_tokens else {}
+        return RunnerOutput(
+            sampled=tuple(
+                SampledTokens(
+                    chunk.request_id,
+                    tokens,
+                    logprobs,
+                    num_accepted,
+                    tuple(proposals.get(chunk.request_id, ())),
+                )
+                for chunk, (tokens, logprobs, num_accepted) in zip(sampling, results, strict=True)
+            )
         )
-        hidden = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.cat(positions).to(self.device),
-            self.kv_caches,
-            meta,
-            self.attention,
-        )
-        if every_position:
-            return self.model.compute_logits(hidden), sampling_chunks
-        rows = torch.tensor(logit_rows, device=self.device, dtype=torch.long)
-        return self.model.compute_logits(hidden[rows]), sampling_chunks
 
-    def sampling_batch(self, chunks: list[ScheduledChunk]) -> SamplingBatch:
-        states = [self.states[c.request_id] for c in chunks]
+    def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[tuple]:
+        """Per sampling chunk: (committed tokens, logprobs or None, number of accepted proposals)."""
+        results: list = [None] * len(chunks)
+        plain = [i for i, c in enumerate(chunks) if not c.num_spec_tokens]
+        first_rows = [0]
+        for chunk in chunks:
+            first_rows.append(first_rows[-1] + 1 + chunk.num_spec_tokens)
+        if plain:
+            keys = [(chunks[i].request_id, 0, chunks[i].num_output_tokens) for i in plain]
+            batch = self.sampling_batch(keys)
+            plain_logits = logits[[first_rows[i] for i in plain]]
+            token_ids, logprobs = self.sampler(plain_logits, batch)
+            for i, token_id, logprob in zip(plain, token_ids, logprobs, strict=True):
+                results[i] = ((token_id,), None if logprob is None else (logprob,), 0)
+        for i, chunk in enumerate(chunks):
+            if chunk.num_spec_tokens:
+                results[i] = self._verify(chunk, logits[first_rows[i] : first_rows[i + 1]])
+        for chunk, (tokens, _, _) in zip(chunks, results, strict=True):
+            self.states[chunk.request_id].output_token_ids.extend(tokens)
+        return results
+
+    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> tuple:
+        """Verify one chunk's proposals against the target logits of its last s + 1 positions."""
+        state = self.states[chunk.request_id]
+        num_spec = chunk.num_spec_tokens
+        proposals = torch.tensor(chunk.token_ids[-num_spec:], device=self.device)
+        batch = self.sampling_batch(
+            [(chunk.request_id, j, chunk.num_output_tokens + j) for j in range(num_spec + 1)]
+        )
+        processed, probs = self.sampler.prepare(logits, batch)
+        if state.params.greedy:
+            num_accepted, final = verify_greedy(processed.argmax(dim=-1)[None], proposals[None])
+        else:
+            if state.draft_probs is not None:
+                q = state.draft_probs[:num_spec]
+            else:  # n-gram proposals are deterministic: q is a point mass on each proposal
+                q = torch.nn.functional.one_hot(proposals, probs.shape[-1]).to(probs.dtype)
+            generator = state.generator or self.sampler.generator
+            uniforms = torch.rand(1, num_spec, generator=generator, device=self.device)
+            num_accepted, final = verify_stochastic(
+                probs[None],
+                q[None],
+                proposals[None],
+                uniforms,
+                [state.generator],
+                self.sampler.generator,
+            )
+        k = int(num_accepted[0])
+        tokens = tuple(chunk.token_ids[-num_spec:][:k]) + (int(final[0]),)
+        logprobs = None
+        if state.params.logprobs is not None:
+            emitted = torch.tensor(tokens, device=self.device)
+            logprobs = tuple(
+                self.sampler.logprobs(logits[: k + 1], emitted, [state.params.logprobs] * (k + 1))
+            )
+        stats = self.spec_stats
+        stats.num_verify_steps += 1
+        stats.num_proposed += num_spec
+        stats.num_accepted += k
+        stats.num_emitted += k + 1
+        return tokens, logprobs, k
+
+    def _propose(self, chunks: list[ScheduledChunk]) -> dict[str, list[int]]:
+        """Proposals for the next step of every speculating request that just committed tokens."""
+        start = time.perf_counter()
+        jobs, keys = [], []
+        for chunk in chunks:
+            state = self.states[chunk.request_id]
+            state.draft_probs = None
+            if not state.speculates:
+                continue
+            tokens = state.token_ids
+            num = min(
+                self.num_speculative_tokens,
+                state.max_tokens - len(state.output_token_ids) - 1,  # the step also emits one
+                self.max_model_len - len(tokens),  # the verifying chunk must fit the context
+            )
+            if num > 0:
+                jobs.append(DraftJob(tokens, state.draft_num_computed, list(chunk.block_ids), num))
+                keys.append(chunk.request_id)
+        proposals: dict[str, list[int]] = {}
+        if self.ngram is not None:
+            for key, job in zip(keys, jobs, strict=True):
+                proposals[key] = self.ngram.propose(job.token_ids, job.num_tokens)
+        elif self.draft is not None and jobs:
+            drafted = self.draft.propose(jobs, keys, self._sample_draft_rows)
+            for key, job, (tokens, q) in zip(keys, jobs, drafted, strict=True):
+                state = self.states[key]
+                proposals[key] = tokens
+                state.draft_probs = None if state.params.greedy else q
+                # Only committed positions stay valid; the last committed token is recomputed next time.
+                state.draft_num_computed = len(job.token_ids) - 1
+            self.spec_stats.draft_time_s += time.perf_counter() - start
+        return proposals
+
+    def _sample_draft_rows(self, logits: torch.Tensor, keys: list) -> tuple:
+        """Draft logits -> (tokens, q): the same processing the target's verification applies."""
+        rows = []
+        for request_id, step in keys:
+            state = self.states[request_id]
+            rows.append((request_id, step, len(state.output_token_ids) + step))
+        batch = self.sampling_batch(rows)
+        processed, probs = self.sampler.prepare(logits, batch)
+        return self.sampler.sample(processed, probs, batch), probs
+
+    # --- sampling parameters as tensors -----------------------------------------------------------------
+
+    def sampling_batch(self, rows: list[tuple[str, int, int]]) -> SamplingBatch:
+        """rows: (request id, position offset, output tokens before that row's token) per logits row."""
+        states = [self.states[request_id] for request_id, _, _ in rows]
         params = [s.params for s in states]
         device = self.device
 
@@ -163,17 +287,17 @@ class ModelRunner:
         )
         bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
         if bias:
-            rows, ids, values = zip(*bias, strict=True)
-            batch.bias = (column(rows, torch.long), column(ids, torch.long), column(values))
+            rows_, ids, values = zip(*bias, strict=True)
+            batch.bias = (column(rows_, torch.long), column(ids, torch.long), column(values))
         banned = [
             (row, t)
-            for row, (chunk, state) in enumerate(zip(chunks, states, strict=True))
-            if chunk.num_output_tokens < state.params.min_tokens
+            for row, ((_, _, num_output), state) in enumerate(zip(rows, states, strict=True))
+            if num_output < state.params.min_tokens
             for t in self._stop_ids(state)
         ]
         if banned:
-            rows, ids = zip(*banned, strict=True)
-            batch.banned = (column(rows, torch.long), column(ids, torch.long))
+            rows_, ids = zip(*banned, strict=True)
+            batch.banned = (column(rows_, torch.long), column(ids, torch.long))
         if any(_has_penalty(p) for p in params):
             self._add_penalties(batch, states)
         return batch
@@ -202,6 +326,17 @@ class ModelRunner:
         )
         batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
         batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=device)
+
+    # --- scoring ----------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, chunks: tuple[ScheduledChunk, ...]) -> torch.Tensor:
+        """Logits [T, V] for every position of the chunks (evaluation and cache-equivalence checks)."""
+        return forward_chunks(
+            self.model, self.kv_caches, self.attention,
+            [(c.start_position, c.token_ids, c.block_ids) for c in chunks],
+            self.block_size, self.device, None,
+        )  # fmt: skip
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -122,28 +122,39 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
+    def prepare(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(processed logits [R, V], probabilities [R, V] after temperature / top-k / top-p / min-p, or None
+        when every row is greedy). Greedy rows take the argmax of the processed logits."""
+        processed = process_logits(logits, batch)
+        if batch.all_greedy:
+            return processed, None
+        return processed, filter_logits(processed, batch).softmax(dim=-1)
+
+    def sample(
+        self, processed: torch.Tensor, probs: torch.Tensor | None, batch: SamplingBatch
+    ) -> torch.Tensor:
+        """One token per row: argmax for greedy rows, a draw from `probs` for the others. [R]"""
+        token_ids = processed.argmax(dim=-1)
+        if probs is not None:
+            random_rows = (batch.temperature > 0).nonzero().squeeze(1)
+            generators = [batch.generators[i] for i in random_rows.tolist()]
+            token_ids[random_rows] = exponential_race(
+                probs[random_rows], generators, self.generator
+            )
+        return token_ids
+
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         # logits: [S, V] float32
-        processed = process_logits(logits, batch)
-        token_ids = processed.argmax(dim=-1)
-        if not batch.all_greedy:
-            random_rows = (batch.temperature > 0).nonzero().squeeze(1)
-            sub = SamplingBatch(
-                temperature=batch.temperature[random_rows],
-                top_k=batch.top_k[random_rows],
-                top_p=batch.top_p[random_rows],
-                min_p=batch.min_p[random_rows],
-                generators=[batch.generators[i] for i in random_rows.tolist()],
-                num_logprobs=[],
-            )
-            probs = filter_logits(processed[random_rows], sub).softmax(dim=-1)
-            token_ids[random_rows] = exponential_race(probs, sub.generators, self.generator)
-        return token_ids.tolist(), self._logprobs(logits, token_ids, batch.num_logprobs)
+        processed, probs = self.prepare(logits, batch)
+        token_ids = self.sample(processed, probs, batch)
+        return token_ids.tolist(), self.logprobs(logits, token_ids, batch.num_logprobs)
 
     @staticmethod
-    def _logprobs(
+    def logprobs(
         logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
     ) -> list[TokenLogprob | None]:
         wanted = [i for i, k in enumerate(num_logprobs) if k is not None]

@@ -100,15 +100,20 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            while not self.kv.allocate_slots(request, num_new):
+            num_spec = 0
+            if num_new == request.num_tokens - request.num_computed_tokens == 1:
+                # Caught up: verify the proposals too, as far as the budget allows.
+                num_spec = min(len(request.spec_token_ids), budget - 1)
+            lookahead = self._lookahead(request)
+            while not self.kv.allocate_slots(request, num_new + num_spec, None, lookahead):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
-                chunks.append(self._chunk(request, num_new))
-                budget -= num_new
+                chunks.append(self._chunk(request, num_new, num_spec))
+                budget -= num_new + num_spec
                 index += 1
                 continue
             break
@@ -123,9 +128,10 @@ class Scheduler:
             request = self.waiting[0]
             computed_ids, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
-            lookahead = 0
+            lookahead = self._lookahead(request)
             if self.config.admission == "reserve":
-                lookahead = request.max_num_tokens - num_cached - num_new
+                # Everything it may ever hold, proposer lookahead included: it will never need more.
+                lookahead += request.max_num_tokens - num_cached - num_new
             if not self.kv.allocate_slots(request, num_new, computed_ids, lookahead):
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -140,6 +146,7 @@ class Scheduler:
                         request.prompt_token_ids,
                         request.sampling_params,
                         request.eos_token_ids,
+                        request.max_tokens,
                     )
                 )
             self.running.append(request)
@@ -156,19 +163,27 @@ class Scheduler:
             preempted_request_ids=tuple(r.request_id for r in preempted),
         )
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _lookahead(self, request: Request) -> int:
+        return self.config.num_lookahead_tokens if request.sampling_params.speculate else 0
+
+    def _chunk(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledChunk:
         start = request.num_computed_tokens
+        token_ids = request.token_ids(start, start + num_new)
+        if num_spec:
+            token_ids += tuple(request.spec_token_ids[:num_spec])
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=request.token_ids(start, start + num_new),
+            token_ids=token_ids,
             start_position=start,
             block_ids=tuple(self.kv.block_ids(request.request_id)),
             sample=start + num_new == request.num_tokens,
             num_output_tokens=request.num_output_tokens,
+            num_spec_tokens=num_spec,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -186,10 +201,14 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # ended between schedule and update
             request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_full_blocks(request)
+            result = sampled.get(chunk.request_id) if chunk.sample else None
+            if chunk.num_spec_tokens:
+                self._discard_rejected(request, chunk.num_spec_tokens - result.num_accepted)
+                request.num_spec_proposed += chunk.num_spec_tokens
+                request.num_spec_accepted += result.num_accepted
             if not chunk.sample:
+                self.kv.cache_full_blocks(request)
                 continue
-            result = sampled[chunk.request_id]
             new_token_ids: list[int] = []
             status = None
             for token_id in result.token_ids:
@@ -199,6 +218,8 @@ class Scheduler:
                 if status is not None:
                     break
             logprobs = result.logprobs[: len(new_token_ids)] if result.logprobs else None
+            request.spec_token_ids = [] if status is not None else list(result.spec_token_ids)
+            self.kv.cache_full_blocks(request)  # after the tokens of accepted proposals are known
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
@@ -209,9 +230,17 @@ class Scheduler:
                     new_logprobs=logprobs,
                     finish_reason=status.finish_reason if status else None,
                     num_cached_tokens=request.num_cached_tokens,
+                    num_spec_proposed=chunk.num_spec_tokens,
+                    num_spec_accepted=result.num_accepted,
                 )
             )
         return updates
+
+    def _discard_rejected(self, request: Request, num_rejected: int) -> None:
+        """Roll back the cache entries written for rejected proposals: they stop counting as computed
+        (the slots are overwritten when those positions are computed again; blocks past the end are kept
+        as lookahead and freed with the request)."""
+        request.num_computed_tokens -= num_rejected
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -68,6 +68,24 @@ class _EngineCollector(Collector):
             "Prompt tokens served from the prefix cache",
             stats.prefix_cache_hits,
         )
+        spec = (
+            (
+                "num_drafts",
+                "Verification steps (chunks with proposals)",
+                stats.spec_num_verify_steps,
+            ),
+            ("num_draft_tokens", "Proposed tokens verified", stats.spec_num_proposed),
+            ("num_accepted_tokens", "Proposed tokens accepted", stats.spec_num_accepted),
+            (
+                "num_emitted_tokens",
+                "Tokens committed by verification steps",
+                stats.spec_num_emitted,
+            ),
+            ("draft_seconds", "Time spent proposing (draft model)", stats.spec_draft_time_s),
+            ("target_seconds", "Target forward time in verifying steps", stats.spec_target_time_s),
+        )
+        for name, help_text, value in spec:
+            yield CounterMetricFamily(f"kvserve_spec_decode_{name}", help_text, value)
 
 
 class ServerMetrics:

@@ -429,4 +429,6 @@ def _server_metrics(completion: CompletionOutput) -> dict | None:
         "e2e_s": None if m.finished_time is None else m.finished_time - m.arrival_time,
         "num_cached_tokens": completion.num_cached_tokens,
         "num_preemptions": m.num_preemptions,
+        "num_spec_proposed": completion.num_spec_proposed,
+        "num_spec_accepted": completion.num_spec_accepted,
     }

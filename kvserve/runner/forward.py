@@ -1,0 +1,61 @@
+"""One forward pass over a flat batch of chunks, shared by the target and the draft model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvserve.model.attention import AttentionBackend, build_attention_metadata
+from kvserve.model.decoder import DecoderLM
+
+
+def forward_chunks(
+    model: DecoderLM,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    attention: AttentionBackend,
+    chunks: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+    block_size: int,
+    device: torch.device,
+    logit_rows: Sequence[int] | None,
+) -> torch.Tensor:
+    """`chunks`: (start position, token ids, block ids) per request, in batch order. Writes their K/V into
+    `kv_caches` and returns logits [len(logit_rows), V] for the given flat rows (None: every row)."""
+    input_ids: list[int] = []
+    positions: list[torch.Tensor] = []
+    for start, token_ids, _ in chunks:
+        input_ids.extend(token_ids)
+        positions.append(torch.arange(start, start + len(token_ids)))
+    meta = build_attention_metadata(
+        [(start, len(token_ids), list(block_ids)) for start, token_ids, block_ids in chunks],
+        block_size,
+        device,
+    )
+    hidden = model(
+        torch.tensor(input_ids, device=device),
+        torch.cat(positions).to(device),
+        kv_caches,
+        meta,
+        attention,
+    )
+    if logit_rows is not None:
+        hidden = hidden[torch.tensor(logit_rows, device=device, dtype=torch.long)]
+    return model.compute_logits(hidden)
+
+
+def allocate_kv_cache(
+    model: DecoderLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] and per-layer (k, v) views."""
+    config = model.config
+    cache = torch.zeros(
+        config.num_layers,
+        2,
+        num_blocks,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    return cache, [(layer[0], layer[1]) for layer in cache]
