@@ -93,6 +93,22 @@ def test_prompts_are_the_same_in_every_batch_and_avoid_eos():
     assert 2 not in latency.make_prompt(0, 4096, 0, 256, frozenset({2}))
 
 
+def test_bottleneck_notes_a_measurement_far_from_the_roofline():
+    def rf(prefill_ratio, decode_ratio):
+        return {
+            "prefill": {"bound": "compute-bound", "measured_over_roofline": prefill_ratio},
+            "decode_step": {"bound": "bandwidth-bound", "measured_over_roofline": decode_ratio},
+        }
+
+    assert phases.bottleneck(rf(2.0, 5.0)) == {
+        "prefill": "compute-bound",
+        "decode": "bandwidth-bound",
+    }
+    note = phases.bottleneck(rf(0.5, 30.0))["note"]
+    assert "decode_step measured over 10x" in note and "prefill measured faster" in note
+    assert "note" not in phases.bottleneck(rf(None, None))
+
+
 def test_resolve_hardware(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     profile, why = phases.resolve_hardware("auto", "cpu")
