@@ -49,7 +49,7 @@ def _check_completed(records, num_measured: int) -> list:
     assert harness.check_token_counts(records, retokenized_exact=False) == len(records)
     for r in measured:
         m = r.extra["server_metrics"]
-        assert set(m) == SERVER_METRICS_KEYS and m["num_preemptions"] == 0
+        assert SERVER_METRICS_KEYS <= set(m) and m["num_preemptions"] == 0
         # queue time comes from the server, and durations nest: queue <= server TTFT <= client TTFT
         assert r.queue_time_s is not None and r.queue_time_s == m["queue_time_s"]
         client_ttft = next(e.t_s for e in r.events if e.num_chars > 0) - r.t_send_s
