@@ -88,6 +88,7 @@ class SampledTokens:
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_accepted: int = 0
     spec_token_ids: tuple[int, ...] = ()
+    stop: bool = False  # the request's grammar has terminated: it ends after these tokens
 
 
 @dataclass(frozen=True)
@@ -108,3 +109,4 @@ class RequestUpdate:
     num_cached_tokens: int
     num_spec_proposed: int = 0  # proposals verified this step
     num_spec_accepted: int = 0
+    grammar_complete: bool = False  # its grammar accepted a complete document (and its stop token)

@@ -3,12 +3,34 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.core.errors import InvalidRequestError
 
 # Greedy below this temperature (vLLM uses the same epsilon): dividing by ~0 overflows.
 _GREEDY_EPS = 1e-5
+
+
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output: `spec` is the JSON schema text, the regex, a JSON list of choices or
+    an EBNF grammar (empty for json_object). `param` names the request field it came from, for errors."""
+
+    kind: str
+    spec: str = ""
+    param: str = field(default="response_format", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}",
+                self.param,
+            )
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError(f"the {self.kind} constraint is empty", self.param)
 
 
 @dataclass(frozen=True)
@@ -38,6 +60,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
     speculate: bool = True  # use the engine's speculative decoding for this request, if it has one
+    structured: StructuredOutput | None = None  # constrain the output to a grammar
 
     def __post_init__(self) -> None:
         # Accept lists/dicts from callers but store hashable tuples.

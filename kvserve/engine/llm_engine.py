@@ -8,6 +8,7 @@ A request with n > 1 samples fans out into n scheduler requests (`{id}-{i}`); wi
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -68,6 +69,29 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.num_blocks)
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+        self.on_grammar_compile = None  # callback(seconds), e.g. a metrics histogram
+
+    def grammars(self):
+        """The grammar compiler cache, built on first use (xgrammar indexes the whole vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        "structured output needs the model's tokenizer; this model has none",
+                        "response_format",
+                    )
+                from kvserve.structured.grammar import GrammarCache
+
+                self._grammars = GrammarCache(
+                    self.tokenizer,
+                    self.config.model.vocab_size,
+                    self.eos_token_ids,
+                    on_compile=lambda s: self.on_grammar_compile and self.on_grammar_compile(s),
+                )
+                self.runner.grammars = self._grammars
+            return self._grammars
 
     # --- intake -----------------------------------------------------------------------------------------
 
@@ -95,6 +119,10 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+        if params.structured is not None:
+            self.grammars().compile(
+                params.structured
+            )  # an invalid constraint fails here, not later
         limit = self.max_model_len
         if num_prompt >= limit:
             raise ContextLengthError(
@@ -162,6 +190,7 @@ class LLMEngine:
                 )
             completion = CompletionOutput(
                 index=index,
+                structured_complete=False if params.structured is not None else None,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
                 metrics=RequestMetrics(arrival_time=parent.arrival_time),
@@ -249,6 +278,8 @@ class LLMEngine:
         completion.num_cached_tokens = update.num_cached_tokens
         completion.num_spec_proposed += update.num_spec_proposed
         completion.num_spec_accepted += update.num_spec_accepted
+        if update.grammar_complete:
+            completion.structured_complete = True
         new_ids = list(update.new_token_ids)
         completion.token_ids.extend(new_ids)
         completion.delta_token_ids = new_ids
@@ -358,4 +389,5 @@ def _copy_completion(c: CompletionOutput) -> CompletionOutput:
         num_cached_tokens=max(c.num_cached_tokens, 0),
         num_spec_proposed=c.num_spec_proposed,
         num_spec_accepted=c.num_spec_accepted,
+        structured_complete=c.structured_complete,
     )

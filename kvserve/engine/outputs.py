@@ -49,6 +49,9 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     num_spec_proposed: int = 0  # speculative proposals verified for this sample
     num_spec_accepted: int = 0
+    # Constrained requests: True once the grammar accepted a complete document; a request that ends for
+    # another reason (length, a stop string) may hold an incomplete one. None when unconstrained.
+    structured_complete: bool | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ scheduler: block ids arrive in the output it is given.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -23,10 +24,12 @@ from kvserve.core.outputs import (
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.model.attention import get_attention_backend
 from kvserve.model.loader import TORCH_DTYPES, load_model
+from kvserve.runner.constraints import MaskRow, apply_grammar_masks, commit_tokens
 from kvserve.runner.draft import DraftModel
 from kvserve.runner.forward import allocate_kv_cache, forward_chunks
 from kvserve.runner.sampler import Sampler, SamplingBatch
 from kvserve.runner.spec_decode import DraftJob, NgramProposer, verify_greedy, verify_stochastic
+from kvserve.structured.grammar import GrammarCache
 
 
 @dataclass
@@ -40,8 +43,13 @@ class RequestState:
     max_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     draft_num_computed: int = 0  # draft-model cache entries valid for [0, draft_num_computed)
-    draft_probs: torch.Tensor | None = (
-        None  # q rows [n, V] of the pending proposals (None: point masses)
+    # q rows [n, V] of the pending proposals (None: point masses)
+    draft_probs: torch.Tensor | None = None
+    grammar: object | None = (
+        None  # xgrammar matcher over the committed tokens, for constrained requests
+    )
+    num_draft_grammar_tokens: int = (
+        0  # proposals accepted into `grammar` while drafting (rolled back)
     )
 
     @property
@@ -100,6 +108,8 @@ class ModelRunner:
         if spec is not None and spec.method == "draft":
             self.draft = DraftModel(config, num_blocks, self.attention, self.vocab_size)
         self.spec_stats = SpecStats()
+        self.grammars: GrammarCache | None = None  # set by the engine when a request needs one
+        self.grammar_mask_times_s: deque[float] = deque(maxlen=4096)  # per step; drained by metrics
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -115,9 +125,12 @@ class ModelRunner:
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(new.sampling_params.seed)
-        self.states[new.request_id] = RequestState(
+        state = RequestState(
             new.sampling_params, new.prompt_token_ids, new.eos_token_ids, generator, new.max_tokens
         )
+        if new.sampling_params.structured is not None:
+            state.grammar = self.grammars.matcher(new.sampling_params.structured)
+        self.states[new.request_id] = state
 
     # --- one step ---------------------------------------------------------------------------------------
 
@@ -156,13 +169,17 @@ class ModelRunner:
                     logprobs,
                     num_accepted,
                     tuple(proposals.get(chunk.request_id, ())),
+                    stop,
                 )
-                for chunk, (tokens, logprobs, num_accepted) in zip(sampling, results, strict=True)
+                for chunk, (tokens, logprobs, num_accepted, stop) in zip(
+                    sampling, results, strict=True
+                )
             )
         )
 
     def _sample(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> list[tuple]:
-        """Per sampling chunk: (committed tokens, logprobs or None, number of accepted proposals)."""
+        """Per sampling chunk: (committed tokens, logprobs or None, number of accepted proposals,
+        whether its grammar terminated)."""
         results: list = [None] * len(chunks)
         plain = [i for i, c in enumerate(chunks) if not c.num_spec_tokens]
         first_rows = [0]
@@ -178,8 +195,13 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             if chunk.num_spec_tokens:
                 results[i] = self._verify(chunk, logits[first_rows[i] : first_rows[i + 1]])
-        for chunk, (tokens, _, _) in zip(chunks, results, strict=True):
-            self.states[chunk.request_id].output_token_ids.extend(tokens)
+        for i, (chunk, (tokens, logprobs, num_accepted)) in enumerate(
+            zip(chunks, results, strict=True)
+        ):
+            state = self.states[chunk.request_id]
+            state.output_token_ids.extend(tokens)
+            stop = state.grammar is not None and commit_tokens(state.grammar, tokens)
+            results[i] = (tokens, logprobs, num_accepted, stop)
         return results
 
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> tuple:
@@ -188,7 +210,8 @@ class ModelRunner:
         num_spec = chunk.num_spec_tokens
         proposals = torch.tensor(chunk.token_ids[-num_spec:], device=self.device)
         batch = self.sampling_batch(
-            [(chunk.request_id, j, chunk.num_output_tokens + j) for j in range(num_spec + 1)]
+            [(chunk.request_id, j, chunk.num_output_tokens + j) for j in range(num_spec + 1)],
+            lookahead=tuple(proposals.tolist()),
         )
         processed, probs = self.sampler.prepare(logits, batch)
         if state.params.greedy:
@@ -245,10 +268,20 @@ class ModelRunner:
         if self.ngram is not None:
             for key, job in zip(keys, jobs, strict=True):
                 proposals[key] = self.ngram.propose(job.token_ids, job.num_tokens)
+                # A proposal the grammar refuses could never be accepted: cut it (and what follows).
+                matcher = self.states[key].grammar
+                if matcher is not None:
+                    proposals[key] = _grammar_prefix(matcher, proposals[key])
         elif self.draft is not None and jobs:
             drafted = self.draft.propose(jobs, keys, self._sample_draft_rows)
             for key, job, (tokens, q) in zip(keys, jobs, drafted, strict=True):
                 state = self.states[key]
+                if state.grammar is not None:  # drafting advanced the matcher: back to committed
+                    if state.num_draft_grammar_tokens:
+                        state.grammar.rollback(state.num_draft_grammar_tokens)
+                    tokens = tokens[: state.num_draft_grammar_tokens]  # none after its end
+                    q = None if q is None else q[: len(tokens)]
+                    state.num_draft_grammar_tokens = 0
                 proposals[key] = tokens
                 state.draft_probs = None if state.params.greedy else q
                 # Only committed positions stay valid; the last committed token is recomputed next time.
@@ -264,12 +297,22 @@ class ModelRunner:
             rows.append((request_id, step, len(state.output_token_ids) + step))
         batch = self.sampling_batch(rows)
         processed, probs = self.sampler.prepare(logits, batch)
-        return self.sampler.sample(processed, probs, batch), probs
+        tokens = self.sampler.sample(processed, probs, batch)
+        for (request_id, _), token in zip(keys, tokens.tolist(), strict=True):
+            # Later draft steps must see the grammar state after this proposal.
+            state = self.states[request_id]
+            matcher = state.grammar
+            if matcher is not None and not matcher.is_terminated() and matcher.accept_token(token):
+                state.num_draft_grammar_tokens += 1
+        return tokens, probs
 
     # --- sampling parameters as tensors -----------------------------------------------------------------
 
-    def sampling_batch(self, rows: list[tuple[str, int, int]]) -> SamplingBatch:
-        """rows: (request id, position offset, output tokens before that row's token) per logits row."""
+    def sampling_batch(
+        self, rows: list[tuple[str, int, int]], lookahead: tuple[int, ...] = ()
+    ) -> SamplingBatch:
+        """rows: (request id, position offset, output tokens before that row's token) per logits row.
+        `lookahead`: the proposals that rows at offset j > 0 follow (their grammar state accepts them)."""
         states = [self.states[request_id] for request_id, _, _ in rows]
         params = [s.params for s in states]
         device = self.device
@@ -292,7 +335,8 @@ class ModelRunner:
         banned = [
             (row, t)
             for row, ((_, _, num_output), state) in enumerate(zip(rows, states, strict=True))
-            if num_output < state.params.min_tokens
+            # A grammar decides when its document may end; min_tokens does not override it.
+            if num_output < state.params.min_tokens and state.grammar is None
             for t in self._stop_ids(state)
         ]
         if banned:
@@ -300,6 +344,15 @@ class ModelRunner:
             batch.banned = (column(rows_, torch.long), column(ids, torch.long))
         if any(_has_penalty(p) for p in params):
             self._add_penalties(batch, states)
+        mask_rows = [
+            MaskRow(row, state.grammar, offset, lookahead)
+            for row, ((_, offset, _), state) in enumerate(zip(rows, states, strict=True))
+            if state.grammar is not None
+        ]
+        if mask_rows:
+            batch.constrain = lambda logits: self.grammar_mask_times_s.append(
+                apply_grammar_masks(self.grammars, logits, mask_rows)
+            )
         return batch
 
     def _stop_ids(self, state: RequestState) -> list[int]:
@@ -341,3 +394,15 @@ class ModelRunner:
 
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _grammar_prefix(matcher, token_ids: list[int]) -> list[int]:
+    """The longest prefix of `token_ids` the grammar accepts from its current state (state unchanged)."""
+    accepted = 0
+    for token_id in token_ids:
+        if matcher.is_terminated() or not matcher.accept_token(token_id):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return token_ids[:accepted]

@@ -9,6 +9,7 @@ processing), as vLLM reports them by default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None = None  # [S]
     output_counts: torch.Tensor | None = None  # [S, V] occurrences in the output so far
     prompt_mask: torch.Tensor | None = None  # [S, V] token appears in the prompt
+    # Grammar masks: called on the processed logits, masks (in place) the rows that carry a grammar.
+    constrain: Callable[[torch.Tensor], object] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -55,7 +58,12 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Bias, min_tokens bans and penalties: what greedy and random selection both see."""
-    if batch.bias is None and batch.banned is None and batch.output_counts is None:
+    if (
+        batch.bias is None
+        and batch.banned is None
+        and batch.output_counts is None
+        and batch.constrain is None
+    ):
         return logits
     logits = logits.clone()
     if batch.bias is not None:
@@ -65,6 +73,8 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.banned is not None:
         rows, ids = batch.banned
         logits[rows, ids] = float("-inf")
+    if batch.constrain is not None:
+        batch.constrain(logits)
     return logits
 
 

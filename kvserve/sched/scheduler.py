@@ -217,6 +217,8 @@ class Scheduler:
                 status = self._stop_status(request, token_id)
                 if status is not None:
                     break
+            if status is None and result.stop:
+                status = RequestStatus.FINISHED_STOPPED
             logprobs = result.logprobs[: len(new_token_ids)] if result.logprobs else None
             request.spec_token_ids = [] if status is not None else list(result.spec_token_ids)
             self.kv.cache_full_blocks(request)  # after the tokens of accepted proposals are known
@@ -232,6 +234,7 @@ class Scheduler:
                     num_cached_tokens=request.num_cached_tokens,
                     num_spec_proposed=chunk.num_spec_tokens,
                     num_spec_accepted=result.num_accepted,
+                    grammar_complete=result.stop,
                 )
             )
         return updates

@@ -69,7 +69,11 @@ def _load(state: ServerState, engine_factory: Callable[[], LLMEngine]) -> None:
             engine_options=state.engine_options,
         )
         state.manifest_sha256 = manifest_hash(state.manifest)
-        async_engine = AsyncEngine(engine)
+        engine.on_grammar_compile = state.metrics.grammar_compile.observe
+        mask_times = engine.runner.grammar_mask_times_s
+        async_engine = AsyncEngine(
+            engine, on_step=lambda _: state.metrics.drain_mask_times(mask_times)
+        )
         # Warm up: one tiny request through the real path (allocations, first-call overheads).
         async_engine.call_in_engine_thread(_warm_up)
         state.engine = async_engine

@@ -40,6 +40,9 @@ _LATENCY_BUCKETS = (
 )
 
 
+_FAST_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+
+
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
@@ -132,7 +135,20 @@ class ServerMetrics:
             ["error_type"],
             registry=r,
         )
+        self.grammar_compile = Histogram(
+            "kvserve_grammar_compile_seconds", "Compiling one structured-output constraint",
+            buckets=_FAST_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.grammar_mask = Histogram(
+            "kvserve_grammar_mask_seconds", "Filling and applying grammar bitmasks, per batch",
+            buckets=_FAST_BUCKETS, registry=r,
+        )  # fmt: skip
         r.register(_EngineCollector(stats))
+
+    def drain_mask_times(self, times_s) -> None:
+        """Observe (and remove) the per-batch mask times the runner recorded (a bounded deque)."""
+        while times_s:
+            self.grammar_mask.observe(times_s.popleft())
 
     def observe_completion(
         self, num_prompt_tokens: int, completions: list[CompletionOutput]

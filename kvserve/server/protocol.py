@@ -7,12 +7,13 @@ repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens,
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.core.errors import InvalidRequestError
-from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams, StructuredOutput
 
 
 class StreamOptions(BaseModel):
@@ -46,6 +47,59 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    speculate: bool = True  # kvserve: turn speculative decoding off for this request
+    # Structured output: OpenAI's response_format, and vLLM's names (structured_outputs and the older
+    # guided_json / guided_regex / guided_choice / guided_grammar) so clients can switch.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        found: list[StructuredOutput] = []
+        if self.response_format is not None:
+            constraint = _response_format(self.response_format)
+            if constraint is not None:
+                found.append(constraint)
+        so = dict(self.structured_outputs or {})
+        legacy = {"json": self.guided_json, "regex": self.guided_regex,
+                  "choice": self.guided_choice, "grammar": self.guided_grammar}  # fmt: skip
+        for key, value in legacy.items():
+            if value is not None:
+                so.setdefault(key, value)
+        for key, value in so.items():
+            if value is None or value is False:
+                continue
+            param = f"structured_outputs.{key}"
+            if key == "json":
+                schema = value if isinstance(value, str) else json.dumps(value)
+                found.append(StructuredOutput("json_schema", schema, param))
+            elif key == "json_object":
+                found.append(StructuredOutput("json_object", "", param))
+            elif key == "regex":
+                found.append(StructuredOutput("regex", str(value), param))
+            elif key == "choice":
+                if (
+                    not isinstance(value, list)
+                    or not value
+                    or not all(isinstance(c, str) for c in value)
+                ):
+                    raise InvalidRequestError("choice must be a non-empty list of strings", param)
+                found.append(StructuredOutput("choice", json.dumps(value), param))
+            elif key == "grammar":
+                found.append(StructuredOutput("grammar", str(value), param))
+            else:
+                raise InvalidRequestError(
+                    f"unsupported structured output {key!r} (json, json_object, regex, choice, grammar)",
+                    "structured_outputs",
+                )
+        if len(found) > 1:
+            raise InvalidRequestError(
+                "give one structured-output constraint, not several", found[1].param
+            )
+        return found[0] if found else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         bias = {}
@@ -75,6 +129,8 @@ class _SamplingRequest(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             logit_bias=bias,
             skip_special_tokens=self.skip_special_tokens,
+            speculate=self.speculate,
+            structured=self.structured_output(),
         )
 
     @property
@@ -172,3 +228,26 @@ class DetokenizeRequest(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+def _response_format(response_format: dict[str, Any]) -> StructuredOutput | None:
+    kind = response_format.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object", "", "response_format")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidRequestError(
+                'response_format json_schema needs {"json_schema": {"name", "schema"}}',
+                "response_format.json_schema",
+            )
+        schema = spec["schema"]
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError("json_schema.schema must be a JSON object", "response_format")
+        return StructuredOutput("json_schema", json.dumps(schema), "response_format.json_schema")
+    raise InvalidRequestError(
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+        "response_format.type",
+    )

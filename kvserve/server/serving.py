@@ -328,25 +328,43 @@ class OpenAIServing:
 
     def _finish_choice(self, job: _Job, index: int, c: CompletionOutput) -> dict:
         if job.kind == "chat":
-            return {"index": index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
+            choice = {
+                "index": index,
+                "delta": {},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+        else:
+            choice = {
+                "index": index,
+                "text": "",
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+        return _with_structured(choice, c)
 
     def _choice(self, job: _Job, prompt_index: int, c: CompletionOutput) -> dict:
         index = prompt_index * job.params.n + c.index
         logprobs = self._logprobs(job, c.logprobs) if c.logprobs is not None else None
         if job.kind == "chat":
-            return {
+            return _with_structured(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                },
+                c,
+            )
+        return _with_structured(
+            {
                 "index": index,
-                "message": {"role": "assistant", "content": c.text},
+                "text": c.text,
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
-            }
-        return {
-            "index": index,
-            "text": c.text,
-            "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
-        }
+            },
+            c,
+        )
 
     def _decode_token(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -432,3 +450,11 @@ def _server_metrics(completion: CompletionOutput) -> dict | None:
         "num_spec_proposed": completion.num_spec_proposed,
         "num_spec_accepted": completion.num_spec_accepted,
     }
+
+
+def _with_structured(choice: dict, completion: CompletionOutput) -> dict:
+    """Constrained outputs say whether the document is complete: one cut short by max_tokens (finish
+    reason `length`) or a stop string may not parse, and the response must not suggest otherwise."""
+    if completion.structured_complete is not None:
+        choice["structured_output"] = {"complete": completion.structured_complete}
+    return choice

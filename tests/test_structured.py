@@ -1,0 +1,218 @@
+"""Structured output through xgrammar: sampled documents parse and validate, constraints stay per request,
+bad constraints are 400s, and speculation respects the grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.core.errors import InvalidRequestError
+from kvserve.core.sampling_params import StructuredOutput
+from tests.server_utils import running_server
+
+SCHEMAS = {
+    "nested_object": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                    "tag": {"type": "string", "maxLength": 6},
+                },
+                "required": ["id", "tag"],
+                "additionalProperties": False,
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+        "additionalProperties": False,
+    },
+    "array_min_max_items": {
+        "type": "object",
+        "properties": {
+            "scores": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                "minItems": 2,
+                "maxItems": 4,
+            }
+        },
+        "required": ["scores"],
+        "additionalProperties": False,
+    },
+    "enum_and_bounded_integer": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "level": {"type": "integer", "minimum": -5, "maximum": 5},
+        },
+        "required": ["color", "level"],
+        "additionalProperties": False,
+    },
+    "string_pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+}
+REGEX = r"(yes|no), [a-z]{2,5} [0-9]{1,3}"
+CHOICES = ["alpha", "beta gamma", "δέλτα"]
+
+
+@pytest.fixture(scope="module")
+def llm(gpt2_model_dir):
+    return LLM(str(gpt2_model_dir), max_model_len=512, num_blocks=512)
+
+
+def sample_20(llm, structured: StructuredOutput, prompt: str = "Output:") -> list:
+    params = [
+        SamplingParams(max_tokens=64, temperature=1.0, seed=seed, structured=structured)
+        for seed in range(20)
+    ]
+    return [o.outputs[0] for o in llm.generate([prompt] * 20, params)]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_sampled_json_validates(llm, name):
+    schema = SCHEMAS[name]
+    completions = sample_20(llm, StructuredOutput("json_schema", json.dumps(schema)))
+    complete = [c for c in completions if c.finish_reason != "length"]
+    assert len(complete) >= 10, "most documents should finish within 64 tokens"
+    for c in completions:
+        assert c.structured_complete == (c.finish_reason == "stop")
+    for c in complete:
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_sampled_regex_and_choice_match(llm):
+    for c in sample_20(llm, StructuredOutput("regex", REGEX)):
+        if c.finish_reason != "length":
+            assert re.fullmatch(REGEX, c.text), c.text
+    texts = [c.text for c in sample_20(llm, StructuredOutput("choice", json.dumps(CHOICES)))]
+    assert set(texts) <= set(CHOICES) and len(set(texts)) > 1
+
+
+def test_json_object_and_grammar(llm):
+    for c in sample_20(llm, StructuredOutput("json_object")):
+        if c.finish_reason != "length":
+            assert isinstance(json.loads(c.text), dict)
+    ebnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    for c in sample_20(llm, StructuredOutput("grammar", ebnf)):
+        if c.finish_reason != "length":
+            assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", c.text), c.text
+
+
+def test_constraints_apply_per_request(llm):
+    prompts = ["The weather today", "Output:", "Once upon", "Output:"]
+    free = [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.9, seed=5, ignore_eos=True),
+    ]
+    alone = [o.outputs[0].token_ids for o in llm.generate([prompts[0], prompts[2]], free)]
+    constrained = SamplingParams(
+        max_tokens=40, temperature=1.0, seed=1,
+        structured=StructuredOutput("json_schema", json.dumps(SCHEMAS["string_pattern"])),
+    )  # fmt: skip
+    mixed = llm.generate(prompts, [free[0], constrained, free[1], constrained])
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    for i in (1, 3):
+        if mixed[i].outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(mixed[i].outputs[0].text), SCHEMAS["string_pattern"])
+
+
+@pytest.mark.parametrize(
+    "structured, fragment",
+    [
+        (StructuredOutput("json_schema", '{"type": "nonsense"}'), "Unsupported type"),
+        (StructuredOutput("json_schema", "{not json"), "json_schema"),
+        (StructuredOutput("regex", "a(b"), "parenthesis is not closed"),
+        (StructuredOutput("grammar", 'root ::= "a" | '), "EBNF parser error"),
+    ],
+)
+def test_invalid_constraints_are_typed_errors(llm, structured, fragment):
+    with pytest.raises(InvalidRequestError, match=re.escape(fragment)):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured=structured))
+    assert llm.engine.num_free_blocks() == 512
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_speculation_respects_the_grammar(gpt2_model_dir, method, tmp_path_factory):
+    from tests.test_spec_decode import speculative_llm
+
+    draft = None
+    if method == "draft":
+        draft = gpt2_model_dir  # the target as its own draft: every proposal passes the model check
+    spec = speculative_llm(gpt2_model_dir, draft, num_blocks=256)
+    plain = LLM(str(gpt2_model_dir), max_model_len=512, num_blocks=256)
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMAS["enum_and_bounded_integer"]))
+    greedy = SamplingParams(max_tokens=48, temperature=0, structured=structured)
+    prompts = ["Output:", "JSON please", "{"]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy)] == expected
+    sampled = spec.generate(prompts * 4, greedy.with_updates(temperature=1.0, seed=3))
+    for output in sampled:
+        if output.outputs[0].finish_reason == "stop":
+            jsonschema.validate(
+                json.loads(output.outputs[0].text), SCHEMAS["enum_and_bounded_integer"]
+            )
+    assert spec.engine.runner.spec_stats.num_proposed > 0
+    assert spec.engine.num_free_blocks() == 256
+
+
+@pytest.mark.slow
+def test_server_structured_outputs(gpt2_model_dir):
+    with running_server(gpt2_model_dir, "--max-model-len", "512", "--kv-cache-memory", "64MiB") as (
+        url,
+        _,
+    ):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        schema = SCHEMAS["enum_and_bounded_integer"]
+        chat = client.chat.completions.create(
+            model=gpt2_model_dir.name, messages=[{"role": "user", "content": "Give JSON"}],
+            max_tokens=40, temperature=1.0, seed=2,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )  # fmt: skip
+        assert chat.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+        assert chat.choices[0].model_extra["structured_output"] == {"complete": True}
+        # a length cut is reported as incomplete
+        cut = httpx.post(f"{url}/v1/completions", json={
+            "prompt": "x", "max_tokens": 2, "structured_outputs": {"json": schema}}).json()  # fmt: skip
+        assert cut["choices"][0]["finish_reason"] == "length"
+        assert cut["choices"][0]["structured_output"] == {"complete": False}
+        # vLLM's older names, streaming
+        stream = httpx.post(f"{url}/v1/completions", json={
+            "prompt": "x", "max_tokens": 20, "stream": True, "guided_choice": CHOICES}).text  # fmt: skip
+        chunks = [json.loads(e[6:]) for e in stream.split("\n\n") if e.startswith("data: {")]
+        assert "".join(ch["text"] for c in chunks for ch in c["choices"]) in CHOICES
+        # invalid constraints: 400 with the library's message, and the server keeps serving
+        for body in (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "nonsense"}},
+                }
+            },
+            {"structured_outputs": {"regex": "a(b"}},
+            {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            {"response_format": {"type": "xml"}},
+        ):
+            bad = httpx.post(f"{url}/v1/completions", json={"prompt": "x", **body})
+            assert bad.status_code == 400, bad.text
+            assert bad.json()["error"]["type"] == "invalid_request_error"
+        ok = httpx.post(f"{url}/v1/completions", json={
+            "prompt": "x", "max_tokens": 20, "structured_outputs": {"regex": "[ab]{3}"}}).json()  # fmt: skip
+        assert re.fullmatch("[ab]{3}", ok["choices"][0]["text"])
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "kvserve_grammar_compile_seconds_count" in metrics
+        mask_count = [line for line in metrics.splitlines()
+                      if line.startswith("kvserve_grammar_mask_seconds_count")]  # fmt: skip
+        assert float(mask_count[0].split()[-1]) > 0
