@@ -110,6 +110,23 @@ def test_fit_profile_recovers_a_known_linear_step_cost(tmp_path):
     assert again.load_s(loads[0]) == pytest.approx(times[0])
 
 
+def test_fit_profile_predicts_the_mean_step_time_under_multiplicative_noise():
+    # A noisy machine: each step takes 1x or 2x its cost (mean 1.5x). The fit must track the mean,
+    # not the fast samples, or every simulated latency comes out short.
+    rng = np.random.default_rng(1)
+    loads, times = [], []
+    for _ in range(2000):
+        batch = int(rng.integers(1, 32))
+        load = StepLoad(tuple(ChunkLoad(1, int(rng.integers(0, 1000))) for _ in range(batch)))
+        base = 0.01 + 0.001 * batch + 1e-6 * sum(c.num_cached_tokens + 1 for c in load.chunks)
+        loads.append(load)
+        times.append(base * (1.0 if rng.random() < 0.5 else 2.0))
+    profile = fit_profile(loads, times)
+    predicted = np.array([profile.load_s(s) for s in loads])
+    assert np.mean(np.array(times) / predicted) == pytest.approx(1.0, abs=0.02)
+    assert profile.meta["fit"]["mean_measured_over_predicted"] == pytest.approx(1.0, abs=0.02)
+
+
 def test_fit_profile_never_returns_negative_costs():
     # Steps whose time falls with the batch: least squares would give num_seqs a negative cost.
     loads = [StepLoad((ChunkLoad(1, 10),) * b) for b in range(1, 20)]

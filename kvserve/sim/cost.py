@@ -249,21 +249,33 @@ def fit_profile(
     times_s: list[float],
     features: tuple[str, ...] = DEFAULT_FEATURES,
     meta: dict | None = None,
+    num_iterations: int = 10,
 ) -> StepProfile:
-    """Fit non-negative per-feature costs minimising the squared *relative* error of each step, so
-    the many short decode steps (which set ITL) weigh as much as the few long prompt steps."""
+    """Fit non-negative per-feature costs by iteratively reweighted least squares on the error
+    relative to the *predicted* step time: every step weighs alike whatever its length (the many
+    short decode steps set ITL, the few long prompt steps TTFT), and the fit stays the mean step
+    time. Weighting by the measured time instead would favour the fast samples of a noisy machine
+    and predict every step too short."""
     if len(loads) != len(times_s) or len(loads) < len(features):
         raise ValueError(f"need at least {len(features)} timed steps, got {len(loads)}")
     y = np.asarray(times_s, dtype=float)
     x = np.asarray([feature_vector(s, features) for s in loads], dtype=float)
     scale = x.max(axis=0)
     scale[scale == 0] = 1.0
-    w = 1.0 / y[:, None]
-    coef = nonnegative_lstsq(x / scale * w, np.ones_like(y)) / scale
+    xs = x / scale
+
+    def solve(weights: np.ndarray) -> np.ndarray:
+        return nonnegative_lstsq(xs * weights[:, None], y * weights) / scale
+
+    coef = solve(1.0 / y)
+    for _ in range(num_iterations):
+        coef = solve(1.0 / np.maximum(x @ coef, 1e-3 * y.min()))
     pred = x @ coef
     rel = np.abs(pred - y) / y
     fit = {
+        "method": "IRLS, weights 1 / predicted step time, non-negative",
         "num_steps": len(y),
+        "mean_measured_over_predicted": float((y / pred).mean()),
         "median_abs_rel_error": float(np.median(rel)),
         "p90_abs_rel_error": float(np.percentile(rel, 90)),
         "max_abs_rel_error": float(rel.max()),
