@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,45 +21,15 @@ from kvserve.core.outputs import (
     ScheduledChunk,
     SchedulerOutput,
 )
-from kvserve.core.sampling_params import SamplingParams
 from kvserve.model.attention import get_attention_backend
 from kvserve.model.loader import TORCH_DTYPES, load_model
+from kvserve.runner.batch import RequestState, build_sampling_batch
 from kvserve.runner.constraints import MaskRow, apply_grammar_masks, commit_tokens
 from kvserve.runner.draft import DraftModel
 from kvserve.runner.forward import allocate_kv_cache, forward_chunks
 from kvserve.runner.sampler import Sampler, SamplingBatch
 from kvserve.runner.spec_decode import DraftJob, NgramProposer, verify_greedy, verify_stochastic
 from kvserve.structured.grammar import GrammarCache
-
-
-@dataclass
-class RequestState:
-    """What the runner remembers of a request between steps (until it finishes; preemption keeps it)."""
-
-    params: SamplingParams
-    prompt_token_ids: tuple[int, ...]
-    eos_token_ids: frozenset[int]
-    generator: torch.Generator | None
-    max_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    draft_num_computed: int = 0  # draft-model cache entries valid for [0, draft_num_computed)
-    # q rows [n, V] of the pending proposals (None: point masses)
-    draft_probs: torch.Tensor | None = None
-    grammar: object | None = (
-        None  # xgrammar matcher over the committed tokens, for constrained requests
-    )
-    num_draft_grammar_tokens: int = (
-        0  # proposals accepted into `grammar` while drafting (rolled back)
-    )
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self.prompt_token_ids) + self.output_token_ids
-
-    @property
-    def speculates(self) -> bool:
-        # Penalties depend on the tokens before each position; proposals would need per-position counts.
-        return self.params.speculate and not _has_penalty(self.params)
 
 
 @dataclass
@@ -306,79 +276,18 @@ class ModelRunner:
                 state.num_draft_grammar_tokens += 1
         return tokens, probs
 
-    # --- sampling parameters as tensors -----------------------------------------------------------------
-
     def sampling_batch(
         self, rows: list[tuple[str, int, int]], lookahead: tuple[int, ...] = ()
     ) -> SamplingBatch:
         """rows: (request id, position offset, output tokens before that row's token) per logits row.
         `lookahead`: the proposals that rows at offset j > 0 follow (their grammar state accepts them)."""
-        states = [self.states[request_id] for request_id, _, _ in rows]
-        params = [s.params for s in states]
-        device = self.device
+        return build_sampling_batch(
+            [(self.states[request_id], offset, num_output) for request_id, offset, num_output in rows],
+            lookahead, self.vocab_size, self.device, self._apply_grammar,
+        )  # fmt: skip
 
-        def column(values, dtype=torch.float32) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        batch = SamplingBatch(
-            temperature=column([0.0 if p.greedy else p.temperature for p in params]),
-            top_k=column([p.top_k for p in params], torch.long),
-            top_p=column([p.top_p for p in params]),
-            min_p=column([p.min_p for p in params]),
-            generators=[s.generator for s in states],
-            num_logprobs=[p.logprobs for p in params],
-        )
-        bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
-        if bias:
-            rows_, ids, values = zip(*bias, strict=True)
-            batch.bias = (column(rows_, torch.long), column(ids, torch.long), column(values))
-        banned = [
-            (row, t)
-            for row, ((_, _, num_output), state) in enumerate(zip(rows, states, strict=True))
-            # A grammar decides when its document may end; min_tokens does not override it.
-            if num_output < state.params.min_tokens and state.grammar is None
-            for t in self._stop_ids(state)
-        ]
-        if banned:
-            rows_, ids = zip(*banned, strict=True)
-            batch.banned = (column(rows_, torch.long), column(ids, torch.long))
-        if any(_has_penalty(p) for p in params):
-            self._add_penalties(batch, states)
-        mask_rows = [
-            MaskRow(row, state.grammar, offset, lookahead)
-            for row, ((_, offset, _), state) in enumerate(zip(rows, states, strict=True))
-            if state.grammar is not None
-        ]
-        if mask_rows:
-            batch.constrain = lambda logits: self.grammar_mask_times_s.append(
-                apply_grammar_masks(self.grammars, logits, mask_rows)
-            )
-        return batch
-
-    def _stop_ids(self, state: RequestState) -> list[int]:
-        ids = set(state.params.stop_token_ids)
-        if not state.params.ignore_eos:
-            ids |= state.eos_token_ids
-        return [t for t in ids if t < self.vocab_size]
-
-    def _add_penalties(self, batch: SamplingBatch, states: list[RequestState]) -> None:
-        num_rows, vocab, device = len(states), self.vocab_size, self.device
-        counts = torch.zeros(num_rows, vocab, device=device)
-        prompt_mask = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-        for row, state in enumerate(states):
-            if state.output_token_ids:
-                out = torch.tensor(state.output_token_ids, device=device)
-                counts[row].index_add_(0, out, torch.ones(len(out), device=device))
-            if state.params.repetition_penalty != 1.0:
-                prompt_mask[row, torch.tensor(state.prompt_token_ids, device=device)] = True
-        params = [s.params for s in states]
-        batch.output_counts = counts
-        batch.prompt_mask = prompt_mask
-        batch.repetition_penalty = torch.tensor(
-            [p.repetition_penalty for p in params], device=device
-        )
-        batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
-        batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=device)
+    def _apply_grammar(self, logits: torch.Tensor, mask_rows: list[MaskRow]) -> None:
+        self.grammar_mask_times_s.append(apply_grammar_masks(self.grammars, logits, mask_rows))
 
     # --- scoring ----------------------------------------------------------------------------------------
 
@@ -390,10 +299,6 @@ class ModelRunner:
             [(c.start_position, c.token_ids, c.block_ids) for c in chunks],
             self.block_size, self.device, None,
         )  # fmt: skip
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _grammar_prefix(matcher, token_ids: list[int]) -> list[int]:

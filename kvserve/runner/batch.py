@@ -1,0 +1,117 @@
+"""Per-request sampling state, and one step's sampling parameters as tensors (`SamplingBatch`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.runner.constraints import MaskRow
+from kvserve.runner.sampler import SamplingBatch
+
+
+@dataclass
+class RequestState:
+    """What the runner remembers of a request between steps (until it finishes; preemption keeps it)."""
+
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    max_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    draft_num_computed: int = 0  # draft-model cache entries valid for [0, draft_num_computed)
+    # q rows [n, V] of the pending proposals (None: point masses)
+    draft_probs: torch.Tensor | None = None
+    grammar: object | None = None  # xgrammar matcher over committed tokens (constrained requests)
+    num_draft_grammar_tokens: int = 0  # proposals accepted into `grammar` while drafting
+
+    @property
+    def token_ids(self) -> list[int]:
+        return list(self.prompt_token_ids) + self.output_token_ids
+
+    @property
+    def speculates(self) -> bool:
+        # Penalties depend on the tokens before each position; proposals would need per-position counts.
+        return self.params.speculate and not has_penalty(self.params)
+
+
+def build_sampling_batch(
+    rows: list[tuple[RequestState, int, int]],
+    lookahead: tuple[int, ...],
+    vocab_size: int,
+    device: torch.device,
+    apply_grammar: Callable[[torch.Tensor, list[MaskRow]], None],
+) -> SamplingBatch:
+    """rows: (state, position offset, output tokens before that row's token) per logits row."""
+    states = [state for state, _, _ in rows]
+    params = [s.params for s in states]
+
+    def column(values, dtype=torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    batch = SamplingBatch(
+        temperature=column([0.0 if p.greedy else p.temperature for p in params]),
+        top_k=column([p.top_k for p in params], torch.long),
+        top_p=column([p.top_p for p in params]),
+        min_p=column([p.min_p for p in params]),
+        generators=[s.generator for s in states],
+        num_logprobs=[p.logprobs for p in params],
+    )
+    bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+    if bias:
+        rows_, ids, values = zip(*bias, strict=True)
+        batch.bias = (column(rows_, torch.long), column(ids, torch.long), column(values))
+    banned = [
+        (row, t)
+        for row, (state, _, num_output) in enumerate(rows)
+        # A grammar decides when its document may end; min_tokens does not override it.
+        if num_output < state.params.min_tokens and state.grammar is None
+        for t in stop_token_ids(state, vocab_size)
+    ]
+    if banned:
+        rows_, ids = zip(*banned, strict=True)
+        batch.banned = (column(rows_, torch.long), column(ids, torch.long))
+    if any(has_penalty(p) for p in params):
+        _add_penalties(batch, states, vocab_size, device)
+    mask_rows = [
+        MaskRow(row, state.grammar, offset, lookahead)
+        for row, (state, offset, _) in enumerate(rows)
+        if state.grammar is not None
+    ]
+    if mask_rows:
+        batch.constrain = lambda logits: apply_grammar(logits, mask_rows)
+    return batch
+
+
+def stop_token_ids(state: RequestState, vocab_size: int) -> list[int]:
+    ids = set(state.params.stop_token_ids)
+    if not state.params.ignore_eos:
+        ids |= state.eos_token_ids
+    return [t for t in ids if t < vocab_size]
+
+
+def has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _add_penalties(
+    batch: SamplingBatch, states: list[RequestState], vocab_size: int, device: torch.device
+) -> None:
+    num_rows = len(states)
+    counts = torch.zeros(num_rows, vocab_size, device=device)
+    prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+    for row, state in enumerate(states):
+        if state.output_token_ids:
+            out = torch.tensor(state.output_token_ids, device=device)
+            counts[row].index_add_(0, out, torch.ones(len(out), device=device))
+        if state.params.repetition_penalty != 1.0:
+            prompt_mask[row, torch.tensor(state.prompt_token_ids, device=device)] = True
+    params = [s.params for s in states]
+    batch.output_counts = counts
+    batch.prompt_mask = prompt_mask
+    batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+    batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
+    batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=device)
