@@ -40,11 +40,9 @@ def export_model(run_dir: Path, tokenizer_dir: Path, out_dir: Path) -> None:
         shutil.rmtree(out_dir)
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     cfg = model.config
+    # No max_length: it would clash with callers' max_new_tokens; the context is in config.json.
     GenerationConfig(
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id,
-        pad_token_id=cfg.pad_token_id,
-        max_length=cfg.max_position_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id
     ).save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_dir / name, out_dir / name)
