@@ -46,7 +46,7 @@ def test_top_k_top_p_min_p_supports():
 
 
 def test_sampling_matches_the_filtered_distribution():
-    """200k draws through the exponential race: empirical frequencies within sampling noise of p."""
+    """200k draws through CDF inversion: empirical frequencies within sampling noise of p."""
     num = 200_000
     sampler = Sampler(seed=123)
     logits = LOGITS.expand(num, -1).contiguous()

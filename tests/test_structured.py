@@ -216,3 +216,21 @@ def test_server_structured_outputs(gpt2_model_dir):
         mask_count = [line for line in metrics.splitlines()
                       if line.startswith("kvserve_grammar_mask_seconds_count")]  # fmt: skip
         assert float(mask_count[0].split()[-1]) > 0
+
+
+def test_json_strings_never_hold_raw_control_characters(llm):
+    """xgrammar 0.2.9 lets length-bounded JSON strings take raw control characters; the engine bans
+    those tokens for JSON grammars. Biasing the model hard towards tab and newline tokens must still
+    give documents that a strict JSON parser accepts."""
+    tokenizer = llm.tokenizer
+    controls = [tokenizer.convert_tokens_to_ids(t) for t in ("ĉ", "Ċ")]  # byte-level "\t", "\n"
+    assert tokenizer.decode(controls) == "\t\n"
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 10}},
+              "required": ["s"], "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(
+        max_tokens=30, temperature=0, logit_bias={t: 100.0 for t in controls},
+        structured=StructuredOutput("json_schema", json.dumps(schema)),
+    )  # fmt: skip
+    completion = llm.generate(["x"], params)[0].outputs[0]
+    assert completion.finish_reason == "stop"
+    jsonschema.validate(json.loads(completion.text), schema)

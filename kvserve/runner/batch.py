@@ -27,6 +27,7 @@ class RequestState:
     draft_probs: torch.Tensor | None = None
     grammar: object | None = None  # xgrammar matcher over committed tokens (constrained requests)
     num_draft_grammar_tokens: int = 0  # proposals accepted into `grammar` while drafting
+    json_grammar: bool = False  # `grammar` describes JSON (control-character tokens are banned)
 
     @property
     def token_ids(self) -> list[int]:
@@ -77,7 +78,7 @@ def build_sampling_batch(
     if any(has_penalty(p) for p in params):
         _add_penalties(batch, states, vocab_size, device)
     mask_rows = [
-        MaskRow(row, state.grammar, offset, lookahead)
+        MaskRow(row, state.grammar, offset, lookahead, state.json_grammar)
         for row, (state, offset, _) in enumerate(rows)
         if state.grammar is not None
     ]

@@ -24,6 +24,7 @@ class MaskRow:
     matcher: object  # xgrammar.GrammarMatcher
     offset: int = 0  # proposals to accept before this row
     lookahead: tuple[int, ...] = ()
+    json: bool = False  # a JSON grammar: also ban tokens with raw control characters
 
 
 def apply_grammar_masks(
@@ -35,6 +36,7 @@ def apply_grammar_masks(
     start = time.perf_counter()
     bitmask = grammars.allocate_bitmask(logits.shape[0])
     masked: list[int] = []
+    json_rows: list[int] = []
     by_matcher: dict[int, list[MaskRow]] = {}
     for row in rows:
         by_matcher.setdefault(id(row.matcher), []).append(row)
@@ -50,10 +52,12 @@ def apply_grammar_masks(
                 continue  # the request ends with its stop token; nothing after it is used
             matcher.fill_next_token_bitmask(bitmask, row.row)
             masked.append(row.row)
+            if row.json:
+                json_rows.append(row.row)
         if accepted:
             matcher.rollback(accepted)
     if masked:
-        grammars.apply_bitmask(logits, bitmask, masked)
+        grammars.apply_bitmask(logits, bitmask, masked, json_rows)
     return time.perf_counter() - start
 
 

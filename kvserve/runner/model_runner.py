@@ -100,6 +100,7 @@ class ModelRunner:
         )
         if new.sampling_params.structured is not None:
             state.grammar = self.grammars.matcher(new.sampling_params.structured)
+            state.json_grammar = self.grammars.bans_control_tokens(new.sampling_params.structured)
         self.states[new.request_id] = state
 
     # --- one step ---------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Order (as vLLM): logit bias, min_tokens masking of stop tokens, repetition / presence / frequency penalties;
 greedy rows take the argmax of the processed logits; random rows divide by temperature, apply top-k, top-p and
-min-p, and sample with the exponential race (argmax p / E, E ~ Exp(1)), which draws exactly from p and lets a
-seeded request use its own generator. Logprobs are those of the model's raw distribution (before any
+min-p, and sample by inverting the CDF with one uniform per row, which draws exactly from p and lets a seeded
+request use its own generator. Logprobs are those of the model's raw distribution (before any
 processing), as vLLM reports them by default.
 """
 
@@ -109,22 +109,32 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def exponential_race(
+def sample_categorical(
     probs: torch.Tensor, generators: list[torch.Generator | None], shared: torch.Generator
 ) -> torch.Tensor:
-    """Sample one index per row of `probs` [S, V]: argmax(p / E) with E ~ Exp(1) i.i.d."""
-    noise = torch.empty_like(probs)
+    """One index per row of `probs` [S, V] by inverting the CDF with one uniform draw per row.
+
+    A seeded request draws its uniform from its own generator (one number per token, so its stream does
+    not depend on the batch or the vocabulary size); the others share one generator. With `right=True`
+    the search returns the first index whose cumulative mass exceeds u * total, so a zero-probability
+    token is never chosen. The CDF is accumulated in float64 so the tail is not lost to rounding.
+    """
+    num_rows = probs.shape[0]
+    uniforms = torch.empty(num_rows, dtype=torch.float64, device=probs.device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        if len(unseeded) == len(generators):
-            noise.exponential_(generator=shared)
-        else:
-            rows = torch.tensor(unseeded, device=probs.device)
-            noise[rows] = torch.empty_like(probs[rows]).exponential_(generator=shared)
+        draws = torch.rand(
+            len(unseeded), generator=shared, dtype=torch.float64, device=probs.device
+        )
+        uniforms[torch.tensor(unseeded, device=probs.device)] = draws
     for i, generator in enumerate(generators):
         if generator is not None:
-            noise[i].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+            uniforms[i] = torch.rand(
+                1, generator=generator, dtype=torch.float64, device=probs.device
+            )[0]
+    cdf = probs.double().cumsum(dim=-1)  # [S, V]
+    targets = (uniforms * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_max(probs.shape[-1] - 1)
 
 
 class Sampler:
@@ -150,7 +160,7 @@ class Sampler:
         if probs is not None:
             random_rows = (batch.temperature > 0).nonzero().squeeze(1)
             generators = [batch.generators[i] for i in random_rows.tolist()]
-            token_ids[random_rows] = exponential_race(
+            token_ids[random_rows] = sample_categorical(
                 probs[random_rows], generators, self.generator
             )
         return token_ids

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.runner.sampler import exponential_race
+from kvserve.runner.sampler import sample_categorical
 
 
 def leading_accepts(accept: torch.Tensor) -> torch.Tensor:
@@ -62,7 +62,7 @@ def verify_stochastic(
     mass = residual.sum(dim=-1, keepdim=True)
     # p == q exactly leaves no residual mass; rejection then has probability 0, so any choice is exact.
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_final)
-    return num_accepted, exponential_race(residual, generators, shared)
+    return num_accepted, sample_categorical(residual, generators, shared)
 
 
 class NgramProposer:

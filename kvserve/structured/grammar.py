@@ -39,6 +39,18 @@ class GrammarCache:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # xgrammar 0.2.9 lets JSON strings with minLength/maxLength take raw control characters
+        # (U+0000-U+001F), which JSON forbids (RFC 8259 section 7). Our JSON grammars use fixed separators
+        # (any_whitespace=False), so a valid document never needs a token containing one: ban them.
+        special = set(info.special_token_ids) | set(stop_token_ids)
+        self.control_token_ids = torch.tensor(
+            [
+                i
+                for i, piece in enumerate(info.decoded_vocab)
+                if i not in special and any(byte < 0x20 for byte in piece)
+            ],
+            dtype=torch.long,
+        )
         self.vocab_size = vocab_size
         self.on_compile = on_compile
         self._compiled: dict[StructuredOutput, object] = {}
@@ -85,9 +97,19 @@ class GrammarCache:
     def matcher(self, structured: StructuredOutput):
         return self._xgr.GrammarMatcher(self.compile(structured))
 
+    @staticmethod
+    def bans_control_tokens(structured: StructuredOutput) -> bool:
+        return structured.kind in ("json_schema", "json_object")
+
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Mask, in place, the tokens each listed row's grammar forbids; other rows are untouched."""
+    def apply_bitmask(
+        self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], json_rows: list[int]
+    ) -> None:
+        """Mask, in place, the tokens each listed row's grammar forbids (and, on JSON rows, tokens with
+        control characters); other rows are untouched."""
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        if json_rows and len(self.control_token_ids):
+            index = torch.tensor(json_rows, device=logits.device).unsqueeze(1)
+            logits[index, self.control_token_ids.to(logits.device)] = float("-inf")
