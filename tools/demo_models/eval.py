@@ -3,7 +3,8 @@
 Perplexity is exp(total NLL / number of scored tokens) over fixed-length, non-overlapping windows of
 the held-out token stream (documents joined as <|bos|> text <|end|>); every token but each window's
 first is scored exactly once, and never the mean of per-window perplexities. `fixed_windows` is the
-one windowing function; `kvserve eval perplexity` is meant to reuse it so both report one number.
+one windowing function (in `kvserve.evaluation`, shared with `kvserve eval perplexity`), so both report
+one number.
 
     python -m tools.demo_models.eval kvserve/assets/demo/target kvserve/assets/demo/draft \
         [--window 512] [--max-tokens N] [--json OUT]
@@ -20,22 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.evaluation import fixed_windows, unigram_nll
 from tools.demo_models.common import KINDS
 
 TOKENS_DIR = Path(__file__).resolve().parent / "work" / "tokens"
-
-
-def fixed_windows(token_ids: Sequence[int], window_len: int) -> list[Sequence[int]]:
-    """Cut `token_ids` into consecutive non-overlapping windows of `window_len` tokens.
-
-    The last window may be shorter; it is dropped if it has fewer than 2 tokens (nothing to score).
-    Each window is scored on its positions 1..len-1 given the tokens before them in the same window,
-    so every token except the windows' first tokens is scored exactly once.
-    """
-    if window_len < 2:
-        raise ValueError(f"window_len must be at least 2, got {window_len}")
-    windows = [token_ids[i : i + window_len] for i in range(0, len(token_ids), window_len)]
-    return [w for w in windows if len(w) >= 2]
 
 
 def num_scored_tokens(windows: Sequence[Sequence[int]]) -> int:
@@ -74,16 +63,6 @@ def model_nll(
             total_nll += nll.item()
             total_count += ids[:, 1:].numel()
     return total_nll, total_count
-
-
-def unigram_nll(
-    train_ids: np.ndarray, windows: Sequence[Sequence[int]], vocab_size: int
-) -> tuple[float, int]:
-    """NLL of an add-one-smoothed unigram model fitted on `train_ids`, on the same positions."""
-    counts = np.bincount(train_ids.astype(np.int64), minlength=vocab_size).astype(np.float64) + 1.0
-    log_probs = np.log(counts / counts.sum())
-    targets = np.concatenate([np.asarray(w[1:], dtype=np.int64) for w in windows])
-    return float(-log_probs[targets].sum()), int(targets.size)
 
 
 def load_tokens(tokens_dir: Path, split: str, kind: str) -> np.ndarray:
