@@ -94,7 +94,7 @@ def plot_rates(path: str | Path, results: list[dict], title: str = "") -> Path:
         (axes[0], "ttft_p99_s", "p99 TTFT (s)"),
         (axes[1], "itl_p99_s", "p99 ITL (s)"),
     ):
-        for policy, rows in by_policy.items():
+        for i, (policy, rows) in enumerate(by_policy.items()):
             pts = sorted(
                 (r["nominal_rate_rps"], r[key])
                 for r in rows
@@ -103,7 +103,9 @@ def plot_rates(path: str | Path, results: list[dict], title: str = "") -> Path:
                 and r[key] is not None
             )
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=policy)
+                # Distinct markers and dashes: policies that behave alike draw on top of each other.
+                style = {"marker": "osD^v"[i % 5], "linestyle": ("-", "--", ":", "-.")[i % 4]}
+                ax.plot(*zip(*pts, strict=True), label=policy, **style)
         ax.set_xlabel("arrival rate (requests/s)")
         ax.set_ylabel(label)
         ax.set_yscale("log")
