@@ -166,14 +166,21 @@ class AsyncEngine:
             return command
 
     def _deliver(self, request_id: str, item) -> None:
-        entry = self._queues.get(request_id)
-        if entry is None:
-            return
-        loop, queue = entry
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the event loop has closed (shutdown)
-            pass
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, object]]) -> None:
+        """Hand items to their requests' queues with one wake-up per event loop, not one per item
+        (each `call_soon_threadsafe` writes to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            entry = self._queues.get(request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the event loop has closed (shutdown)
+                pass
 
     def _apply_commands(self) -> None:
         while (command := self._next_command()) is not None:
@@ -213,14 +220,12 @@ class AsyncEngine:
                 self.stats = self._collect_stats()
                 if self.on_step is not None:
                     self.on_step(outputs)
-                for output in outputs:
-                    self._deliver(output.request_id, output)
+                self._deliver_all([(output.request_id, output) for output in outputs])
         except BaseException as exc:  # a bug in the engine: fail every waiting request, loudly
             logger.exception("engine loop failed")
             self.error = exc
             dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
-            for request_id in list(self._queues):
-                self._deliver(request_id, dead)
+            self._deliver_all([(request_id, dead) for request_id in list(self._queues)])
 
     def _collect_stats(self) -> EngineStats:
         engine = self.engine
@@ -244,3 +249,8 @@ class AsyncEngine:
             prefix_cache_hits=kv.stats.num_hits,
             num_steps=scheduler.stats.num_steps,
         )
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
