@@ -72,7 +72,9 @@ def test_prompt_plus_max_tokens_beyond_context(llm):
 
 def test_request_larger_than_the_whole_cache(llama_dir):
     small = LLM(str(llama_dir), num_blocks=2, block_size=16)
-    with pytest.raises(CapacityError, match="need 3 KV blocks; the cache has 2 blocks"):
+    with pytest.raises(
+        CapacityError, match=r"\(\+ 0 lookahead\) need 3 KV blocks; the cache has 2 blocks"
+    ):
         small.generate([[3] * 20], SamplingParams(max_tokens=20))
 
 

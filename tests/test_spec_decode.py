@@ -238,3 +238,16 @@ def test_server_reports_speculation(gpt2_model_dir, draft_dir):
             f"kvserve_spec_decode_num_accepted_tokens_total {metrics['num_spec_accepted']}.0"
             in text
         )
+
+
+def test_lookahead_counts_against_the_cache_limit(gpt2_model_dir):
+    """A request that fills the cache exactly would never fit with the proposer's lookahead slots: it is
+    refused up front instead of waiting forever."""
+    from kvserve.core.errors import CapacityError
+
+    llm = speculative_llm(gpt2_model_dir, None, num_blocks=4, block_size=16)  # 64 slots, gamma 4
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    with pytest.raises(CapacityError, match=r"\(\+ 4 lookahead\) need 5 KV blocks"):
+        llm.generate([[1, 2, 3, 4]], params)
+    fits = llm.generate([[1, 2, 3, 4]], params.with_updates(speculate=False))[0]
+    assert len(fits.outputs[0].token_ids) == 60

@@ -137,11 +137,14 @@ class LLMEngine:
                 f"exceeds this model's context of {limit} tokens",
                 "max_tokens",
             )
-        needed = self.kv_manager.num_blocks_for(num_prompt + max_tokens)
+        # Alone in the cache it must fit whole, with the speculative proposer's lookahead slots.
+        lookahead = self.config.scheduler.num_lookahead_tokens if params.speculate else 0
+        needed = self.kv_manager.num_blocks_for(num_prompt + max_tokens + lookahead)
         if needed > self.num_blocks:
             raise CapacityError(
-                f"prompt + max_tokens = {num_prompt + max_tokens} tokens need {needed} KV blocks; the "
-                f"cache has {self.num_blocks} blocks of {self.config.cache.block_size} tokens",
+                f"prompt + max_tokens = {num_prompt + max_tokens} tokens (+ {lookahead} lookahead) need "
+                f"{needed} KV blocks; the cache has {self.num_blocks} blocks of "
+                f"{self.config.cache.block_size} tokens",
                 "max_tokens",
             )
         return max_tokens
