@@ -338,3 +338,23 @@ def test_server_reports_queue_time_and_resets_prefix_cache(server):
     chunks = [json.loads(e[6:]) for e in after.split("\n\n") if e.startswith("data: {")]
     final = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]][0]
     assert final["metrics"]["num_cached_tokens"] == 0 and final["metrics"]["queue_time_s"] >= 0
+
+
+def test_non_streaming_client_disconnect_aborts(server):
+    before = metric_values(server)
+    body = {"model": MODEL, "prompt": "A very long story:", "max_tokens": 450, "ignore_eos": True,
+            "n": 4}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server}/v1/completions", json=body, timeout=0.5
+        )  # gives up, closes the socket
+    state = wait_until(
+        lambda: (d := httpx.get(f"{server}/debug/engine").json())["num_requests"] == 0 and d,
+        timeout_s=10,
+    )
+    assert state and state["num_free_blocks"] == state["num_blocks"]
+    after = metric_values(server)
+    closed = ("kvserve_request_errors_total", (("error_type", "client_closed_request"),))
+    length = ("kvserve_request_success_total", (("finish_reason", "length"),))
+    assert after.get(closed, 0) - before.get(closed, 0) == 1
+    assert after.get(length, 0) == before.get(length, 0), "it ran to the end instead of aborting"

@@ -198,20 +198,20 @@ def build_app(
             ],
         }
 
-    async def run(job_builder, body):
+    async def run(job_builder, body, request: Request):
         s = serving()
         job = job_builder(s, body)
-        if job.stream:
+        if job.stream:  # Starlette cancels the stream when the client goes away
             return StreamingResponse(s.stream(job), media_type="text/event-stream")
-        return JSONResponse(await s.complete(job))
+        return JSONResponse(await _unless_disconnected(request, s.complete(job)))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
-    async def chat_completions(body: ChatCompletionRequest):
-        return await run(OpenAIServing.chat_job, body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await run(OpenAIServing.chat_job, body, request)
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)])
-    async def completions(body: CompletionRequest):
-        return await run(OpenAIServing.completion_job, body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await run(OpenAIServing.completion_job, body, request)
 
     @app.post("/tokenize", dependencies=[Depends(require_key)])
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -271,3 +271,20 @@ def build_app(
         return await asyncio.to_thread(s.engine.call_in_engine_thread, check)
 
     return app
+
+
+async def _unless_disconnected(request: Request, work, poll_s: float = 0.25):
+    """Await `work`, but cancel it (which aborts its engine requests) if the client disconnects first:
+    nobody would read the answer, and its cache blocks are better spent on others."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client closed the connection", "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()

@@ -286,6 +286,11 @@ class OpenAIServing:
             yield f"data: {json.dumps(error.body())}\n\n"
             yield "data: [DONE]\n\n"
             return
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away mid-stream; leaving this generator aborts the engine requests.
+            self.metrics.observe_error("client_closed_request")
+            self._log(job, "client_closed_request", [])
+            raise
         self._record(job, finals)
         if job.include_usage:
             yield f"data: {json.dumps(self._envelope(job, [], usage=self._usage(job, finals)))}\n\n"
