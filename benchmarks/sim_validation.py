@@ -1,0 +1,344 @@
+"""Validate the simulator against the engine (issue 6, "what it must show" 3).
+
+1. Calibrate: `kvserve simulate --calibrate MODEL` times real engine steps and fits a step profile.
+2. Measure: start `kvserve serve MODEL` with the same engine options and load it with
+   `kvserve bench serve` (open loop, Poisson, forced lengths) at each rate.
+3. Predict, twice per rate, with `kvserve simulate --profile`:
+   - a priori: the same synthetic workload (same seed, lengths, rate, warm-up, count) before
+     looking at the run;
+   - replay: the bench run's own `requests.jsonl` (actual send times, the server's token counts).
+4. Report predicted vs measured TTFT p50/p99, ITL p50/p99 (chunk level) and output tokens/s,
+   with relative errors (predicted / measured - 1), as JSON.
+
+Everything goes through the command line a user would type. On a machine without the embedded demo
+model, a random Llama checkpoint with GPT-2's real tokenizer is built (random weights are enough:
+the step cost does not depend on the values).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/sim_validation.py --rates 0.5,1.5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+METRICS = (
+    ("ttft_p50_s", ("latency_s", "ttft", "p50")),
+    ("ttft_p99_s", ("latency_s", "ttft", "p99")),
+    ("itl_p50_s", ("latency_s", "itl", "p50")),
+    ("itl_p99_s", ("latency_s", "itl", "p99")),
+    ("e2e_p50_s", ("latency_s", "e2e", "p50")),
+    ("output_tokens_per_s", ("throughput", "output_tokens_per_s")),
+)
+
+
+def kvserve(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvserve", *args]
+    print("+ kvserve " + " ".join(args), flush=True)
+    return subprocess.run(cmd, check=True, cwd=ROOT, **kwargs)
+
+
+def model_dir(args: argparse.Namespace, out: Path) -> Path:
+    if args.model:
+        return Path(args.model)
+    demo = ROOT / "kvserve" / "assets" / "demo" / "target"
+    if (demo / "config.json").is_file():
+        return demo
+    from tests.checkpoints import GPT2_TOKENIZER, build_checkpoint
+
+    path = out / "model"
+    if not (path / "config.json").is_file():
+        build_checkpoint(
+            path,
+            "llama_tied",
+            vocab_size=50257,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            bos_token_id=50256,
+            eos_token_id=50256,
+        )
+        for item in GPT2_TOKENIZER.iterdir():
+            shutil.copy(item, path / item.name)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: Path, engine_args: list[str], port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvserve", "serve", str(model), "--port", str(port)]
+    print("+ kvserve serve " + " ".join([str(model), *engine_args]), flush=True)
+    proc = subprocess.Popen(
+        cmd + engine_args,
+        cwd=ROOT,
+        stdout=open(log, "w"),  # noqa: SIM115 - closed with the process
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the server did not become ready in 180 s")
+
+
+def dig(doc: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(key)
+    return doc
+
+
+def compare(predicted: dict, measured: dict) -> dict:
+    out = {}
+    for name, path in METRICS:
+        p, m = dig(predicted, path), dig(measured, path)
+        rel = p / m - 1 if isinstance(p, float | int) and isinstance(m, float | int) and m else None
+        out[name] = {"predicted": p, "measured": m, "relative_error": rel}
+    return out
+
+
+def server_side(run_dir: Path) -> dict:
+    """The server's own means over the run (its /metrics, after minus before): they separate the
+    engine loop's time from HTTP delivery and the client."""
+    from kvserve.bench.prometheus import delta
+
+    before = (run_dir / "server_metrics_before.prom").read_text()
+    after = (run_dir / "server_metrics_after.prom").read_text()
+    out = {}
+    for name in ("inter_token_latency", "time_to_first_token", "request_queue_time"):
+        total = delta(before, after, f"{name}_seconds_sum")
+        count = delta(before, after, f"{name}_seconds_count")
+        out[f"mean_{name}_s"] = total / count if total is not None and count else None
+    return out
+
+
+def means(summary: dict) -> dict:
+    lat = summary["latency_s"]
+    return {
+        "mean_inter_token_latency_s": lat["itl"]["mean"],
+        "mean_time_to_first_token_s": lat["ttft"]["mean"],
+        "mean_queue_time_s": lat.get("queue_time", {}).get("mean"),
+    }
+
+
+def simulate(profile: Path, extra: list[str], out: Path) -> dict:
+    kvserve(
+        "simulate",
+        "--profile",
+        str(profile),
+        "--policy",
+        "on_demand-chunked",
+        "--json",
+        "--output",
+        str(out),
+        *extra,
+        stdout=subprocess.DEVNULL,
+    )
+    doc = json.loads(out.read_text())
+    return doc["runs"][0]["summary"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model dir (default: demo, else a random one)")
+    p.add_argument(
+        "--out",
+        default=str(ROOT / "benchmarks" / "results" / "tmp" / "sim_validation"),
+        help="working directory: model, profile, bench runs, simulations, server log",
+    )
+    p.add_argument(
+        "--json",
+        default=str(ROOT / "benchmarks" / "results" / "sim_validation.json"),
+        help="where the comparison goes",
+    )
+    p.add_argument("--rates", default="0.5,1.5")
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--input-len", default="uniform:64:256")
+    p.add_argument("--output-len", default="uniform:32:128")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--calibrate-budget-s", type=float, default=90.0)
+    args = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model_dir(args, out)
+    engine_args = [
+        "--dtype",
+        "float32",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-model-len",
+        str(args.max_model_len),
+    ]
+    profile = out / "profile.json"
+    kvserve(
+        "simulate",
+        "--calibrate",
+        str(model),
+        "--save",
+        str(profile),
+        "--calibrate-budget-s",
+        str(args.calibrate_budget_s),
+        "--calibrate-max-len",
+        "512",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--chunk-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--dtype",
+        "float32",
+    )
+    port = free_port()
+    server = start_server(
+        model,
+        engine_args + ["--max-num-batched-tokens", str(args.max_num_batched_tokens)],
+        port,
+        out / "server.log",
+    )
+    workload = [
+        "--input-len",
+        args.input_len,
+        "--output-len",
+        args.output_len,
+        "--num-requests",
+        str(args.num_requests),
+        "--warmup",
+        str(args.warmup),
+        "--seed",
+        str(args.seed),
+    ]
+    results = []
+    try:
+        for rate in args.rates.split(","):
+            run_dir = out / f"bench_rate_{rate}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            kvserve(
+                "bench",
+                "serve",
+                "--base-url",
+                f"http://127.0.0.1:{port}",
+                "--endpoint",
+                "completions",
+                "--mode",
+                "forced",
+                "--tokenizer",
+                "server",
+                "--request-rate",
+                rate,
+                "--out",
+                str(run_dir),
+                "--no-plots",
+                "--no-progress",
+                *workload,
+                stdout=subprocess.DEVNULL,
+            )
+            measured = json.loads((run_dir / "summary.json").read_text())
+            a_priori = simulate(
+                profile, workload + ["--request-rate", rate], out / f"sim_a_priori_{rate}.json"
+            )
+            replay = simulate(
+                profile,
+                ["--trace", str(run_dir / "requests.jsonl")],
+                out / f"sim_replay_{rate}.json",
+            )
+            results.append(
+                {
+                    "rate": float(rate),
+                    "measured_realised_rate_rps": dig(measured, ("arrivals", "realised_rate_rps")),
+                    "mean_tokens_per_chunk": dig(
+                        measured, ("tokens_per_chunk", "mean_tokens_per_chunk")
+                    ),
+                    "a_priori": compare(a_priori, measured),
+                    "replay": compare(replay, measured),
+                    "measured_counts": measured.get("counts"),
+                    "means": {
+                        "measured_client": means(measured),
+                        "measured_server": server_side(run_dir),
+                        "replay": means(replay),
+                    },
+                }
+            )
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    fit = json.loads(profile.read_text())["fit"]
+    doc = {
+        "what": "kvserve simulate (calibrated profile, on_demand-chunked = the server's scheduler "
+        "settings) vs kvserve bench serve against a live kvserve serve, same workload",
+        "model": str(model),
+        "engine": json.loads(profile.read_text())["engine"],
+        "calibration_fit": fit,
+        "workload": {
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_requests": args.num_requests,
+            "warmup": args.warmup,
+            "arrivals": "poisson",
+            "mode": "forced length (ignore_eos, min_tokens = max_tokens), /v1/completions",
+            "seed": args.seed,
+        },
+        "host": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+        "results": results,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(doc, indent=1))
+    print_table(results)
+    print(f"written to {args.json}")
+    return 0
+
+
+def print_table(results: list[dict]) -> None:
+    print(
+        f"{'rate':>5} {'metric':>20} {'measured':>10} {'a priori':>10} {'err':>7} {'replay':>10} {'err':>7}"
+    )
+    for r in results:
+        for name, _ in METRICS:
+            a, b = r["a_priori"][name], r["replay"][name]
+
+            def fmt(x):
+                return "-" if x is None else f"{x:.4g}"
+
+            def pct(x):
+                return "-" if x is None else f"{x:+.0%}"
+
+            print(
+                f"{r['rate']:>5g} {name:>20} {fmt(a['measured']):>10} {fmt(a['predicted']):>10} "
+                f"{pct(a['relative_error']):>7} {fmt(b['predicted']):>10} {pct(b['relative_error']):>7}"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
