@@ -4,7 +4,7 @@ The engine runs a designed sweep: batches of 1 .. max_num_seqs requests at a sho
 prompt length (decode steps at many batch sizes and contexts, prompt chunks of many sizes), then
 staggered arrivals that mix prompt chunks into decode steps. Every `LLMEngine.step()` is timed
 whole (schedule + forward + sample + update + detokenise: one iteration of the serving loop), and
-its `SchedulerOutput` is captured by wrapping `schedule` on this engine instance (the scheduler
+its `SchedulerOutput` is read from `LLMEngine.last_scheduler_output` (the scheduler
 itself is untouched). `kvserve.sim.cost.fit_profile` fits the step costs; the profile records
 the engine configuration so the simulator runs the same cache and limits by default.
 """
@@ -34,22 +34,14 @@ class StepRecorder:
         self.engine = engine
         self.loads: list[StepLoad] = []
         self.times_s: list[float] = []
-        self._last = None
-        schedule = engine.scheduler.schedule
-
-        def recording_schedule(now: float = 0.0):
-            self._last = schedule(now)
-            return self._last
-
-        engine.scheduler.schedule = recording_schedule  # this instance only
 
     def step(self, keep: bool = True) -> None:
-        self._last = None
         start = time.perf_counter()
         self.engine.step()
         wall_s = time.perf_counter() - start
-        if keep and self._last is not None and not self._last.empty:
-            self.loads.append(StepLoad.of(self._last))
+        last = self.engine.last_scheduler_output
+        if keep and last is not None and not last.empty:
+            self.loads.append(StepLoad.of(last))
             self.times_s.append(wall_s)
 
     def drain(self, keep: bool = True) -> None:

@@ -72,6 +72,7 @@ class LLMEngine:
         self._grammars = None
         self._grammars_lock = threading.Lock()
         self.on_grammar_compile = None  # callback(seconds), e.g. a metrics histogram
+        self.last_scheduler_output = None  # the latest step's decision (calibration, debugging)
 
     def grammars(self):
         """The grammar compiler cache, built on first use (xgrammar indexes the whole vocabulary)."""
@@ -245,6 +246,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns a snapshot of every request that changed."""
         scheduler_output = self.scheduler.schedule(now=time.monotonic())
+        self.last_scheduler_output = scheduler_output
         now = time.monotonic()
         for new in scheduler_output.new_requests:
             self._samples[new.request_id].completion.metrics.first_scheduled_time = now
