@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
-from kvserve.core.outputs import TokenLogprob
-from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.server.errors import APIError, from_engine_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.responses import Job, ResponseBuilder, server_metrics
 
 logger = logging.getLogger("kvserve.requests")
 
@@ -34,24 +31,6 @@ class ServingOptions:
     log_content: bool = False
 
 
-@dataclass
-class _Job:
-    """One OpenAI request: its prompts (each fanned out to n samples by the engine)."""
-
-    request_id: str
-    kind: str  # "chat" | "completion"
-    stream: bool
-    params: SamplingParams
-    prompt_token_ids: list[list[int]]
-    prompt_texts: list[str | None]
-    include_usage: bool
-    continuous_usage: bool
-    created: int = field(default_factory=lambda: int(time.time()))
-    cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    finished_choices: set[int] = field(default_factory=set)  # streamed finish chunks
-
-
 class OpenAIServing:
     def __init__(
         self, engine: AsyncEngine, options: ServingOptions, metrics: ServerMetrics, fingerprint: str
@@ -61,8 +40,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.fingerprint = fingerprint
         self.tokenizer = engine.tokenizer
-        self._ids = itertools.count()
-        self._token_text = lru_cache(maxsize=65536)(self._decode_token)
+        self.responses = ResponseBuilder(options.served_model_name, fingerprint, engine.tokenizer)
 
     # --- request intake ---------------------------------------------------------------------------------
 
@@ -109,14 +87,14 @@ class OpenAIServing:
         self._require_tokenizer()
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def chat_job(self, request: ChatCompletionRequest) -> _Job:
+    def chat_job(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
         params = request.to_sampling_params()
         text = self.render_chat(request)
         ids = self.encode(text, add_special_tokens=False)
         return self._job("chat", request, params, [ids], [text])
 
-    def completion_job(self, request: CompletionRequest) -> _Job:
+    def completion_job(self, request: CompletionRequest) -> Job:
         self.check_model(request.model)
         params = request.to_sampling_params()
         ids, texts = [], []
@@ -129,7 +107,7 @@ class OpenAIServing:
                 texts.append(None)
         return self._job("completion", request, params, ids, texts)
 
-    def _job(self, kind, request, params, ids, texts) -> _Job:
+    def _job(self, kind, request, params, ids, texts) -> Job:
         for prompt_ids in ids:
             self.engine.validate(prompt_ids, params)
         incoming = len(ids) * params.n
@@ -143,7 +121,7 @@ class OpenAIServing:
                 headers={"Retry-After": "1"},
             )
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return _Job(
+        return Job(
             request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
             kind=kind,
             stream=request.stream,
@@ -157,7 +135,7 @@ class OpenAIServing:
 
     # --- running ----------------------------------------------------------------------------------------
 
-    async def _outputs(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Snapshots of every prompt's request, merged: (prompt index, output)."""
         streams = [
             self.engine.generate(
@@ -204,7 +182,7 @@ class OpenAIServing:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _with_deadline(self, job: _Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _with_deadline(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         timeout = self.options.request_timeout_s
         async with contextlib.aclosing(self._outputs(job)) as outputs:
             try:
@@ -220,7 +198,7 @@ class OpenAIServing:
                     code="request_timeout",
                 ) from None
 
-    async def complete(self, job: _Job) -> dict:
+    async def complete(self, job: Job) -> dict:
         """Run a non-streaming request to the end; returns the response body."""
         finals: dict[int, RequestOutput] = {}
         try:
@@ -232,7 +210,7 @@ class OpenAIServing:
         choices = []
         for index in sorted(finals):
             for completion in finals[index].outputs:
-                choices.append(self._choice(job, index, completion))
+                choices.append(self.responses.choice(job, index, completion))
         self._record(job, finals)
         return {
             "id": job.request_id,
@@ -241,18 +219,18 @@ class OpenAIServing:
             "model": self.options.served_model_name,
             "system_fingerprint": self.fingerprint,
             "choices": choices,
-            "usage": self._usage(job, finals),
-            "metrics": _server_metrics(finals[0].outputs[0]) if finals else None,
+            "usage": self.responses.usage(job, finals),
+            "metrics": server_metrics(finals[0].outputs[0]) if finals else None,
         }
 
-    async def stream(self, job: _Job) -> AsyncIterator[str]:
+    async def stream(self, job: Job) -> AsyncIterator[str]:
         """Server-sent events: role chunk (chat), content deltas, finish chunks, usage, [DONE]."""
         finals: dict[int, RequestOutput] = {}
         latest: dict[int, RequestOutput] = {}
         n = job.params.n
         if job.kind == "chat":
             for index in range(len(job.prompt_token_ids) * n):
-                yield self._sse(
+                yield self.responses.sse(
                     job,
                     [
                         {
@@ -270,13 +248,15 @@ class OpenAIServing:
                 for completion in output.outputs:
                     choice_index = index * n + completion.index
                     if completion.delta_text or completion.delta_logprobs:
-                        yield self._sse(
-                            job, [self._delta_choice(job, choice_index, completion)], latest
+                        yield self.responses.sse(
+                            job,
+                            [self.responses.delta_choice(job, choice_index, completion)],
+                            latest,
                         )
                     if completion.finished and choice_index not in job.finished_choices:
                         job.finished_choices.add(choice_index)
-                        finish = self._finish_choice(job, choice_index, completion)
-                        yield self._sse(job, [finish], latest, _server_metrics(completion))
+                        finish = self.responses.finish_choice(job, choice_index, completion)
+                        yield self.responses.sse(job, [finish], latest, server_metrics(completion))
                 if output.finished:
                     finals[index] = output
         except (APIError, KVServeError) as exc:
@@ -293,132 +273,15 @@ class OpenAIServing:
             raise
         self._record(job, finals)
         if job.include_usage:
-            yield f"data: {json.dumps(self._envelope(job, [], usage=self._usage(job, finals)))}\n\n"
+            yield f"data: {json.dumps(self.responses.envelope(job, [], usage=self.responses.usage(job, finals)))}\n\n"
         yield "data: [DONE]\n\n"
 
-    # --- response pieces --------------------------------------------------------------------------------
-
-    def _envelope(self, job: _Job, choices: list[dict], usage=None, with_usage_key=False) -> dict:
-        body = {
-            "id": job.request_id,
-            "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
-            "created": job.created,
-            "model": self.options.served_model_name,
-            "system_fingerprint": self.fingerprint,
-            "choices": choices,
-        }
-        if usage is not None or with_usage_key:
-            body["usage"] = usage
-        return body
-
-    def _sse(
-        self, job: _Job, choices: list[dict], latest: dict[int, RequestOutput], metrics=None
-    ) -> str:
-        usage = self._usage(job, latest) if job.continuous_usage else None
-        body = self._envelope(job, choices, usage=usage, with_usage_key=job.include_usage)
-        if metrics:
-            body["metrics"] = metrics
-        return f"data: {json.dumps(body)}\n\n"
-
-    def _delta_choice(self, job: _Job, index: int, c: CompletionOutput) -> dict:
-        logprobs = self._logprobs(job, c.delta_logprobs) if c.delta_logprobs else None
-        if job.kind == "chat":
-            return {
-                "index": index,
-                "delta": {"content": c.delta_text},
-                "logprobs": logprobs,
-                "finish_reason": None,
-            }
-        return {"index": index, "text": c.delta_text, "logprobs": logprobs, "finish_reason": None}
-
-    def _finish_choice(self, job: _Job, index: int, c: CompletionOutput) -> dict:
-        if job.kind == "chat":
-            choice = {
-                "index": index,
-                "delta": {},
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-        else:
-            choice = {
-                "index": index,
-                "text": "",
-                "logprobs": None,
-                "finish_reason": c.finish_reason,
-            }
-        return _with_structured(choice, c)
-
-    def _choice(self, job: _Job, prompt_index: int, c: CompletionOutput) -> dict:
-        index = prompt_index * job.params.n + c.index
-        logprobs = self._logprobs(job, c.logprobs) if c.logprobs is not None else None
-        if job.kind == "chat":
-            return _with_structured(
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
-                },
-                c,
-            )
-        return _with_structured(
-            {
-                "index": index,
-                "text": c.text,
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
-            },
-            c,
-        )
-
-    def _decode_token(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
-
-    def _logprobs(self, job: _Job, entries: list[TokenLogprob]) -> dict:
-        text = self._token_text
-        if job.kind == "chat":
-            return {
-                "content": [
-                    {
-                        "token": text(e.token_id),
-                        "logprob": e.logprob,
-                        "bytes": list(text(e.token_id).encode()),
-                        "top_logprobs": [
-                            {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
-                            for t, lp in e.top
-                        ],
-                    }
-                    for e in entries
-                ]
-            }
-        tokens = [text(e.token_id) for e in entries]
-        offsets = list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]])) if tokens else []
-        return {
-            "tokens": tokens,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
-            "text_offset": offsets,
-        }
-
-    def _usage(self, job: _Job, outputs: dict[int, RequestOutput]) -> dict:
-        prompt_tokens = sum(len(ids) for ids in job.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
-        cached = sum(o.num_cached_tokens for o in outputs.values())
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def _record(self, job: _Job, finals: dict[int, RequestOutput]) -> None:
+    def _record(self, job: Job, finals: dict[int, RequestOutput]) -> None:
         completions = [c for o in finals.values() for c in o.outputs]
         self.metrics.observe_completion(sum(len(i) for i in job.prompt_token_ids), completions)
         self._log(job, "ok", completions)
 
-    def _log(self, job: _Job, outcome: str, completions: list[CompletionOutput]) -> None:
+    def _log(self, job: Job, outcome: str, completions: list[CompletionOutput]) -> None:
         record = {
             "request_id": job.request_id,
             "kind": job.kind,
@@ -438,28 +301,3 @@ class OpenAIServing:
             record["prompts"] = job.prompt_texts
             record["outputs"] = [c.text for c in completions]
         logger.info("request %s", json.dumps(record))
-
-
-def _server_metrics(completion: CompletionOutput) -> dict | None:
-    """Server-side timings of one sample (a kvserve extension; clients that do not know it ignore it):
-    queue time is admission - arrival, which a client cannot measure (spec section 1)."""
-    m = completion.metrics
-    if m is None:
-        return None
-    return {
-        "queue_time_s": m.queue_time_s,
-        "ttft_s": m.ttft_s,
-        "e2e_s": None if m.finished_time is None else m.finished_time - m.arrival_time,
-        "num_cached_tokens": completion.num_cached_tokens,
-        "num_preemptions": m.num_preemptions,
-        "num_spec_proposed": completion.num_spec_proposed,
-        "num_spec_accepted": completion.num_spec_accepted,
-    }
-
-
-def _with_structured(choice: dict, completion: CompletionOutput) -> dict:
-    """Constrained outputs say whether the document is complete: one cut short by max_tokens (finish
-    reason `length`) or a stop string may not parse, and the response must not suggest otherwise."""
-    if completion.structured_complete is not None:
-        choice["structured_output"] = {"complete": completion.structured_complete}
-    return choice
