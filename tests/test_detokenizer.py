@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,3 +83,46 @@ def test_engine_stop_string_truncates_and_frees(gpt2_model_dir):
     assert free_run.token_ids[: len(stopped.token_ids)] == stopped.token_ids
     llm.engine.check_invariants()
     assert llm.engine.num_free_blocks() == 32
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer(tmp_path_factory):
+    """A SentencePiece-style tokenizer (Metaspace "▁" word starts, byte fallback), as Llama 2 and Mistral
+    use: decoding a token on its own drops its leading space, so streaming must keep context."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    tok.decoder = decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)
+    ])  # fmt: skip
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"])
+    corpus = [
+        "the quick brown fox jumps over the lazy dog",
+        "hello world, said the café owner",
+    ] * 50
+    tok.train_from_iterator(corpus, trainer)
+    spec = json.loads(tok.to_str())  # byte pieces join the model's own vocabulary, as in Llama 2
+    vocab = spec["model"]["vocab"]
+    for i in range(256):
+        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(spec))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")  # fmt: skip
+
+
+def test_metaspace_streaming_keeps_word_spaces(metaspace_tokenizer):
+    tok = metaspace_tokenizer
+    assert (
+        tok.decode(tok.encode("the fox", add_special_tokens=False)[1:]) == "fox"
+    )  # space dropped alone
+    text = "the quick fox said hello to the café 🙂 owner"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(
+        tok, tuple(tok.encode("Say:", add_special_tokens=False)), SamplingParams()
+    )
+    deltas = [detok.update([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+    assert "".join(deltas) == " " + tok.decode(ids)  # a continuation after the prompt starts a word
+    assert all("\ufffd" not in d for d in deltas)

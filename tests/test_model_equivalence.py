@@ -64,3 +64,19 @@ def test_unknown_architecture_is_a_clear_error(tmp_path, llama_dir):
         UnsupportedModelError, match="gpt_neox.*supported: llama, mistral, qwen2, qwen3"
     ):
         LLM(str(tmp_path), num_blocks=8)
+
+
+def test_repetition_penalty_matches_transformers(checkpoints):
+    """HF's RepetitionPenaltyLogitsProcessor is the oracle: divide positive logits, multiply negative
+    ones, over every token already in the sequence (prompt and output)."""
+    model_dir, hf_model = checkpoints["llama"]
+    hf_model.generation_config.eos_token_id = None
+    hf_model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        generated = hf_model.generate(
+            torch.tensor([PROMPT]), max_new_tokens=32, do_sample=False, repetition_penalty=1.5
+        )
+    expected = generated[0, len(PROMPT) :].tolist()
+    llm = LLM(str(model_dir), num_blocks=64)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, repetition_penalty=1.5)
+    assert llm.generate([PROMPT], params)[0].outputs[0].token_ids == expected
