@@ -117,6 +117,8 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     # Buffers (rotary cos/sin) were on meta: rebuild them for real.
     model.rotary.build(device)
+    if torch.device(device).type == "cpu":
+        model.use_transposed_weights()
     unused = sorted(set(checkpoint) - used)
     if unused:
         logger.warning(
