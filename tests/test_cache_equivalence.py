@@ -28,9 +28,7 @@ def shifted_rope(llm: LLM, shift: int, from_position: int):
     invisible: RoPE attention depends only on position differences.)"""
     rotary = llm.engine.runner.model.rotary
     original = rotary.forward
-    rotary.forward = lambda positions, q, k: original(
-        positions + shift * (positions >= from_position), q, k
-    )
+    rotary.forward = lambda positions: original(positions + shift * (positions >= from_position))
     try:
         yield
     finally:

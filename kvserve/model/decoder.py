@@ -14,7 +14,7 @@ from kvserve.config import ModelConfig
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, write_kv
 from kvserve.model.linear import transpose_linears
 from kvserve.model.registry import ArchSpec
-from kvserve.model.rope import RotaryEmbedding
+from kvserve.model.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -25,14 +25,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as Hugging Face: normalise in fp32, cast back, then scale.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, arch: ArchSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, arch: ArchSpec) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -45,12 +42,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = rotary
 
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden_size]
-        positions: torch.Tensor,  # [T]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, head_dim / 2]
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         backend: AttentionBackend,
@@ -62,7 +58,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = backend(q, k_cache, v_cache, meta, self.scale)  # [T, num_heads, head_dim]
@@ -86,16 +82,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, arch: ArchSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, arch: ArchSpec) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, arch, rotary)
+        self.self_attn = Attention(config, arch)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, positions, kv_cache, meta, backend) -> torch.Tensor:
+    def forward(self, hidden, rope, kv_cache, meta, backend) -> torch.Tensor:
         hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), positions, kv_cache, meta, backend
+            self.input_layernorm(hidden), rope, kv_cache, meta, backend
         )
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -109,9 +105,7 @@ class DecoderLM(nn.Module):
         self.arch = arch
         self.rotary = RotaryEmbedding(config, max_positions)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, arch, self.rotary) for _ in range(config.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, arch) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -128,8 +122,9 @@ class DecoderLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, kv_cache, meta, backend)
+            hidden = layer(hidden, rope, kv_cache, meta, backend)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -69,13 +69,18 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", freqs.cos().to(device), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for a step's positions [T], each [T, 1, head_dim / 2]: gathered once per step and
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
+    cos, sin = rope
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
