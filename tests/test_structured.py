@@ -234,3 +234,18 @@ def test_json_strings_never_hold_raw_control_characters(llm):
     completion = llm.generate(["x"], params)[0].outputs[0]
     assert completion.finish_reason == "stop"
     jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_parallel_samples_each_follow_the_grammar(llm):
+    schema = SCHEMAS["enum_and_bounded_integer"]
+    params = SamplingParams(
+        n=3, max_tokens=40, temperature=1.0, seed=4,
+        structured=StructuredOutput("json_schema", json.dumps(schema)),
+    )  # fmt: skip
+    output = llm.generate(["Output:"], params)[0]
+    assert len(output.outputs) == 3
+    for completion in output.outputs:
+        if completion.finish_reason == "stop":
+            jsonschema.validate(json.loads(completion.text), schema)
+    assert len({c.text for c in output.outputs}) > 1
+    assert llm.engine.num_free_blocks() == 512
