@@ -1,0 +1,131 @@
+"""Decode speed beside llama.cpp, the strongest CPU peer: the same fp32 weights, the same threads.
+
+llama.cpp is not a dependency: build its `llama-bench` and `llama-batched-bench` yourself and convert the
+checkpoint with its `convert_hf_to_gguf.py --outtype f32`; pass the paths. Weights are fp32 on both sides; the
+KV cache is fp32 in kvserve and in llama-batched-bench, f16 in llama-bench (this build refuses `-ctk f32` there;
+at these contexts the cache is a small share of the bytes a step reads).
+
+Definitions, the same on both sides:
+  prefill tok/s = prompt tokens / time to process the prompt (llama-bench `pp`; kvserve: first token - first
+                  scheduled, which also holds one sampling step)
+  decode tok/s  = generated tokens after the first / decode time (llama-bench `tg`, llama-batched-bench
+                  `S_TG`; kvserve: per request (n - 1) / (last token - first token), summed over the batch)
+
+    .venv/bin/python benchmarks/peer_llamacpp.py --hf-dir DIR --gguf FILE \
+        --llama-bench BIN --llama-batched-bench BIN [--threads 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+
+def kvserve_point(llm, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    import torch
+
+    from kvserve import SamplingParams
+
+    gen = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(
+        3, llm.engine.config.model.vocab_size, (batch, prompt_len), generator=gen
+    )
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:1].tolist(), params.with_updates(max_tokens=4))  # warm-up
+    llm.engine.kv_manager.pool.reset_prefix_cache()
+    outputs = llm.generate(prompts.tolist(), params)
+    metrics = [o.outputs[0].metrics for o in outputs]
+    first = min(m.first_scheduled_time for m in metrics)
+    prefill_s = max(m.first_token_time for m in metrics) - first
+    decode_start = max(m.first_token_time for m in metrics)
+    decode_end = max(m.finished_time for m in metrics)
+    return {
+        "batch": batch,
+        "prefill_tok_s": batch * prompt_len / prefill_s,
+        "decode_tok_s": batch * (new_tokens - 1) / (decode_end - decode_start),
+    }
+
+
+def llama_bench(binary: str, gguf: str, threads: int, prompt_len: int, new_tokens: int) -> dict:
+    cmd = [binary, "-m", gguf, "-p", str(prompt_len), "-n", str(new_tokens), "-t", str(threads),
+           "-r", "3", "-o", "json"]  # fmt: skip
+    rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    out = {"command": " ".join(cmd)}
+    for row in rows:
+        key = "prefill_tok_s" if row["n_prompt"] else "decode_tok_s"
+        out[key] = row["avg_ts"]
+        out["build"] = row.get("build_commit")
+    return out
+
+
+def llama_batched_bench(
+    binary: str, gguf: str, threads: int, batch: int, prompt_len: int, new_tokens: int
+) -> dict:
+    ctx = batch * (prompt_len + new_tokens) + 64
+    cmd = [binary, "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512", "-t", str(threads),
+           "-ctk", "f32", "-ctv", "f32", "-npp", str(prompt_len), "-ntg", str(new_tokens),
+           "-npl", str(batch)]  # fmt: skip
+    stdout = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 10 and re.fullmatch(r"\d+", cells[0]) and int(cells[2]) == batch:
+            return {"command": " ".join(cmd), "batch": batch, "prefill_tok_s": float(cells[5]),
+                    "decode_tok_s": float(cells[7])}  # fmt: skip
+    raise RuntimeError(f"could not read llama-batched-bench output:\n{stdout}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--llama-bench", required=True)
+    parser.add_argument("--llama-batched-bench", required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--out", default="benchmarks/results/peer_llamacpp.json")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from kvserve import LLM
+
+    llm = LLM(args.hf_dir, max_num_seqs=64, kv_cache_memory_bytes=512 * 1024**2)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ours = kvserve_point(llm, batch, args.prompt_len, args.new_tokens)
+        if batch == 1:
+            theirs = llama_bench(
+                args.llama_bench, args.gguf, args.threads, args.prompt_len, args.new_tokens
+            )
+        else:
+            theirs = llama_batched_bench(args.llama_batched_bench, args.gguf, args.threads, batch,
+                                         args.prompt_len, args.new_tokens)  # fmt: skip
+        row = {"batch": batch, "kvserve": ours, "llama.cpp": theirs,
+               "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"]}  # fmt: skip
+        rows.append(row)
+        print(
+            f"batch {batch:2d}: decode kvserve {ours['decode_tok_s']:8.1f} tok/s, llama.cpp "
+            f"{theirs['decode_tok_s']:8.1f} tok/s (x{row['decode_ratio']:.2f}); prefill kvserve "
+            f"{ours['prefill_tok_s']:8.1f}, llama.cpp {theirs['prefill_tok_s']:8.1f} tok/s"
+        )
+    report = {
+        "benchmark": "peer_llamacpp", "hf_dir": args.hf_dir, "gguf": args.gguf,
+        "dtype": "float32 weights both sides; KV fp32 (llama-bench: f16)", "threads": args.threads,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "machine": platform.platform(), "rows": rows,
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
