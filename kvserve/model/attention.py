@@ -127,7 +127,7 @@ def torch_reference_attention(
     One batched SDPA call for all single-token chunks (keys gathered through a padded block table and masked
     by context length), one call per multi-token chunk.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if meta.multi else None
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if meta.single is not None:
         group = meta.single
@@ -142,10 +142,13 @@ def torch_reference_attention(
         )
         keys = keys[:, :max_context].transpose(1, 2)
         values = values[:, :max_context].transpose(1, 2)
-        queries = q[group.rows].unsqueeze(2)  # [B, num_heads, 1, head_dim]
+        only_single = not meta.multi  # then the rows are 0 .. T-1 in order: no gather, no scatter
+        queries = (q if only_single else q[group.rows]).unsqueeze(2)  # [B, num_heads, 1, head_dim]
         attended = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
         )
+        if only_single:
+            return attended.squeeze(2)
         out[group.rows] = attended.squeeze(2)
     for chunk in meta.multi:
         num_blocks = chunk.block_ids.shape[0]

@@ -80,7 +80,9 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # q: [T, num_heads, head_dim]; k: [T, num_kv_heads, head_dim]
     cos, sin = rope
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    num_heads = q.shape[1]
+    rotated = _rotate(torch.cat([q, k], dim=1), cos, sin)  # one pass over q and k heads together
+    return rotated[:, :num_heads], rotated[:, num_heads:]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
