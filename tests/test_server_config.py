@@ -1,0 +1,58 @@
+"""Server configuration: a model without a chat template, --chat-template, and what request logs carry."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+from tests.server_utils import running_server
+
+pytestmark = pytest.mark.slow
+
+SECRET_PROMPT = "my password is hunter2"
+MESSAGES = [{"role": "user", "content": SECRET_PROMPT}]
+
+
+@pytest.fixture(scope="module")
+def no_template_dir(gpt2_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("no-template")
+    for item in gpt2_model_dir.iterdir():
+        if item.name != "chat_template.jinja":
+            shutil.copy(item, path / item.name)
+    return path
+
+
+def test_missing_chat_template_and_private_logs(no_template_dir, tmp_path):
+    log = tmp_path / "server.log"
+    args = ("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--log-level", "info")
+    with running_server(no_template_dir, *args, log_path=log) as (url, _):
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES})
+        assert chat.status_code == 400
+        assert "--chat-template" in chat.json()["error"]["message"]
+        done = httpx.post(f"{url}/v1/completions", json={"prompt": SECRET_PROMPT, "max_tokens": 3})
+        assert done.status_code == 200
+        request_id = done.json()["id"]
+    text = log.read_text()
+    assert request_id in text and '"prompt_tokens"' in text and '"finish_reasons"' in text
+    assert SECRET_PROMPT not in text and "hunter2" not in text
+
+
+def test_chat_template_flag_and_log_content(no_template_dir, tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}A:"
+    )
+    log = tmp_path / "server.log"
+    args = ("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--log-level", "info",
+            "--chat-template", str(template), "--log-content")  # fmt: skip
+    with running_server(no_template_dir, *args, log_path=log) as (url, _):
+        chat = httpx.post(
+            f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3}
+        )
+        assert chat.status_code == 200
+        tokens = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+        rendered = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json()
+        assert rendered["prompt"] == f"user: {SECRET_PROMPT}\nA:"
+    assert SECRET_PROMPT in log.read_text()  # content logging was asked for explicitly
