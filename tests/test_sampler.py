@@ -142,3 +142,25 @@ def test_n_samples_share_prompt_and_differ(llm):
     again = llm.generate([prompt], params)[0]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
     assert llm.engine.num_free_blocks() == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_n_samples_share_prompt_blocks_by_reference(llama_dir, prefix_caching):
+    llm = LLM(str(llama_dir), num_blocks=64, enable_prefix_caching=prefix_caching)
+    engine = llm.engine
+    prompt = list(range(3, 40))  # 37 tokens: two full blocks and a partial one
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=2, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    shared = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        tables = [engine.kv_manager.block_ids(f"r-{i}") for i in range(3)]
+        if all(tables):
+            assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # the full prompt blocks
+            assert len({t[2] for t in tables}) == 3  # each computes its own partial block
+            ref_counts = [engine.kv_manager.pool.blocks[b].ref_cnt for b in tables[0][:2]]
+            assert ref_counts == [3, 3]
+            shared = True
+        engine.check_invariants()
+    assert shared
+    assert engine.num_free_blocks() == 64

@@ -54,6 +54,8 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
+    # A sibling sample of the same prompt whose full prompt blocks this request may share (n > 1).
+    prompt_source_id: str | None = None
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
 

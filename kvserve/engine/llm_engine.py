@@ -1,8 +1,8 @@
 """The engine core loop: schedule -> execute -> update, plus request intake and text output.
 
 `LLMEngine` is synchronous and single-threaded; the offline `LLM` API and the async front end both drive it.
-A request with n > 1 samples fans out into n scheduler requests (`{id}-{i}`); with prefix caching on, samples
-1..n-1 are admitted once sample 0 has computed the prompt, so they reuse its full prompt blocks.
+A request with n > 1 samples fans out into n scheduler requests (`{id}-{i}`); samples 1..n-1 are admitted once
+sample 0 has computed the prompt and share its full prompt blocks by reference (with or without prefix caching).
 """
 
 from __future__ import annotations
@@ -204,13 +204,11 @@ class LLMEngine:
             self._samples[sample_id] = sample
             requests.append(request)
         self._parents[request_id] = parent
-        share_prompt = params.n > 1 and self.config.cache.enable_prefix_caching
+        # Samples 1..n-1 wait for sample 0 to compute the prompt, then share its full prompt blocks.
         self.scheduler.add_request(requests[0])
-        if share_prompt:
-            parent.pending = requests[1:]
-        else:
-            for request in requests[1:]:
-                self.scheduler.add_request(request)
+        for request in requests[1:]:
+            request.prompt_source_id = requests[0].request_id
+        parent.pending = requests[1:]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request (all its samples) now; its blocks return to the pool."""
@@ -267,7 +265,7 @@ class LLMEngine:
         outputs = []
         for parent in touched.values():
             if parent.pending and parent.samples[0].completion.token_ids:
-                for request in parent.pending:  # sample 0's prompt blocks are cached now
+                for request in parent.pending:  # sample 0 has computed the prompt now
                     self.scheduler.add_request(request)
                 parent.pending = []
             outputs.append(self._snapshot(parent))

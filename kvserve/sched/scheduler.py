@@ -126,7 +126,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            computed_ids, num_cached = self.kv.get_computed_blocks(request)
+            computed_ids, num_cached = self._computed_prefix(request)
             num_new = min(request.num_tokens - num_cached, budget)
             lookahead = self._lookahead(request)
             if self.config.admission == "reserve":
@@ -162,6 +162,20 @@ class Scheduler:
             finished_request_ids=finished_ids,
             preempted_request_ids=tuple(r.request_id for r in preempted),
         )
+
+    def _computed_prefix(self, request: Request) -> tuple[list[int], int]:
+        """Blocks a request being admitted need not compute: its prompt sibling's full prompt blocks
+        (shared by reference, with or without prefix caching), else the longest prefix-cache hit."""
+        hits, num_cached = self.kv.get_computed_blocks(request)
+        source = self.requests.get(request.prompt_source_id or "")
+        if source is not None and source.status is RequestStatus.RUNNING:
+            block_size = self.kv.block_size
+            # Full blocks of the shared prompt that the source has computed; the last prompt token
+            # always stays to be computed (it yields the first sample).
+            num_full = min(request.num_prompt_tokens - 1, source.num_computed_tokens) // block_size
+            if num_full * block_size > num_cached:
+                return self.kv.block_ids(source.request_id)[:num_full], num_full * block_size
+        return hits, num_cached
 
     def _lookahead(self, request: Request) -> int:
         return self.config.num_lookahead_tokens if request.sampling_params.speculate else 0
