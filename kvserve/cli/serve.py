@@ -19,7 +19,9 @@ def register(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--served-model-name", default=None, help="name clients use (default: dir name)"
+        "--served-model-name",
+        default=None,
+        help="name clients use (default: the directory's name; kvserve-demo for the embedded model)",
     )
     parser.add_argument(
         "--api-key",
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     config = build_engine_config(model_dir, **options)  # fail fast on bad options, before binding
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     serving = ServingOptions(
-        served_model_name=args.served_model_name or model_dir.resolve().name,
+        served_model_name=args.served_model_name
+        or ("kvserve-demo" if args.model is None else model_dir.resolve().name),
         max_waiting=args.max_waiting,
         request_timeout_s=args.request_timeout,
         chat_template=chat_template,
