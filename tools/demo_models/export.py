@@ -93,9 +93,33 @@ def training_summary(run_dir: Path) -> dict:
     steps = [r for r in records if "heldout_code" in r]
     return {
         "start": start,
+        "resumes": [r for r in records if r.get("event") == "resume"],
         "done": done[-1] if done else None,
         "last_eval": steps[-1] if steps else None,
     }
+
+
+def resume_lines(summary: dict) -> list[str]:
+    """One line per resumed segment. A resume may extend the run: the cosine schedule is then recomputed
+    for the new step count, so the learning rate steps up where the longer schedule says it should be."""
+    lines, steps, last_step = [], summary["start"]["args"]["steps"], None
+    for r in summary["resumes"]:
+        if r["step"] == last_step:
+            lines.append(f"- restarted again from the step-{r['step']:,d} checkpoint (the previous run was killed)")
+            continue
+        last_step = r["step"]
+        where = r.get("hardware", "the same machine (this trainer version did not record threads)")
+        lines.append(f"- resumed at step {r['step']:,d} on {where}")
+        if r.get("steps", steps) != steps:
+            lines.append(f"  with the schedule extended from {steps:,d} to {r['steps']:,d} steps")
+            steps = r["steps"]
+    final = (summary["done"] or {}).get("step", steps)
+    if final > steps:
+        lines.append(
+            f"- the run was extended from {steps:,d} to {final:,d} steps on resume; the cosine schedule is "
+            "recomputed for the longer run, so the learning rate steps up at the resume point"
+        )
+    return lines
 
 
 def model_card(
@@ -125,7 +149,9 @@ def model_card(
         "",
         f"- tokens seen: {done.get('tokens_seen', 0):,d} ({done.get('step', 0):,d} steps of "
         f"{start['tokens_per_step']:,d} tokens, half code and half prose)",
-        f"- training time: {done.get('train_s', 0) / 3600:.2f} h on {start.get('hardware', start['device'])}",
+        f"- training time: {done.get('train_s', 0) / 3600:.2f} h of step time, started on "
+        f"{start.get('hardware', start['device'])}",
+        *resume_lines(summary),
         f"- optimiser: AdamW (0.9, 0.95), peak lr {start['args']['lr']}, {start['args']['warmup_steps']} "
         f"warm-up steps, cosine to 10%, weight decay {start['args']['weight_decay']}, "
         f"gradient clip {start['args']['grad_clip']}, seed {start['args']['seed']}",

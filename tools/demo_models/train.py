@@ -58,6 +58,16 @@ class BatchSampler:
         return np.stack(rows).astype(np.int64)  # [batch_size, seq_len + 1]
 
 
+def finished_step(run_dir: Path) -> int:
+    """The step of the run's last export to final/, or -1. A larger --steps extends a finished run: it
+    resumes from checkpoint.pt (written at the end of every run) and overwrites final/."""
+    log = run_dir / "train.log"
+    if not (run_dir / "final" / "config.json").exists() or not log.exists():
+        return -1
+    done = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("event") == "done"]
+    return done[-1]["step"] if done else -1
+
+
 def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int) -> float:
     if step < warmup_steps:
         return peak_lr * (step + 1) / warmup_steps
@@ -188,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         else contextlib.nullcontext
     )
     run_dir = args.run_dir or RUNS_DIR / args.model
-    if not args.measure and (run_dir / "final" / "config.json").exists():
+    if not args.measure and finished_step(run_dir) >= args.steps:
         print(f"{run_dir}: already finished, nothing to do")
         return
 
@@ -273,7 +283,16 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
     else:
-        emit({"event": "resume", "step": step, "train_s": round(train_s, 1)})
+        emit(
+            {
+                "event": "resume",
+                "step": step,
+                "train_s": round(train_s, 1),
+                "steps": args.steps,
+                "lr": args.lr,
+                "hardware": hardware_description(args.device, args.threads),
+            }
+        )
     model.train()
     last_ckpt = time.perf_counter()
     window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
