@@ -70,6 +70,17 @@ def test_prompt_plus_max_tokens_beyond_context(llm):
         llm.generate([[3] * 128], SamplingParams(max_tokens=None))
 
 
+def test_scoring_may_use_the_whole_context(llm):
+    """Scoring generates nothing, so a window of exactly max_model_len is valid (perplexity windows)."""
+    assert tuple(llm.engine.score([3] * 128).shape) == (128, 256)
+    with pytest.raises(ContextLengthError, match="129 tokens exceed this model's context of 128"):
+        llm.engine.score([3] * 129)
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+        llm.engine.score([3, 256])
+    llm.engine.kv_manager.check_invariants()
+    assert llm.engine.kv_manager.num_free_blocks == 16
+
+
 def test_request_larger_than_the_whole_cache(llama_dir):
     small = LLM(str(llama_dir), num_blocks=2, block_size=16)
     with pytest.raises(

@@ -100,20 +100,24 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
 
-    def validate(
-        self, prompt_token_ids: list[int] | tuple[int, ...], params: SamplingParams
-    ) -> int:
-        """Check a request against the model and the cache; returns its resolved max_tokens."""
-        num_prompt = len(prompt_token_ids)
-        if num_prompt == 0:
+    def _validate_token_ids(self, token_ids: list[int] | tuple[int, ...]) -> None:
+        if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
         vocab = self.config.model.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
                 f"prompt contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                 "prompt",
             )
+
+    def validate(
+        self, prompt_token_ids: list[int] | tuple[int, ...], params: SamplingParams
+    ) -> int:
+        """Check a request against the model and the cache; returns its resolved max_tokens."""
+        self._validate_token_ids(prompt_token_ids)
+        num_prompt = len(prompt_token_ids)
+        vocab = self.config.model.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidRequestError(
                 f"logit_bias names token ids >= vocab size {vocab}", "logit_bias"
@@ -338,7 +342,12 @@ class LLMEngine:
         import torch
 
         token_ids = tuple(token_ids)
-        self.validate(token_ids, SamplingParams(max_tokens=1))
+        self._validate_token_ids(token_ids)  # scoring generates nothing: the whole context is usable
+        if len(token_ids) > self.max_model_len:
+            raise ContextLengthError(
+                f"{len(token_ids)} tokens exceed this model's context of {self.max_model_len} tokens",
+                "prompt",
+            )
         request = Request(
             request_id=f"score-{next(_score_ids)}",
             prompt_token_ids=token_ids,
