@@ -10,18 +10,24 @@ engines must produce identical tokens first (spec section 3: a speed claim needs
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _report import write_report  # benchmarks/ is on sys.path when a script runs
 
 SMOLLM2_135M_SHAPE = dict(
-    vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, intermediate_size=1536, max_position_embeddings=2048,
-    tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000.0,
+    vocab_size=49152,
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
 )
 
 
@@ -40,10 +46,11 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, li
     ids = torch.tensor(prompts)
     with torch.inference_mode():
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
+        )
         elapsed = time.perf_counter() - start
-    return elapsed, out[:, ids.shape[1]:].tolist()
+    return elapsed, out[:, ids.shape[1] :].tolist()
 
 
 def time_kvserve(llm, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -78,7 +85,10 @@ def main() -> None:
             time_kvserve(llm, prompts[:1], 4)  # warm-up
             time_hf(hf_model, prompts[:1], 4)
             row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
-            for name, fn, engine in (("kvserve", time_kvserve, llm), ("transformers", time_hf, hf_model)):
+            for name, fn, engine in (
+                ("kvserve", time_kvserve, llm),
+                ("transformers", time_hf, hf_model),
+            ):
                 times, tokens = [], None
                 for _ in range(args.repeats):
                     elapsed, tokens = fn(engine, prompts, args.new_tokens)
@@ -91,7 +101,9 @@ def main() -> None:
                 }
             same = row["kvserve"]["tokens"] == row["transformers"]["tokens"]
             row["identical_tokens"] = same
-            row["speedup"] = row["kvserve"]["output_tokens_per_s"] / row["transformers"]["output_tokens_per_s"]
+            row["speedup"] = (
+                row["kvserve"]["output_tokens_per_s"] / row["transformers"]["output_tokens_per_s"]
+            )
             for name in ("kvserve", "transformers"):
                 del row[name]["tokens"]
             results.append(row)
@@ -107,12 +119,9 @@ def main() -> None:
         "dtype": "float32",
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "machine": platform.platform(),
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import subprocess
-from pathlib import Path
+
+from _report import write_report  # benchmarks/ is on sys.path when a script runs
 
 
 def kvserve_point(llm, batch: int, prompt_len: int, new_tokens: int) -> dict:
@@ -120,11 +120,9 @@ def main() -> None:
         "benchmark": "peer_llamacpp", "hf_dir": args.hf_dir, "gguf": args.gguf,
         "dtype": "float32 weights both sides; KV fp32 (llama-bench: f16)", "threads": args.threads,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "machine": platform.platform(), "rows": rows,
+        "rows": rows,
     }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
+
+from _report import write_report  # benchmarks/ is on sys.path when a script runs
 
 HELDOUT = Path(__file__).resolve().parents[1] / "tools" / "demo_models" / "work" / "corpus"
 COPY_TASK = (
@@ -141,11 +142,9 @@ def main() -> None:
     report = {
         "benchmark": "spec_decode", "target": target, "draft": draft, "max_tokens": args.max_tokens,
         "mode": "greedy, batch 1, forced length (ignore_eos)", "torch_threads": torch.get_num_threads(),
-        "machine": platform.platform(), "rows": rows,
+        "rows": rows,
     }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

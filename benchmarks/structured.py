@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
-from pathlib import Path
+
+from _report import write_report  # benchmarks/ is on sys.path when a script runs
 
 # Long documents: an array of small objects with no upper bound, so requests run to max_tokens mostly.
 SCHEMA = {
@@ -115,11 +115,9 @@ def main() -> None:
         "benchmark": "structured", "model": model, "vocab_size": vocab, "schema": SCHEMA,
         "max_tokens": args.max_tokens, "sampling": "temperature 1.0, seeded per request",
         "grammar_library": "xgrammar", "torch_threads": torch.get_num_threads(),
-        "machine": platform.platform(), "rows": rows,
+        "rows": rows,
     }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,9 @@ def test_draft_speculates_for_the_target_exactly():
     spec = LLM(target, num_blocks=64, speculative_model=draft, num_speculative_tokens=4)
     output = spec.generate(PROMPTS["code"], params)[0].outputs[0]
     assert output.token_ids == plain.token_ids
-    assert output.num_spec_accepted > 0, "trained on the same text, the draft should agree sometimes"
+    assert output.num_spec_accepted > 0, (
+        "trained on the same text, the draft should agree sometimes"
+    )
 
 
 def test_assets_are_small():

@@ -342,7 +342,9 @@ class LLMEngine:
         import torch
 
         token_ids = tuple(token_ids)
-        self._validate_token_ids(token_ids)  # scoring generates nothing: the whole context is usable
+        self._validate_token_ids(
+            token_ids
+        )  # scoring generates nothing: the whole context is usable
         if len(token_ids) > self.max_model_len:
             raise ContextLengthError(
                 f"{len(token_ids)} tokens exceed this model's context of {self.max_model_len} tokens",

@@ -105,7 +105,9 @@ def resume_lines(summary: dict) -> list[str]:
     lines, steps, last_step = [], summary["start"]["args"]["steps"], None
     for r in summary["resumes"]:
         if r["step"] == last_step:
-            lines.append(f"- restarted again from the step-{r['step']:,d} checkpoint (the previous run was killed)")
+            lines.append(
+                f"- restarted again from the step-{r['step']:,d} checkpoint (the previous run was killed)"
+            )
             continue
         last_step = r["step"]
         where = r.get("hardware", "the same machine (this trainer version did not record threads)")
