@@ -3,7 +3,9 @@ independent-acceptance prediction (spec section 7), for code-like and prose-like
 
 For each content type and proposer (draft model, n-gram lookup) and gamma, greedy decoding of the same prompts
 with and without speculation (batch 1, one request at a time: the bandwidth-bound regime speculation is for):
-  alpha      = accepted / proposed
+  acceptance = accepted / proposed (what servers report)
+  alpha      = accepted / (accepted + rejections): the chance that a tested proposal is accepted (the
+               formula's alpha; proposals after the first rejection in a step are never tested)
   E measured = committed tokens / verification steps; E predicted = (1 - alpha^(g+1)) / (1 - alpha)
   c          = draft time per proposed token / plain decode step time
   v          = verification step time / plain decode step time
@@ -114,7 +116,13 @@ def main() -> None:
                 tokens, wall, _ = run(llm, prompts, args.max_tokens)
                 after = vars(llm.engine.runner.spec_stats)
                 d = {k: after[k] - stats_before[k] for k in after}
-                alpha = d["num_accepted"] / d["num_proposed"] if d["num_proposed"] else 0.0
+                # Two acceptance numbers. `acceptance` = accepted / proposed (what servers report).
+                # The formula's alpha is the chance that one *tested* proposal is accepted; proposals
+                # after the first rejection are never tested, so alpha = accepted / (accepted +
+                # rejections). Using accepted / proposed in the formula understates E.
+                tested = d["num_accepted"] + d["num_rejections"]
+                rate = d["num_accepted"] / d["num_proposed"] if d["num_proposed"] else 0.0
+                alpha = d["num_accepted"] / tested if tested else 0.0
                 steps = d["num_verify_steps"]
                 e_measured = d["num_emitted"] / steps if steps else 1.0
                 e_predicted = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
@@ -126,7 +134,7 @@ def main() -> None:
                 v = (d["target_time_s"] / steps) / plain_step_s if steps else 0.0
                 row = {
                     "content": kind, "prompt_source": source, "proposer": proposer, "gamma": gamma,
-                    "acceptance": alpha, "tokens_per_step_measured": e_measured,
+                    "acceptance": rate, "alpha_per_position": alpha, "tokens_per_step_measured": e_measured,
                     "tokens_per_step_predicted": e_predicted, "draft_cost_c": c, "verify_cost_v": v,
                     "speedup_predicted": e_predicted / (gamma * c + v) if (gamma * c + v) else None,
                     "speedup_measured": plain_wall / wall, "identical_outputs": tokens == reference,
@@ -135,7 +143,7 @@ def main() -> None:
                 }  # fmt: skip
                 rows.append(row)
                 print(
-                    f"{kind:5s} {proposer:5s} g={gamma}: alpha {alpha:.3f}  E {e_measured:.2f} "
+                    f"{kind:5s} {proposer:5s} g={gamma}: acceptance {rate:.3f}  alpha {alpha:.3f}  E {e_measured:.2f} "
                     f"(pred {e_predicted:.2f})  c {c:.3f}  v {v:.2f}  speedup {row['speedup_measured']:.2f}x "
                     f"(pred {row['speedup_predicted'] or 0:.2f}x)  identical {row['identical_outputs']}"
                 )

@@ -77,6 +77,10 @@ def test_greedy_speculation_is_exact(gpt2_model_dir, draft_dir, reference, propo
     stats = llm.engine.runner.spec_stats
     assert 0 < stats.num_accepted < stats.num_proposed, "both acceptance and rejection must occur"
     assert sum(o.outputs[0].num_spec_proposed for o in outputs) == stats.num_proposed
+    # every verifying step emits its accepted prefix plus one token, and stops at most once
+    assert stats.num_emitted == stats.num_accepted + stats.num_verify_steps
+    assert 0 < stats.num_rejections <= stats.num_verify_steps
+    assert stats.num_accepted + stats.num_rejections <= stats.num_proposed
     if num_blocks == 12:
         assert llm.engine.scheduler.stats.num_preemptions > 0, (
             "the small cache must force preemption"

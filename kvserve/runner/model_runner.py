@@ -39,6 +39,7 @@ class SpecStats:
     num_verify_steps: int = 0  # chunks that verified at least one proposal
     num_proposed: int = 0
     num_accepted: int = 0
+    num_rejections: int = 0  # verifying chunks that stopped at a rejected proposal
     num_emitted: int = 0  # tokens committed by verifying chunks
     draft_time_s: float = 0.0
     target_time_s: float = 0.0  # target forwards in steps that verified proposals
@@ -214,6 +215,7 @@ class ModelRunner:
         stats.num_verify_steps += 1
         stats.num_proposed += num_spec
         stats.num_accepted += k
+        stats.num_rejections += k < num_spec
         stats.num_emitted += k + 1
         return tokens, logprobs, k
 
