@@ -12,7 +12,7 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, write_kv
-from kvserve.model.linear import transpose_linears
+from kvserve.model.linear import cpu_linear, use_cpu_linears
 from kvserve.model.registry import ArchSpec
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 
@@ -111,7 +111,7 @@ class DecoderLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.head_t: torch.Tensor | None = None  # set by use_transposed_weights
+        self.cpu_head: nn.Module | None = None  # set by use_cpu_weights
 
     def forward(
         self,
@@ -129,15 +129,15 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden_size] -> [S, vocab_size], fp32 for the sampler
-        if self.head_t is not None:
-            return (hidden @ self.head_t).float()
+        if self.cpu_head is not None:
+            return self.cpu_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
-    def use_transposed_weights(self) -> None:
-        """CPU layout (model/linear.py): every projection, and the head, multiply a weight stored
-        [in, out]. A tied head keeps a transposed copy beside the embedding table it shares."""
-        transpose_linears(self.layers)
+    def use_cpu_weights(self) -> None:
+        """CPU layout (model/linear.py): every projection, and the head, run from a weight laid out for
+        the CPU kernel. A tied head keeps its own copy beside the embedding table it shares."""
+        use_cpu_linears(self.layers)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.head_t = weight.detach().t().contiguous()  # [hidden_size, vocab_size]
-        self.lm_head = None  # an untied head lives on only as head_t
+        self.cpu_head = cpu_linear(weight)
+        self.lm_head = None  # an untied head lives on only as cpu_head

@@ -118,7 +118,7 @@ def load_model(
     # Buffers (rotary cos/sin) were on meta: rebuild them for real.
     model.rotary.build(device)
     if torch.device(device).type == "cpu":
-        model.use_transposed_weights()
+        model.use_cpu_weights()
     unused = sorted(set(checkpoint) - used)
     if unused:
         logger.warning(
