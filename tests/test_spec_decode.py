@@ -81,6 +81,7 @@ def test_greedy_speculation_is_exact(gpt2_model_dir, draft_dir, reference, propo
     assert stats.num_emitted == stats.num_accepted + stats.num_verify_steps
     assert 0 < stats.num_rejections <= stats.num_verify_steps
     assert stats.num_accepted + stats.num_rejections <= stats.num_proposed
+    assert stats.draft_time_s > 0, "proposing is timed for both proposers"
     if num_blocks == 12:
         assert llm.engine.scheduler.stats.num_preemptions > 0, (
             "the small cache must force preemption"

@@ -259,6 +259,7 @@ class ModelRunner:
                 state.draft_probs = None if state.params.greedy else q
                 # Only committed positions stay valid; the last committed token is recomputed next time.
                 state.draft_num_computed = len(job.token_ids) - 1
+        if jobs:  # proposing costs time with either proposer (n-gram lookup runs in Python)
             self.spec_stats.draft_time_s += time.perf_counter() - start
         return proposals
 

@@ -84,7 +84,11 @@ class _EngineCollector(Collector):
                 "Tokens committed by verification steps",
                 stats.spec_num_emitted,
             ),
-            ("draft_seconds", "Time spent proposing (draft model)", stats.spec_draft_time_s),
+            (
+                "draft_seconds",
+                "Time spent proposing (draft model or n-gram lookup)",
+                stats.spec_draft_time_s,
+            ),
             ("target_seconds", "Target forward time in verifying steps", stats.spec_target_time_s),
         )
         for name, help_text, value in spec:
