@@ -342,9 +342,8 @@ class LLMEngine:
         import torch
 
         token_ids = tuple(token_ids)
-        self._validate_token_ids(
-            token_ids
-        )  # scoring generates nothing: the whole context is usable
+        # Scoring generates nothing, so the whole context is usable (no room kept for an output).
+        self._validate_token_ids(token_ids)
         if len(token_ids) > self.max_model_len:
             raise ContextLengthError(
                 f"{len(token_ids)} tokens exceed this model's context of {self.max_model_len} tokens",
