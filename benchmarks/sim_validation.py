@@ -53,28 +53,24 @@ def kvserve(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def model_dir(args: argparse.Namespace, out: Path) -> Path:
     if args.model:
         return Path(args.model)
-    demo = ROOT / "kvserve" / "assets" / "demo" / "target"
+    from kvserve.models import ASSETS_DIR
+
+    demo = ASSETS_DIR / "target"
     if (demo / "config.json").is_file():
         return demo
-    from tests.checkpoints import GPT2_TOKENIZER, build_checkpoint
+    from tests.checkpoints import build_gpt2_tokenized_checkpoint
 
     path = out / "model"
     if not (path / "config.json").is_file():
-        build_checkpoint(
+        build_gpt2_tokenized_checkpoint(
             path,
-            "llama_tied",
-            vocab_size=50257,
             hidden_size=256,
             intermediate_size=768,
             num_hidden_layers=4,
             num_attention_heads=4,
             num_key_value_heads=2,
             max_position_embeddings=1024,
-            bos_token_id=50256,
-            eos_token_id=50256,
         )
-        for item in GPT2_TOKENIZER.iterdir():
-            shutil.copy(item, path / item.name)
     return path
 
 

@@ -62,19 +62,17 @@ def build_checkpoint(
 
 
 def build_gpt2_tokenized_checkpoint(path: Path, seed: int = 0, **overrides):
-    """A tiny Llama over GPT-2's real tokenizer (byte-level BPE, 50257 tokens, a chat template)."""
+    """A tiny Llama over GPT-2's real tokenizer (byte-level BPE, 50257 tokens, a chat template).
+    `overrides` replace the tiny sizes (e.g. a larger model for a benchmark)."""
+    sizes = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
     model = build_checkpoint(
         path,
         "llama_tied",
         vocab_size=50257,
         seed=seed,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         bos_token_id=50256,
         eos_token_id=50256,
-        **overrides,
+        **(sizes | overrides),
     )
     for item in GPT2_TOKENIZER.iterdir():
         shutil.copy(item, path / item.name)
