@@ -15,10 +15,12 @@ examples:
   kvserve plan Qwen2.5-7B --hardware rtx-4090 --device-cost 1800 --power-w 450 --json
   kvserve plan --measure                  # save this machine's roofline, then:
   kvserve plan SmolLM2-135M --hardware this-machine --weights fp32 --plot roofline.png
+  kvserve plan Llama-3.1-70B --hardware h100-sxm --tensor-parallel 8 --interconnect nvlink4
 
 weight formats: bf16 fp16 fp32 | int8 (per channel) | int4-g128 int4-g64 int4-g32 int4-g128-zp
   (block linears quantised, the rest bf16) | mixed | linear=FMT,embed=FMT,head=FMT,norm=FMT
 hardware: h100-sxm a100-80gb l40s l4 rtx-4090 m2-ultra ddr5-desktop this-machine, or a profile JSON
+interconnects: nvlink4 nvlink3 pcie5 pcie4 ethernet-100g ethernet-10g (docs/parallel.md)
 """
 
 
@@ -51,6 +53,22 @@ def register(subparsers: Any) -> None:
         help="also tabulate across profiles (comma list; default all built-ins and a "
         "saved this-machine)",
     )
+    g = p.add_argument_group("more than one device (docs/parallel.md)")
+    g.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N", help="ranks per replica (1)"
+    )
+    g.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        metavar="M",
+        help="replicas (1: as many as --requests-per-day needs, for the cost)",
+    )
+    g.add_argument(
+        "--interconnect", default="nvlink4", metavar="NAME", help="link profile (nvlink4)"
+    )
+    g.add_argument("--link-bandwidth", type=float, metavar="GB/s", help="per direction, per rank")
+    g.add_argument("--link-latency-us", type=float, metavar="US", help="per ring step")
     g = p.add_argument_group("workload")
     g.add_argument(
         "--prompt", type=int, default=2000, metavar="TOKENS", help="prompt tokens (2000)"
@@ -128,6 +146,32 @@ def _hardware(args: argparse.Namespace, measured: Any = None) -> Any:
     if base is not None and all(v is None for v in manual):
         return base
     return manual_profile(*manual, base=base)
+
+
+def _parallel(args: argparse.Namespace) -> Any:
+    from dataclasses import replace
+
+    from kvserve.plan.parallel import Parallelism, get_interconnect
+
+    flags = (args.tensor_parallel, args.data_parallel, args.link_bandwidth, args.link_latency_us)
+    if flags[:2] == (1, 1) and args.interconnect == "nvlink4" and flags[2:] == (None, None):
+        return None
+    link = get_interconnect(args.interconnect)
+    if args.link_bandwidth is not None or args.link_latency_us is not None:
+        link = replace(
+            link,
+            name=f"{link.name} (edited)",
+            bandwidth_bytes_per_s=(
+                args.link_bandwidth * 1e9
+                if args.link_bandwidth is not None
+                else link.bandwidth_bytes_per_s
+            ),
+            latency_s=(
+                args.link_latency_us * 1e-6 if args.link_latency_us is not None else link.latency_s
+            ),
+            source=link.source + " Edited by hand.",
+        )
+    return Parallelism(args.tensor_parallel, args.data_parallel, link)
 
 
 def _compare_profiles(spec: str) -> list[Any]:
@@ -214,7 +258,10 @@ def run(args: argparse.Namespace) -> int:
         prices = Prices(
             args.price_per_hour, args.device_cost, args.power_w, args.electricity, args.years
         )
-        plan = make_plan(model, hardware, fmt, args.kv_dtype, workload, assumptions, prices)
+        parallel = _parallel(args)
+        plan = make_plan(
+            model, hardware, fmt, args.kv_dtype, workload, assumptions, prices, parallel
+        )
         others = []
         if args.compare:
             # Each profile at its own reference price: a price given by hand fits one device only.
@@ -222,7 +269,9 @@ def run(args: argparse.Namespace) -> int:
                 electricity_usd_per_kwh=args.electricity, amortisation_years=args.years
             )
             others = [
-                make_plan(model, hw, fmt, args.kv_dtype, workload, assumptions, base_prices)
+                make_plan(
+                    model, hw, fmt, args.kv_dtype, workload, assumptions, base_prices, parallel
+                )
                 for hw in _compare_profiles(args.compare)
             ]
         if args.plot:

@@ -10,8 +10,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvserve.plan.model import ModelSpec
+
+
+class CommCost(Protocol):
+    """Seconds of a step's collectives (kvserve.plan.parallel.TensorParallelComm)."""
+
+    def step_s(self, num_tokens: float, num_sampled: float) -> float: ...
 
 
 def flops_per_token(model: ModelSpec, context_tokens: float) -> float:
@@ -168,7 +175,10 @@ def attention_decode_intensity(model: ModelSpec, kv_bytes_per_value: float) -> f
 @dataclass(frozen=True)
 class RooflineCost:
     """The formulas above bound to one model, weight size, KV format and roofline: the cost model
-    the planner uses and the simulator can reuse. `bandwidth_bytes_per_s` is the achievable one."""
+    the planner uses and the simulator can reuse. `bandwidth_bytes_per_s` is the achievable one.
+
+    Under tensor parallelism `model`, `weight_bytes` and `kv_bytes_per_token` are one rank's
+    (kvserve.plan.parallel.shard_model) and `comm` adds the all-reduces, not overlapped."""
 
     model: ModelSpec
     weight_bytes: float
@@ -176,9 +186,13 @@ class RooflineCost:
     bandwidth_bytes_per_s: float
     peak_flops_per_s: float
     mfu: float = 0.5
+    comm: CommCost | None = None
+
+    def comm_s(self, num_tokens: float, num_sampled: float) -> float:
+        return 0.0 if self.comm is None else self.comm.step_s(num_tokens, num_sampled)
 
     def decode_step_s(self, batch: float, mean_context: float) -> float:
-        return decode_step_s(
+        return self.comm_s(batch, batch) + decode_step_s(
             self.model,
             self.weight_bytes,
             self.kv_bytes_per_token,
@@ -202,7 +216,7 @@ class RooflineCost:
         return flops / self.decode_step_bytes(batch, mean_context)
 
     def prefill_s(self, num_tokens: float, num_cached_tokens: float = 0) -> float:
-        return prefill_s(
+        return self.comm_s(num_tokens, 1) + prefill_s(
             self.model,
             self.weight_bytes,
             self.kv_bytes_per_token,
@@ -214,6 +228,6 @@ class RooflineCost:
         )
 
     def prefill_compute_s(self, num_tokens: float, num_cached_tokens: float = 0) -> float:
-        return prefill_compute_s(
+        return self.comm_s(num_tokens, 1) + prefill_compute_s(
             self.model, num_tokens, num_cached_tokens, self.peak_flops_per_s, self.mfu
         )

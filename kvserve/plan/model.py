@@ -196,6 +196,18 @@ PRESETS: dict[str, ModelSpec] = {
             "Llama-3.1-8B", 4096, 32, 32, 8, 14336, 128256, False, 131072, "meta-llama/Llama-3.1-8B"
         ),
         _preset(
+            "Llama-3.1-70B",
+            8192,
+            80,
+            64,
+            8,
+            28672,
+            128256,
+            False,
+            131072,
+            "meta-llama/Llama-3.1-70B",
+        ),
+        _preset(
             "Mistral-7B-v0.1",
             4096,
             32,
@@ -252,6 +264,7 @@ _ALIASES = {
     "mistral-7b": "mistral-7b-v0.1",
     "qwen2.5-0.5b": "qwen2.5-0.5b-instruct",
     "llama-3.1-8b-instruct": "llama-3.1-8b",
+    "llama-3.1-70b-instruct": "llama-3.1-70b",
     "qwen2.5-7b-instruct": "qwen2.5-7b",
     "smollm2-135m-instruct": "smollm2-135m",
     "smollm2-360m-instruct": "smollm2-360m",

@@ -10,6 +10,13 @@ from kvserve.plan import arith
 from kvserve.plan.formats import STANDARD_FORMATS, KVFormat, WeightFormat, parse_weight_format
 from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.model import ModelSpec, PlanError
+from kvserve.plan.parallel import (
+    Parallelism,
+    ParallelPlan,
+    activation_bytes,
+    parallel_plan,
+    shard_model,
+)
 
 HOURS_PER_YEAR = 24 * 365
 
@@ -154,6 +161,7 @@ class Cost:
     utilisation_source: str
     usd_per_million_output: float | None
     usd_per_million_output_full_load: float | None
+    devices_per_replica: int = 1  # tensor-parallel ranks: `num_devices` counts replicas of these
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,7 @@ class PlanResult:
     cost: Cost | None
     little: Little | None
     notes: tuple[str, ...]
+    parallel: ParallelPlan | None = None  # set when planned over more than one device
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -300,6 +309,7 @@ def _economics(
     hardware: HardwareProfile,
     b_max: int,
     ttft_s: float,
+    parallel: Parallelism | None = None,
 ) -> tuple[Load, Cost, Little]:
     n_prompt, n_out, n_shared = w.prompt_tokens, w.output_tokens, w.shared_prefix_tokens
     # At full load prefills run batched, so they pay compute only (weight reads are shared).
@@ -309,21 +319,27 @@ def _economics(
     )
     load = Load(device_s, 1 / device_s, n_out / device_s, prefill_load_s / device_s)
     busy_h = w.requests_per_day * device_s / 3600
-    num_devices = max(1, math.ceil(busy_h / 24))
+    # One "device" below is one replica: a tensor-parallel group when --tensor-parallel N > 1.
+    # --data-parallel M fixes the number of replicas; otherwise the volume decides.
+    tp = parallel.tensor_parallel if parallel else 1
+    fixed = parallel is not None and parallel.data_parallel > 1
+    num_devices = parallel.data_parallel if fixed else max(1, math.ceil(busy_h / 24))
     rho = busy_h / (24 * num_devices)
     if a.utilisation is not None:
         util, util_source = a.utilisation, "given"
     elif w.requests_per_day == 0:
         util, util_source = 1.0, "no volume stated: full load"
     else:
-        util = max(rho, 1e-12)
-        util_source = f"from {w.requests_per_day:g} requests/day on {num_devices} device(s)"
+        util = min(max(rho, 1e-12), 1.0)
+        util_source = f"from {w.requests_per_day:g} requests/day on {num_devices} replica(s)"
     usd_h, price_source = prices.hourly_usd(hardware)
+    if usd_h is not None and tp > 1:
+        usd_h, price_source = usd_h * tp, f"{tp} x {price_source}"
     per_m = per_m_full = None
     if usd_h is not None:
         per_m_full = usd_h / (load.output_tokens_per_s * 3600) * 1e6
         per_m = per_m_full / util
-    money = Cost(usd_h, price_source, busy_h, num_devices, util, util_source, per_m, per_m_full)
+    money = Cost(usd_h, price_source, busy_h, num_devices, util, util_source, per_m, per_m_full, tp)
     return load, money, _little(w, ttft_s, cost, num_devices, b_max, rho)
 
 
@@ -362,17 +378,25 @@ def make_plan(
     workload: Workload | None = None,
     assumptions: Assumptions | None = None,
     prices: Prices | None = None,
+    parallel: Parallelism | None = None,
 ) -> PlanResult:
-    """Every number of the plan (spec section 4) for one model, format, device and workload."""
+    """Every number of the plan (spec section 4) for one model, format, device and workload.
+
+    With `parallel`, weights, KV, latency and capacity are per device / per replica: one
+    tensor-parallel rank is `shard_model(model, N)` and every step pays its all-reduces
+    (docs/parallel.md); `PlanResult.parallel` holds the totals."""
     fmt = parse_weight_format(weight_format) if isinstance(weight_format, str) else weight_format
     w = workload or Workload()
     a = (assumptions or Assumptions()).resolved(hardware)
     prices = prices or Prices()
-    weight_bytes = fmt.weight_bytes(model)
+    tp = parallel.tensor_parallel if parallel else 1
+    rank = shard_model(model, tp)
+    weight_bytes = fmt.weight_bytes(rank)
     b = KVFormat(kv_dtype).bytes_per_value(model.head_dim)
-    k = arith.kv_bytes_per_token(model, b)
+    k = arith.kv_bytes_per_token(rank, b)
     bw = hardware.bandwidth_bytes_per_s * a.bandwidth_fraction
-    cost = arith.RooflineCost(model, weight_bytes, k, bw, hardware.peak_flops_per_s, a.mfu)
+    comm = parallel.comm(model, activation_bytes(fmt)) if parallel and tp > 1 else None
+    cost = arith.RooflineCost(rank, weight_bytes, k, bw, hardware.peak_flops_per_s, a.mfu, comm)
     free = arith.free_cache_bytes(hardware.memory_bytes, weight_bytes, a.overhead_bytes)
     b_max = arith.max_concurrent_sequences(free, k, w.tokens_per_request)
     notes = _notes(model, hardware, fmt, w, weight_bytes, a.overhead_bytes, b_max)
@@ -380,7 +404,7 @@ def make_plan(
     load = money = little = None
     if b_max:
         ttft_s = latency.ttft_cached_s if w.shared_prefix_tokens else latency.ttft_cold_s
-        load, money, little = _economics(cost, w, a, prices, hardware, b_max, ttft_s)
+        load, money, little = _economics(cost, w, a, prices, hardware, b_max, ttft_s, parallel)
         if not little.stable:
             notes.append(
                 "Little's law: with M/M/1 queueing the stated volume keeps more requests per "
@@ -414,4 +438,9 @@ def make_plan(
         cost=money,
         little=little,
         notes=tuple(notes),
+        parallel=(
+            None
+            if parallel is None
+            else parallel_plan(model, fmt, b, parallel, cost, w, b_max, latency, load)
+        ),
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.plan.planner import PlanResult
+from kvserve.plan.planner import Cost, PlanResult
 
 
 def fmt_bytes(n: float) -> str:
@@ -90,8 +90,9 @@ def model_lines(p: PlanResult) -> list[str]:
 
 def memory_lines(p: PlanResult) -> list[str]:
     w, a, h = p.workload, p.assumptions, p.hardware
+    one = " (one device: one tensor-parallel rank's share)" if p.parallel else ""
     lines = [
-        f"KV cache  {p.kv_dtype}: b = {p.kv_bytes_per_value:g} B/value",
+        f"KV cache  {p.kv_dtype}: b = {p.kv_bytes_per_value:g} B/value{one}",
         f"  per token    k = 2 L n_kv d_h b = {p.kv_bytes_per_token:,.0f} B",
         f"  per request  k x ({w.prompt_tokens} prompt + {w.output_tokens} output tokens) = "
         f"{fmt_bytes(p.kv_bytes_per_request)}",
@@ -132,7 +133,8 @@ def latency_lines(p: PlanResult) -> list[str]:
         _row(
             "TTFT cold",
             fmt_s(lat.ttft_cold_s),
-            f"prefill {n_prompt} tokens / (MFU {a.mfu:g} x {peak}), at least one weight read",
+            f"prefill {n_prompt} tokens / (MFU {a.mfu:g} x {peak}), at least one weight read"
+            + (" + all-reduces" if p.parallel else ""),
         ),
         _row(
             "TTFT cached prefix",
@@ -194,15 +196,60 @@ def load_lines(p: PlanResult) -> list[str]:
         f"prefill {load.prefill_share:.0%} of the time",
         f"Cost  {price} ({c.price_source})",
         f"  {w.requests_per_day:,.0f} requests/day -> busy {c.busy_hours_per_day:.3g} h/day; "
-        f"{c.num_devices} device(s); utilisation {c.utilisation:.1%} ({c.utilisation_source})",
+        f"{_replicas(c)}; utilisation {c.utilisation:.1%} ({c.utilisation_source})",
         f"  per million output tokens  {per_m} at {c.utilisation:.1%} utilisation, {per_m_full} at "
         "100%",
-        "Little's law (per device, at the stated volume)",
+        f"Little's law (per {'replica' if c.devices_per_replica > 1 else 'device'}, at the stated "
+        "volume)",
         f"  no queueing:  {li.arrival_rate_per_s:.4g} requests/s x E2E {fmt_s(li.e2e_s)} = "
         f"{li.mean_in_system:.3g} in system",
         f"  M/M/1 at rho {li.utilisation:.1%}: E2E / (1 - rho) = {fmt_s(li.e2e_mm1_s)} -> "
         f"{fmt_num(li.mean_in_system_mm1)} in system (max concurrent {li.max_concurrent:,}): "
         f"{'OK' if li.stable else 'DOES NOT FIT'}",
+    ]
+
+
+def _replicas(c: Cost) -> str:
+    if c.devices_per_replica == 1:
+        return f"{c.num_devices} device(s)"
+    return f"{c.num_devices} replica(s) x {c.devices_per_replica} devices"
+
+
+def parallel_lines(p: PlanResult) -> list[str]:
+    """Tensor / data parallelism: what one device holds and what its all-reduces cost."""
+    par = p.parallel
+    if par is None:
+        return []
+    m, n, link = p.model, par.tensor_parallel, par.interconnect
+    lat = p.latency
+    kv_note = (
+        f"{m.num_kv_heads} KV heads < {n} ranks: each rank holds 1, replicated {n // m.num_kv_heads}x"
+        if par.kv_heads_replicated
+        else f"{m.num_kv_heads} KV heads / {n} = {par.num_kv_heads_per_rank} per rank"
+    )
+    big = fmt_s(par.decode_comm_s_max_batch)
+    return [
+        f"Parallel  tensor parallel {n} x data parallel {par.data_parallel} = {par.num_devices} "
+        f"devices; interconnect {link.name}: {fmt_bw(link.bandwidth_bytes_per_s)} each way, "
+        f"{link.latency_s * 1e6:g} us per ring step",
+        f"  source: {link.source}",
+        f"  weights per device  {fmt_bytes(par.weight_bytes_per_device)} of "
+        f"{fmt_bytes(par.weight_bytes_total)} (norms replicated)",
+        f"  KV per token        {par.kv_bytes_per_token_per_device:,.0f} B per device of "
+        f"{par.kv_bytes_per_token_total:,.0f} B ({kv_note})",
+        f"  all-reduce per layer per token  2 x 2 (N-1)/N x d x b = 2 x 2 x {n - 1}/{n} x "
+        f"{m.hidden_size} x {par.activation_bytes:g} = {par.allreduce_bytes_per_layer_per_token:,.0f}"
+        " B per rank",
+        f"  per decode token  {par.comm_bytes_per_decode_token:,.0f} B per rank "
+        f"({2 * m.num_layers} layer all-reduces + 1 after the embedding + the logits gather); "
+        f"{par.num_allreduces_per_step} all-reduces a step, each 2 (N-1)/N x M / BW + 2 (N-1) x "
+        "latency, not overlapped",
+        f"  communication  TPOT solo {fmt_s(par.decode_comm_s_solo)} "
+        f"({par.decode_comm_share_solo:.0%} of {fmt_s(lat.tpot_solo_s)}), at B={p.max_concurrent:,} "
+        f"{big}, prefill of {p.workload.prompt_tokens} tokens {fmt_s(par.prefill_comm_s)}",
+        f"  all {par.data_parallel} replica(s)  max concurrent {par.max_concurrent_total:,}; "
+        f"{fmt_num(par.tokens_per_s_max_batch_total)} tokens/s at max batch; full load "
+        f"{fmt_num(par.full_load_output_tokens_per_s_total)} output tokens/s",
     ]
 
 
@@ -215,7 +262,8 @@ def assumption_lines(p: PlanResult) -> list[str]:
         f"  prefill MFU {a.mfu:g}; bandwidth {a.bandwidth_fraction:g} x peak; runtime overhead "
         f"{fmt_bytes(a.overhead_bytes)}; decode compute at peak FLOP/s (spec 4)",
         "  decode step = max((W + B k t) / BW, (2 N_matmul B + 4 L d B t) / peak), t = prompt + "
-        "output / 2",
+        "output / 2"
+        + (" (one rank's W, k, N_matmul, d) + the step's all-reduces" if p.parallel else ""),
     ]
 
 
@@ -224,9 +272,17 @@ def render_text(p: PlanResult) -> str:
         f"kvserve plan: {p.model.name} on {p.hardware.name}, weights {p.weight_format}, "
         f"KV cache {p.kv_dtype}"
     )
-    sections = [
+    if p.parallel is not None:
+        par = p.parallel
+        title = title.replace(
+            f" on {p.hardware.name},",
+            f" on {par.num_devices} x {p.hardware.name} (TP {par.tensor_parallel} x DP "
+            f"{par.data_parallel}),",
+        )
+    sections: list[list[str]] = [
         model_lines(p),
         memory_lines(p),
+        parallel_lines(p),
         hardware_lines(p),
         latency_lines(p),
         load_lines(p),
@@ -234,7 +290,8 @@ def render_text(p: PlanResult) -> str:
     ]
     if p.notes:
         sections.append(["Notes"] + [f"  ! {n}" for n in p.notes])
-    return "\n".join([title, ""] + ["\n".join(s) + "\n" for s in sections]).rstrip() + "\n"
+    body = ["\n".join(s) + "\n" for s in sections if s]
+    return "\n".join([title, ""] + body).rstrip() + "\n"
 
 
 COMPARE_COLUMNS = (
