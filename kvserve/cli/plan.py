@@ -64,11 +64,7 @@ def register(subparsers: Any) -> None:
         metavar="M",
         help="replicas (1: as many as --requests-per-day needs, for the cost)",
     )
-    g.add_argument(
-        "--interconnect", default="nvlink4", metavar="NAME", help="link profile (nvlink4)"
-    )
-    g.add_argument("--link-bandwidth", type=float, metavar="GB/s", help="per direction, per rank")
-    g.add_argument("--link-latency-us", type=float, metavar="US", help="per ring step")
+    add_link_arguments(g)
     g = p.add_argument_group("workload")
     g.add_argument(
         "--prompt", type=int, default=2000, metavar="TOKENS", help="prompt tokens (2000)"
@@ -148,30 +144,46 @@ def _hardware(args: argparse.Namespace, measured: Any = None) -> Any:
     return manual_profile(*manual, base=base)
 
 
-def _parallel(args: argparse.Namespace) -> Any:
+def link_from_args(args: argparse.Namespace) -> Any:
+    """--interconnect NAME, edited by --link-bandwidth GB/s and --link-latency-us (plan and
+    simulate share these flags)."""
     from dataclasses import replace
 
-    from kvserve.plan.parallel import Parallelism, get_interconnect
+    from kvserve.plan.parallel import get_interconnect
+
+    link = get_interconnect(args.interconnect)
+    if args.link_bandwidth is None and args.link_latency_us is None:
+        return link
+    return replace(
+        link,
+        name=f"{link.name} (edited)",
+        bandwidth_bytes_per_s=(
+            args.link_bandwidth * 1e9
+            if args.link_bandwidth is not None
+            else link.bandwidth_bytes_per_s
+        ),
+        latency_s=args.link_latency_us * 1e-6
+        if args.link_latency_us is not None
+        else link.latency_s,
+        source=link.source + " Edited by hand.",
+    )
+
+
+def add_link_arguments(g: Any) -> None:
+    g.add_argument(
+        "--interconnect", default="nvlink4", metavar="NAME", help="link profile (nvlink4)"
+    )
+    g.add_argument("--link-bandwidth", type=float, metavar="GB/s", help="per direction, per rank")
+    g.add_argument("--link-latency-us", type=float, metavar="US", help="per ring step")
+
+
+def _parallel(args: argparse.Namespace) -> Any:
+    from kvserve.plan.parallel import Parallelism
 
     flags = (args.tensor_parallel, args.data_parallel, args.link_bandwidth, args.link_latency_us)
-    if flags[:2] == (1, 1) and args.interconnect == "nvlink4" and flags[2:] == (None, None):
+    if flags == (1, 1, None, None) and args.interconnect == "nvlink4":
         return None
-    link = get_interconnect(args.interconnect)
-    if args.link_bandwidth is not None or args.link_latency_us is not None:
-        link = replace(
-            link,
-            name=f"{link.name} (edited)",
-            bandwidth_bytes_per_s=(
-                args.link_bandwidth * 1e9
-                if args.link_bandwidth is not None
-                else link.bandwidth_bytes_per_s
-            ),
-            latency_s=(
-                args.link_latency_us * 1e-6 if args.link_latency_us is not None else link.latency_s
-            ),
-            source=link.source + " Edited by hand.",
-        )
-    return Parallelism(args.tensor_parallel, args.data_parallel, link)
+    return Parallelism(args.tensor_parallel, args.data_parallel, link_from_args(args))
 
 
 def _compare_profiles(spec: str) -> list[Any]:

@@ -108,6 +108,9 @@ def register(subparsers: Any) -> None:
     g.add_argument("--output", metavar="FILE", help="also write the JSON here")
     g.add_argument("--plot", metavar="FILE", help="p99 TTFT and ITL vs rate")
     g.add_argument("--records-dir", metavar="DIR", help="bench-format run dirs per policy/rate")
+    from kvserve.cli.simulate_parallel import add_arguments as add_parallel_arguments
+
+    add_parallel_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -313,6 +316,10 @@ def run(args: argparse.Namespace) -> int:
             profile_path = calibrate_main(args)
             if not (args.trace or args.request_rate or args.find_capacity):
                 return 0
+        if args.parallel:
+            from kvserve.cli.simulate_parallel import run_layouts
+
+            return run_layouts(args)
         return _simulate(args, profile_path)
     except (SimError, PlanError, BenchError, ValueError) as exc:
         print(f"kvserve simulate: {exc}", file=sys.stderr)

@@ -153,7 +153,10 @@ class RooflineStepCost:
         decode_flops, prompt_flops = self.step_flops(load)
         # Prompt chunks run at MFU x peak (the planner's TTFT assumption), decode tokens at peak.
         peak_equivalent_flops = decode_flops + prompt_flops / r.mfu
-        return self.step_overhead_s + arith.roofline_time_s(
+        # Tensor parallel (kvserve.sim.parallel): the step's all-reduces, not overlapped; 0 on one
+        # device. Every scheduled sequence counts as sampled (an upper bound on the logits gather).
+        fixed_s = self.step_overhead_s + r.comm_s(load.num_tokens, load.num_seqs)
+        return fixed_s + arith.roofline_time_s(
             peak_equivalent_flops,
             self.step_bytes(load),
             r.bandwidth_bytes_per_s,
