@@ -81,7 +81,7 @@ def test_the_simulator_decides_what_the_engine_decides(tiny_dir, admission):
 
 
 def test_calibration_fits_a_profile_the_simulator_runs_with(tiny_dir):
-    from kvserve.engine.calibrate import calibrate
+    from kvserve.calibration import calibrate
     from kvserve.sim.setup import profile_deployment
     from kvserve.sim.study import EngineShape, Policy, run_policy
 

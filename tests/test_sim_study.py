@@ -18,8 +18,8 @@ from kvserve.sim.cost import (
     StepLoad,
     StepProfile,
     feature_vector,
-    fit_profile,
 )
+from kvserve.sim.fit import fit_profile
 from kvserve.sim.study import EngineShape, Policy, evaluate, search_capacity
 from kvserve.sim.workload import (
     SimError,

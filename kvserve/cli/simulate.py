@@ -67,6 +67,29 @@ def register(subparsers: Any) -> None:
     g.add_argument(
         "--calibrate-budget-s", type=float, default=120.0, help="time for the sweep (120 s)"
     )
+    g.add_argument(
+        "--max-fit-error",
+        type=float,
+        default=0.30,
+        help="refuse a fit whose median |measured/predicted - 1| exceeds this (0.30)",
+    )
+    g.add_argument(
+        "--max-fit-p90-error",
+        type=float,
+        default=0.75,
+        help="refuse a fit whose p90 |measured/predicted - 1| exceeds this (0.75)",
+    )
+    g.add_argument(
+        "--accept-poor-fit",
+        action="store_true",
+        help="save a fit worse than the bounds anyway (marked poor, with a warning)",
+    )
+    g.add_argument(
+        "--step-noise",
+        choices=("residuals", "off"),
+        default="residuals",
+        help="per-step cost noise drawn from the profile's fit residuals (residuals)",
+    )
     g = p.add_argument_group("engine limits")
     g.add_argument("--max-num-seqs", type=int, default=None, help="running sequences (64)")
     g.add_argument(
@@ -130,7 +153,11 @@ def _deployment(args: argparse.Namespace, profile_path: str | None):
     from kvserve.sim.setup import profile_deployment, roofline_deployment
 
     if profile_path:
-        return profile_deployment(StepProfile.load(profile_path))
+        profile = StepProfile.load(profile_path)
+        if profile.meta.get("fit", {}).get("poor"):
+            bad = "; ".join(profile.meta["fit"].get("violations", []))
+            print(f"WARNING: {profile_path} is a POOR FIT ({bad})", file=sys.stderr)
+        return profile_deployment(profile, noise=args.step_noise == "residuals", seed=args.seed)
     if not args.model:
         raise ValueError("give a MODEL (preset, directory, config.json) or --profile PATH")
     assumptions = Assumptions(
@@ -219,7 +246,7 @@ def _simulate(args: argparse.Namespace, profile_path: str | None) -> int:
     from kvserve.bench.slo import ObjectiveSet
     from kvserve.bench.summary import json_safe
     from kvserve.plan import Prices
-    from kvserve.sim.report import plot_rates, render_capacity, render_runs
+    from kvserve.sim.report import plot_rates, render_capacity, render_rejections, render_runs
     from kvserve.sim.study import Policy, evaluate, search_capacity
 
     deployment = _deployment(args, profile_path)
@@ -281,6 +308,7 @@ def _simulate(args: argparse.Namespace, profile_path: str | None) -> int:
     else:
         print(_header(doc), file=log)
         print(render_runs(runs), end="", file=log)
+        print(render_rejections(runs), end="", file=log)
         for name in doc["objectives"]:
             print(f"goodput objective: {name}", file=log)
         if capacity:
@@ -311,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile_path = args.profile
         if args.calibrate:
-            from kvserve.engine.calibrate import calibrate_main
+            from kvserve.calibration import calibrate_main
 
             profile_path = calibrate_main(args)
             if not (args.trace or args.request_rate or args.find_capacity):

@@ -19,5 +19,9 @@ Module map:
 - `setup`     deployments: model + hardware -> roofline and cache size, or a calibrated profile
 - `report`    text tables and the p99 TTFT / ITL vs rate plot
 
-Calibration (timing the real engine) lives in kvserve.engine.calibrate: it needs torch.
+- `fit`       fitting a step profile to timed steps, its error, the bound a saved fit must meet
+- `noise`     step-cost noise drawn from a fit's residuals (tails from the model)
+
+Calibration (timing the real engine) lives in kvserve.calibration: it needs torch and the engine,
+which the simulator never imports.
 """

@@ -69,10 +69,9 @@ def simulate_continuous(
             timeline = pending[next_arrival]
             next_arrival += 1
             sim = timeline.request
-            timeline.error = validation_error(
-                sim, scheduler_config.max_model_len, num_blocks, block_size
-            )
-            if timeline.error is None:
+            if timeline.reject(
+                validation_error(sim, scheduler_config.max_model_len, num_blocks, block_size)
+            ):
                 scheduler.add_request(make_request(sim))
         out = scheduler.schedule(now)
         if out.empty:

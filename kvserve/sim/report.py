@@ -57,6 +57,23 @@ def render_runs(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_rejections(results: list[dict]) -> str:
+    """One line per run with rejected requests: how many, and why (kvserve.sim.timeline's kinds)."""
+    lines = []
+    for result in results:
+        rejections = result["sim"].get("rejections") or {}
+        if not rejections:
+            continue
+        rate = result["nominal_rate_rps"]
+        where = f"{result['policy']} at {'trace' if rate is None else _n(rate)} req/s"
+        for kind, entry in rejections.items():
+            lines.append(
+                f"rejected {entry['count']} request(s) ({where}): {kind.replace('_', ' ')}; "
+                f"e.g. {entry['example_request']}: {entry['example']}"
+            )
+    return "\n".join(lines) + "\n" if lines else ""
+
+
 def render_capacity(searches: list[dict]) -> str:
     lines = []
     for s in searches:

@@ -21,6 +21,7 @@ from kvserve.plan import (
     parse_weight_format,
 )
 from kvserve.sim.cost import CostModel, RooflineStepCost, StepProfile
+from kvserve.sim.noise import NoisyCost
 from kvserve.sim.workload import SimError
 
 
@@ -108,8 +109,14 @@ PROFILE_ENGINE_KEYS = (
 )
 
 
-def profile_deployment(profile: StepProfile) -> Deployment:
+def profile_deployment(profile: StepProfile, noise: bool = False, seed: int = 0) -> Deployment:
+    """A profile's deployment; with `noise`, each step's cost is scaled by a ratio drawn from the
+    fit's residuals (kvserve.sim.noise), when the profile kept them."""
     engine = profile.meta.get("engine", {})
-    description = {"cost_model": "profile"} | profile.describe()
+    cost: CostModel = profile
+    quantiles = profile.meta.get("fit", {}).get("residual_ratio_quantiles")
+    if noise and quantiles:
+        cost = NoisyCost(profile, tuple(quantiles), seed)
+    description = {"cost_model": "profile"} | cost.describe()
     defaults = {k: engine[k] for k in PROFILE_ENGINE_KEYS if engine.get(k) is not None}
-    return Deployment(profile, None, None, description, defaults)
+    return Deployment(cost, None, None, description, defaults)

@@ -137,10 +137,9 @@ def simulate_static(
     while pending or queue:
         while pending and pending[0].request.arrival_s <= now:
             timeline = pending.popleft()
-            timeline.error = validation_error(
-                timeline.request, max_model_len, num_blocks, block_size
-            )
-            if timeline.error is None:
+            if timeline.reject(
+                validation_error(timeline.request, max_model_len, num_blocks, block_size)
+            ):
                 queue.append(timeline)
         if not queue:
             if pending:

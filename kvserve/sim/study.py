@@ -104,6 +104,9 @@ def run_policy(
     requests: tuple[SimRequest, ...],
     on_step: StepHook | None = None,
 ) -> SimRun:
+    reset = getattr(cost_model, "reset", None)
+    if reset is not None:  # a noisy cost model replays the same draws in every run
+        reset()
     if policy.is_static:
         return simulate_static(
             requests,

@@ -24,6 +24,13 @@ class RequestTimeline:
     finish_s: float | None = None
     num_preemptions: int = 0
     error: str | None = None  # rejected at validation, as the engine would
+    error_kind: str | None = None  # one of REJECTION_KINDS
+
+    def reject(self, rejection: tuple[str, str] | None) -> bool:
+        """Record a validation outcome; True when the request is accepted."""
+        if rejection is not None:
+            self.error_kind, self.error = rejection
+        return rejection is None
 
     @property
     def request_id(self) -> str:
@@ -98,7 +105,21 @@ class SimRun:
             "peak_kv_usage": self.peak_kv_usage,
             "num_blocks": self.num_blocks,
             "num_rejected": sum(t.error is not None for t in self.timelines),
+            "rejections": self.rejections(),
         }
+
+    def rejections(self) -> dict[str, dict]:
+        """Why requests were rejected: kind -> {count, example message, example request}."""
+        out: dict[str, dict] = {}
+        for t in self.timelines:
+            if t.error is None:
+                continue
+            entry = out.setdefault(
+                t.error_kind or "other",
+                {"count": 0, "example": t.error, "example_request": t.request_id},
+            )
+            entry["count"] += 1
+        return out
 
 
 def request_id(index: int) -> str:
@@ -125,14 +146,29 @@ def make_request(sim: SimRequest) -> Request:
     )
 
 
+# Why the engine's admission checks reject a request (kind -> what it means).
+REJECTION_KINDS = {
+    "longer_than_context": "prompt + output tokens exceed max_model_len",
+    "larger_than_cache": "the request needs more KV blocks than the whole cache holds",
+}
+
+
 def validation_error(
     sim: SimRequest, max_model_len: int, num_blocks: int, block_size: int
-) -> str | None:
+) -> tuple[str, str] | None:
     """The engine's admission checks (LLMEngine.validate): too long for the context, or more KV
-    blocks than the whole cache holds."""
+    blocks than the whole cache holds. (kind, message), or None when the request is admitted."""
     total = sim.num_prompt_tokens + sim.num_output_tokens
     if sim.num_prompt_tokens >= max_model_len or total > max_model_len:
-        return f"prompt + max_tokens = {total} exceeds the context of {max_model_len} tokens"
+        return (
+            "longer_than_context",
+            f"prompt {sim.num_prompt_tokens} + output {sim.num_output_tokens} = {total} tokens "
+            f"exceeds the context of {max_model_len} tokens",
+        )
     if -(-total // block_size) > num_blocks:
-        return f"{total} tokens need more KV blocks than the cache's {num_blocks}"
+        return (
+            "larger_than_cache",
+            f"{total} tokens need {-(-total // block_size)} KV blocks; the cache holds "
+            f"{num_blocks}",
+        )
     return None

@@ -1,11 +1,14 @@
 """Calibrate the simulator on the real engine: time engine steps, fit a per-step cost model.
 
+This module sits above both the engine and the simulator (design.md: the engine never imports
+`sim`, and `sim` never imports the model or the runner), beside `kvserve simulate`.
+
 The engine runs a designed sweep: batches of 1 .. max_num_seqs requests at a short and a long
 prompt length (decode steps at many batch sizes and contexts, prompt chunks of many sizes), then
 staggered arrivals that mix prompt chunks into decode steps. Every `LLMEngine.step()` is timed
 whole (schedule + forward + sample + update + detokenise: one iteration of the serving loop), and
 its `SchedulerOutput` is read from `LLMEngine.last_scheduler_output` (the scheduler
-itself is untouched). `kvserve.sim.cost.fit_profile` fits the step costs; the profile records
+itself is untouched). `kvserve.sim.fit.fit_profile` fits the step costs; the profile records
 the engine configuration so the simulator runs the same cache and limits by default.
 """
 
@@ -22,7 +25,8 @@ import numpy as np
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.sim.cost import FEATURES, StepLoad, StepProfile, feature_vector, fit_profile
+from kvserve.sim.cost import FEATURES, StepLoad, StepProfile, feature_vector
+from kvserve.sim.fit import FitBound, fit_profile, judge_fit
 
 WARMUP_STEPS = 8
 
@@ -201,12 +205,22 @@ def calibrate_main(args: Any) -> str:
         seed=args.seed,
         progress=lambda msg: print("  " + msg, file=out, flush=True),
     )
-    path = profile.save(args.save)
+    bound = FitBound(args.max_fit_error, args.max_fit_p90_error)
     fit = profile.meta["fit"]
     coef = ", ".join(f"{f}={c:.3g}" for f, c in zip(profile.features, profile.coef_s, strict=True))
     print(
         f"fit over {fit['num_steps']} steps: median |rel err| {fit['median_abs_rel_error']:.1%}, "
-        f"p90 {fit['p90_abs_rel_error']:.1%}; seconds per unit: {coef}; saved to {path}",
+        f"p90 {fit['p90_abs_rel_error']:.1%} (bounds {bound.max_median_abs_rel_error:.0%}, "
+        f"{bound.max_p90_abs_rel_error:.0%}); seconds per unit: {coef}",
         file=out,
     )
+    bad = judge_fit(profile, bound, args.accept_poor_fit)  # raises PoorFitError unless accepted
+    path = profile.save(args.save)
+    if bad:
+        print(
+            f"WARNING: POOR FIT ({'; '.join(bad)}), saved anyway (--accept-poor-fit) and marked "
+            f"poor in {path}: every simulated latency inherits this error",
+            file=sys.stderr,
+        )
+    print(f"saved to {path}", file=out)
     return str(path)
