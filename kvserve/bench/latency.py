@@ -1,4 +1,4 @@
-"""`kvserve bench latency`: offline phase-split timing of the in-process engine (spec section 3).
+"""`kvserve bench latency`: offline phase-split timing of the in-process engine (docs/load-tests.md).
 
 Over a grid of batch sizes x prompt lengths x output lengths, each point generates a batch of
 token-id prompts (no tokenisation on the clock; the engine's detokenizer is detached, so none either)

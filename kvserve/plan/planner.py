@@ -363,7 +363,7 @@ def make_plan(
     assumptions: Assumptions | None = None,
     prices: Prices | None = None,
 ) -> PlanResult:
-    """Every number of the plan (spec section 4) for one model, format, device and workload."""
+    """Every number of the plan (docs/planning.md) for one model, format, device and workload."""
     fmt = parse_weight_format(weight_format) if isinstance(weight_format, str) else weight_format
     w = workload or Workload()
     a = (assumptions or Assumptions()).resolved(hardware)
