@@ -2,7 +2,7 @@
 
 Greedy, a fixed prompt per sequence, 128 new tokens with EOS ignored; batch 1 and batch 16; output tokens/s
 = batch x new tokens / wall time of the whole generate call (prefill included, the same for both). Both
-engines must produce identical tokens first (spec section 3: a speed claim needs equal work).
+engines must produce identical tokens first (docs/load-tests.md: a speed claim needs equal work).
 
     .venv/bin/python benchmarks/decode.py [--out benchmarks/results/decode.json]
 """

@@ -1,5 +1,5 @@
 """Speculative decoding on this machine: measured acceptance, tokens per step, costs and speedup vs the
-independent-acceptance prediction (spec section 7), for code-like and prose-like prompts.
+independent-acceptance prediction (docs/speculative-decoding.md), for code-like and prose-like prompts.
 
 For each content type and proposer (draft model, n-gram lookup) and gamma, greedy decoding of the same prompts
 with and without speculation (batch 1, one request at a time: the bandwidth-bound regime speculation is for):

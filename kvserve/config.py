@@ -68,7 +68,7 @@ class ModelConfig:
         return dict(self.rope_scaling)
 
     def kv_bytes_per_token(self, dtype: str) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes (spec section 4)."""
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes (docs/planning.md)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
     @classmethod
@@ -159,7 +159,7 @@ ADMISSION_POLICIES = ("on_demand", "reserve")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """One token budget per step shared by decode tokens and prompt chunks (spec section 5)."""
+    """One token budget per step shared by decode tokens and prompt chunks (docs/scheduling.md)."""
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -192,7 +192,7 @@ SPECULATIVE_METHODS = ("draft", "ngram")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (spec section 7): a proposer and how many tokens it proposes per step."""
+    """Speculative decoding (docs/speculative-decoding.md): a proposer and how many tokens it proposes per step."""
 
     method: str
     num_speculative_tokens: int = 4

@@ -14,14 +14,32 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.core.errors import InvalidRequestError
+
 
 def read_documents(path: str | Path) -> list[str]:
     """A `.jsonl` file (one object per line with a "text" field) or a plain-text file (one document)."""
     path = Path(path)
+    if not path.is_file():
+        raise InvalidRequestError(
+            f"data file {str(path)!r} does not exist (give a .jsonl file with one "
+            '{"text": "..."} object per line, or a plain-text file)',
+            "data",
+        )
     text = path.read_text(encoding="utf-8")
-    if path.suffix == ".jsonl":
-        return [json.loads(line)["text"] for line in text.splitlines() if line.strip()]
-    return [text]
+    if path.suffix != ".jsonl":
+        return [text]
+    documents = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            documents.append(str(json.loads(line)["text"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise InvalidRequestError(
+                f'{path}:{number}: expected a JSON object with a "text" field ({exc!r})', "data"
+            ) from exc
+    return documents
 
 
 def token_stream(tokenizer, documents: Sequence[str]) -> list[int]:

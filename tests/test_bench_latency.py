@@ -3,7 +3,7 @@
 The pure parts (kvserve.bench.phases) are checked on synthetic steps with known answers; one run of
 the command on a tiny checkpoint checks the wiring: step counts per phase, chunked prefill, the
 engine's own timestamps, the alone-vs-batched comparison (with one injected difference) and the
-roofline bound of each regime against spec section 4's formulas computed here by hand.
+roofline bound of each regime against docs/planning.md's formulas computed here by hand.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def test_latency_grid_end_to_end(tiny_dir, tmp_path, monkeypatch, capsys):
         # 16 tokens per step: B x 20 prompt tokens need at least ceil(20 B / 16) steps
         assert min(pt["prefill"]["num_steps"]) >= -(-20 * b // 16)
         assert pt["wall"]["prefill_s"] > 0 and pt["wall"]["decode_s"] > 0
-        # roofline names and numbers from spec section 4, by hand
+        # roofline names and numbers from docs/planning.md, by hand
         (pf, pb, p_bound), (df, db, d_bound) = _hand_roofline(b, 20, 4, bw, peak)
         rf = pt["roofline"]
         assert (rf["prefill"]["flops"], rf["prefill"]["bytes"]) == (pf, pb)

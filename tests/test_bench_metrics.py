@@ -1,4 +1,4 @@
-"""Serving metrics (spec section 1) on synthetic timestamp streams with known answers."""
+"""Serving metrics (docs/metrics.md) on synthetic timestamp streams with known answers."""
 
 from __future__ import annotations
 

@@ -25,4 +25,4 @@ def test_generate_prints_json(gpt2_model_dir, capsys):
 def test_generate_reports_bad_input(gpt2_model_dir, capsys):
     args = ["generate", "--model", str(gpt2_model_dir), "--prompt", "x", "--temperature", "-1"]
     assert main(args) == 2
-    assert "temperature must be >= 0" in capsys.readouterr().out
+    assert "temperature must be >= 0" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""kvserve.plan arithmetic against hand-computed values (spec 4) and published parameter counts."""
+"""kvserve.plan arithmetic against hand-computed values (docs/planning.md) and published parameter counts."""
 
 from __future__ import annotations
 

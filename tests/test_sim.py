@@ -1,7 +1,7 @@
 """The simulator: a digital twin of the engine's scheduler and KV manager (design.md).
 
 It must make exactly the scheduler's decisions, be deterministic, keep the KV invariants, implement
-the policies of spec section 5 as defined, and price steps with the planner's arithmetic.
+the policies of docs/scheduling.md as defined, and price steps with the planner's arithmetic.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Module map:
 - `capacity`   the rate search (bisection, then neighbour checks), independent of the network
 - `runner`     one run: connect, prepare, execute, write the run directory
 - `session`    one invocation: a single run, a sweep of rates, or a capacity search
-- `identity`   what was measured: server, model, tokenizer, manifest, hardware (spec section 2)
+- `identity`   what was measured: server, model, tokenizer, manifest, hardware (docs/load-tests.md)
 - `report`     console table and HTML report; `plots` draws its figures (matplotlib Agg)
 - `compare`    two runs: metric deltas and per-request output identity by hash
 - `latency`    `bench latency`: time each engine step of a batch over a B x P x O grid (in-process)

@@ -1,4 +1,4 @@
-"""Arrival processes (spec section 2).
+"""Arrival processes (docs/load-tests.md).
 
 Open loop: send times are fixed in advance, independent of completions: gamma gaps with shape k
 (`--burstiness`; k = 1 is Poisson, CV of gaps = 1/sqrt(k)), `inf` (everything at t = 0), or a trace.

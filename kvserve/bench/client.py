@@ -81,7 +81,7 @@ def build_payload(cfg: ClientConfig, spec: RequestSpec) -> dict:
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
         body["prompt"] = spec.prompt
-    if cfg.mode == "forced":  # spec section 2: ignore_eos + min_tokens = max_tokens
+    if cfg.mode == "forced":  # docs/load-tests.md: ignore_eos + min_tokens = max_tokens
         body |= {"ignore_eos": True, "min_tokens": spec.max_tokens}
     return body | json.loads(cfg.extra_body)
 

@@ -1,6 +1,6 @@
 """`kvserve bench compare RUN_A RUN_B`: metric deltas, and whether both runs did the same work.
 
-A speedup claim needs identical outputs first (spec section 3): measured requests are matched by
+A speedup claim needs identical outputs first (docs/load-tests.md): measured requests are matched by
 workload index (same seed and index give the same prompt; the prompt hash is checked) and their
 output hashes compared. Different modes, workloads, models or sampling are flagged as not
 comparable.
@@ -169,5 +169,7 @@ def format_comparison(doc: dict) -> str:
     for note in doc["not_comparable"]:
         lines.append(f"NOT COMPARABLE: {note}")
     if not o["all_identical"]:
-        lines.append("a speedup claim needs identical outputs on both sides first (spec section 3)")
+        lines.append(
+            "a speedup claim needs identical outputs on both sides first (docs/load-tests.md)"
+        )
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""What was measured: the identity fields spec section 2 asks for with every result.
+"""What was measured: the identity fields docs/load-tests.md asks for with every result.
 
 A black-box HTTP client knows only what the server exposes (`/v1/models`, `/ready`, `/manifest`,
 `/version`, `/props`, each response's `system_fingerprint`) and what the user states (`--label

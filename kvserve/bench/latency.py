@@ -1,4 +1,4 @@
-"""`kvserve bench latency`: offline phase-split timing of the in-process engine (spec section 3).
+"""`kvserve bench latency`: offline phase-split timing of the in-process engine (docs/load-tests.md).
 
 Over a grid of batch sizes x prompt lengths x output lengths, each point generates a batch of
 token-id prompts (no tokenisation on the clock; the engine's detokenizer is detached, so none either)
@@ -334,7 +334,9 @@ def register(bench_subparsers) -> None:
         "--output-lens 32\n  (writes latency.json and latency.png to --out)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="model directory (default: the embedded demo)")
+    p.add_argument(
+        "--model", default=None, help="model directory or built-in name (default: kvserve-demo)"
+    )
     p.add_argument("--batch-sizes", type=_ints, default=(1, 8), help="e.g. 1,4,16")
     p.add_argument("--prompt-lens", type=_ints, default=(128,), help="prompt tokens, e.g. 32,256")
     p.add_argument("--output-lens", type=_ints, default=(32,), help="generated tokens, e.g. 32")
@@ -367,11 +369,9 @@ def _main(args: argparse.Namespace) -> int:
     from kvserve.core.errors import KVServeError
 
     try:
-        model = args.model
-        if model is None:
-            from kvserve.models import default_model_dir
+        from kvserve.models import resolve_model
 
-            model = str(default_model_dir())
+        model = str(resolve_model(args.model))
         cfg = LatencyConfig(
             model_dir=model,
             batch_sizes=args.batch_sizes,

@@ -2,7 +2,7 @@
 
 Send times are `origin + LEAD_S + offset` on the monotonic clock, so lateness never accumulates the
 way relative sleeps drift; how late each send was is the schedule lag. A monitor task measures the
-event loop's own lag (the load generator as a bottleneck, spec section 2). The first Ctrl-C stops
+event loop's own lag (the load generator as a bottleneck, docs/load-tests.md). The first Ctrl-C stops
 sending, cancels what is in flight and returns everything measured so far; a second one aborts.
 """
 

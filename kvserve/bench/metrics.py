@@ -1,4 +1,4 @@
-"""Per-request metrics and percentiles, computed from raw records only (spec section 1).
+"""Per-request metrics and percentiles, computed from raw records only (docs/metrics.md).
 
 With t0 = the send time and c_k = the arrival of the k-th chunk that carries output text:
 TTFT = c_1 - t0 (a role-only chunk does not count); E2E = c_last - t0;

@@ -1,4 +1,4 @@
-"""Offline phase-split timing (spec section 3), the pure part: no torch, no engine.
+"""Offline phase-split timing (docs/load-tests.md), the pure part: no torch, no engine.
 
 `kvserve bench latency` times every engine step of a batch and hands the samples here:
 
@@ -208,7 +208,7 @@ def regime(
     output_len: int,
     bandwidth_fraction: float = 1.0,
 ) -> dict:
-    """Roofline of one grid point (spec section 4): the prefill of B prompts and a decode step of B
+    """Roofline of one grid point (docs/planning.md): the prefill of B prompts and a decode step of B
     sequences at the mean decode context, each named compute- or bandwidth-bound."""
     fmt = _DTYPE_FORMATS[dtype]
     weight_bytes = parse_weight_format(fmt).weight_bytes(model)
@@ -271,7 +271,7 @@ def bottleneck(roofline: dict) -> dict:
         notes.append(
             f"{' and '.join(fast)} measured faster than the roofline time: the profile understates "
             "this device (e.g. measured under load), or the formula counts work the engine skips "
-            "(spec section 4's prefill FLOPs run the LM head on every prompt token; the engine "
+            "(docs/planning.md's prefill FLOPs run the LM head on every prompt token; the engine "
             "computes logits only for the rows it samples)"
         )
     if notes:

@@ -36,6 +36,7 @@ class RequestSpec:
     num_prompt_tokens: int | None  # content tokens by the bench's tokenizer (None: not counted)
     max_tokens: int
     group: int | None = None  # shared-prefix group, else None
+    clipped: bool = False  # the sampled prompt length was cut to fit the server's context
 
     @property
     def prompt_sha256(self) -> str:

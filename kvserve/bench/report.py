@@ -64,6 +64,14 @@ def headline(summary: dict) -> list[str]:
         f"measured {c['measured']}: ok {c['ok']}, failed {c['failed']}, rejected {c['rejected']}, "
         f"timeout {c['timeout']}, cancelled {c['cancelled']}; warm-up {c['warmup']} excluded"
     )
+    for failure in summary.get("failures_by_reason", [])[:5]:
+        lines.append(f"  {failure['count']} x {failure['reason']}")
+    clipped = wl.get("num_clipped_to_context")
+    if clipped:
+        lines.append(
+            f"  {clipped} prompts clipped to fit the server's context of "
+            f"{wl.get('server_max_model_len')} tokens"
+        )
     w = summary.get("window")
     if w:
         lines.append(

@@ -101,12 +101,24 @@ class Target:
     client: ClientConfig
     probes: dict
     counter: TokenCounter
+    max_model_len: int | None = None  # the server's context, from /v1/models (None: not reported)
+    prompt_overhead_tokens: int = 0  # tokens the chat template (or BOS) adds to a prompt
 
 
 class Workload:
-    """Requests 0..n-1 built on demand; request i depends only on (seed, i)."""
+    """Requests 0..n-1 built on demand; request i depends only on (seed, i). With the server's
+    context known, prompt lengths are clipped to fit it (see WorkloadSpec.fit_to_context)."""
 
-    def __init__(self, cfg: ServeConfig, counter: TokenCounter) -> None:
+    def __init__(
+        self, cfg: ServeConfig, counter: TokenCounter, target: Target | None = None
+    ) -> None:
+        if target is not None and target.max_model_len is not None:
+            workload = dataclasses.replace(
+                cfg.workload,
+                max_model_len=target.max_model_len,
+                prompt_overhead_tokens=target.prompt_overhead_tokens,
+            )
+            cfg = dataclasses.replace(cfg, workload=workload)
         self._cfg, self._fitter = cfg, PromptFitter(counter)
         trace = load_trace(cfg.arrivals.trace_path) if cfg.arrivals.kind == "trace" else None
         self._lengths = trace.lengths if trace else None
@@ -125,15 +137,48 @@ class Workload:
                 f"prepared {num} prompts with {self._fitter.counter.name} in "
                 f"{time.perf_counter() - t0:.1f} s"
             )
+            num_clipped = sum(r.clipped for r in self._requests[:num])
+            if num_clipped:
+                spec = self._cfg.workload
+                log(
+                    f"WARNING: {num_clipped} of {num} prompts clipped to fit the server's context "
+                    f"of {spec.max_model_len} tokens (max_tokens + {spec.prompt_overhead_tokens} "
+                    "template tokens + prompt); lower --input-len to measure what you asked for"
+                )
         return tuple(self._requests[:num])
+
+    @property
+    def spec(self) -> WorkloadSpec:
+        """The workload as sent (with the server's context when it is known)."""
+        return self._cfg.workload
 
 
 def log(msg: str) -> None:
     sys.stderr.write(f"[bench] {msg}\n")
 
 
+def wait_while_loading(base_url: str, headers: dict[str, str], limit_s: float = 300.0) -> None:
+    """A server that answers /ready with 503 is still loading its model: wait for it (a run that
+    started then would count every request as rejected)."""
+    deadline = time.monotonic() + limit_s
+    announced = False
+    with httpx.Client(base_url=base_url, headers=headers, timeout=5.0, trust_env=False) as http:
+        while time.monotonic() < deadline:
+            try:
+                if http.get("/ready").status_code != 503:
+                    return
+            except httpx.HTTPError:
+                return  # no /ready, or nothing listening: probe_server reports it
+            if not announced:
+                log(f"{base_url}/ready says the model is still loading: waiting")
+                announced = True
+            time.sleep(0.5)
+    raise BenchError(f"{base_url} still not ready after {limit_s:g} s (GET /ready answers 503)")
+
+
 def connect(cfg: ServeConfig) -> Target:
     base = cfg.client.base_url
+    wait_while_loading(base, cfg.client.headers)
     probes = probe_server(base, cfg.client.headers)
     if not probes:
         raise BenchError(f"no answer from {base} (tried /v1/models, /ready, /version, /health)")
@@ -146,7 +191,56 @@ def connect(cfg: ServeConfig) -> Target:
     counter = make_counter(cfg.tokenizer, base, client.model, client.headers)
     if not counter.exact:
         log("WARNING: no /tokenize endpoint and no --tokenizer DIR: prompt lengths are approximate")
-    return Target(client, probes, counter)
+    max_model_len = server_max_model_len(probes, client.model)
+    overhead = 0
+    if max_model_len is not None:
+        overhead = prompt_overhead_tokens(client, counter)
+        log(
+            f"server context: {max_model_len} tokens (/v1/models); the prompt wrapping adds "
+            f"{overhead} tokens"
+        )
+    return Target(client, probes, counter, max_model_len, overhead)
+
+
+def server_max_model_len(probes: dict, model: str) -> int | None:
+    """`max_model_len` of `model` in /v1/models (vLLM and kvserve report it), else None."""
+    models = probes.get("/v1/models")
+    entries = models.get("data") if isinstance(models, dict) else None
+    for entry in entries or ():
+        if isinstance(entry, dict) and entry.get("id") == model:
+            value = entry.get("max_model_len")
+            return int(value) if isinstance(value, int | float) and value > 0 else None
+    return None
+
+
+def prompt_overhead_tokens(client: ClientConfig, counter: TokenCounter) -> int:
+    """Tokens the server adds around a prompt's content: the chat template (asked of /tokenize with
+    messages, as kvserve and vLLM take it) or special tokens on completions. When the server cannot
+    say, a margin: 32 tokens for chat, 1 (a BOS) for completions."""
+    probe = "hello world"
+    if client.endpoint == "chat":
+        body = {
+            "model": client.model,
+            "messages": [{"role": "user", "content": probe}],
+            "add_generation_prompt": True,
+        }
+        fallback = 32
+    else:
+        body = {"model": client.model, "prompt": probe, "add_special_tokens": True}
+        fallback = 1
+    try:
+        with httpx.Client(
+            base_url=client.base_url, headers=client.headers, timeout=30.0, trust_env=False
+        ) as http:
+            resp = http.post("/tokenize", json=body)
+        if resp.status_code == 200 and counter.exact:
+            data = resp.json()
+            count = data.get("count", len(data.get("tokens", ())))
+            return max(0, int(count) - counter.count(probe))
+    except (httpx.HTTPError, ValueError, TypeError, BenchError):
+        pass
+    log(f"WARNING: the server cannot tokenize a chat: assuming {fallback} wrapping tokens")
+    return fallback
 
 
 async def _drive(client: ClientConfig, plan: LoadPlan, progress: bool) -> LoadResult:
@@ -289,9 +383,12 @@ def execute_run(
         wall_s=result.wall_s,
         prefill_tok_s=cfg.prefill_tok_s,
     )
-    summary = {
-        "metadata": _metadata(cfg, target, arrivals, result, num, (before, after), cache_reset)
-    } | summary
+    sent_cfg = dataclasses.replace(cfg, workload=workload.spec)
+    metadata = _metadata(sent_cfg, target, arrivals, result, num, (before, after), cache_reset)
+    metadata["workload"]["num_clipped_to_context"] = sum(
+        r.clipped for r in requests[cfg.num_warmup :]
+    )
+    summary = {"metadata": metadata} | summary
     summary = json_safe(summary)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(run_dir / "requests.jsonl", records)

@@ -67,7 +67,7 @@ def _rate_dir(out: Path, rate: float) -> Path:
 def run_serve(cfg: ServeConfig) -> int:
     """Run what cfg asks for; 0 when done, 130 when interrupted (the results so far are written)."""
     target = connect(cfg)
-    workload = Workload(cfg, target.counter)
+    workload = Workload(cfg, target.counter, target)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -1,4 +1,4 @@
-"""Named service-level objectives and goodput (spec section 1).
+"""Named service-level objectives and goodput (docs/metrics.md).
 
 Two styles, never mixed in one objective set, and always reported with their name:
 

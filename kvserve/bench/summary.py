@@ -1,7 +1,7 @@
 """A run's summary from its raw records: window, counts, throughput, latency, goodput, load-test
 checks.
 
-Phases (spec section 2): warm-up requests are labelled and excluded. The measured window runs from
+Phases (docs/load-tests.md): warm-up requests are labelled and excluded. The measured window runs from
 the first measured send to the end of the last measured request; within it, "steady" ends at the
 last measured send and "drain" is the rest. Throughput = total over completed measured requests /
 measured window (never a sum of per-request rates); input tokens are reported as processed, never as
@@ -10,7 +10,9 @@ generated.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 
@@ -29,7 +31,7 @@ from kvserve.bench.metrics import (
 from kvserve.bench.records import OUTCOMES, RequestRecord
 from kvserve.bench.slo import ObjectiveSet, evaluate
 
-PREFILL_SHARE_LIMIT = 0.30  # spec section 2: above this, the run is mostly measuring prefill
+PREFILL_SHARE_LIMIT = 0.30  # docs/load-tests.md: above this, the run is mostly measuring prefill
 LITTLE_TOLERANCE = 0.15
 LOOP_LAG_WARN_S = 0.010
 CPU_WARN_FRACTION = 0.8
@@ -168,6 +170,7 @@ def summarize(
         "counts": {"measured": len(measured)}
         | {k: counts.get(k, 0) for k in OUTCOMES}
         | {"warmup": sum(r.phase == "warmup" for r in records)},
+        "failures_by_reason": failures_by_reason(measured),
         "client": _client_section(loop_lag_s, cpu_s, wall_s),
         "token_count_checks": token_count_checks(measured),
     }
@@ -216,6 +219,28 @@ def summarize(
     }
     out["wall_clock"] = wall_clock_decomposition(completed, span, prefill_tok_s)
     return out
+
+
+def failure_reason(record: RequestRecord) -> str:
+    """A request's failure, short and with its numbers replaced by N, so that failures of one
+    kind group together: `failed: HTTP 400: prompt (N tokens) + max_tokens (N) ...`."""
+    error = record.error or "no error message"
+    match = re.match(r"HTTP (\d+): (.*)", error, re.S)
+    if match:  # an OpenAI-shaped body: keep its message
+        status, body = match.groups()
+        try:
+            message = json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = body
+        error = f"HTTP {status}: {message}"
+    error = re.sub(r"\d+(\.\d+)?", "N", " ".join(error.split()))
+    return f"{record.outcome}: {error[:160]}"
+
+
+def failures_by_reason(records: Sequence[RequestRecord]) -> list[dict]:
+    """[{"reason", "count"}] over requests that did not complete, most frequent first."""
+    counts = Counter(failure_reason(r) for r in records if r.outcome != "ok")
+    return [{"reason": k, "count": n} for k, n in counts.most_common()]
 
 
 def _client_section(loop_lag_s: Sequence[float], cpu_s: float | None, wall_s: float | None) -> dict:

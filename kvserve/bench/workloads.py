@@ -105,6 +105,10 @@ class WorkloadSpec:
     num_prefixes: int = 1
     sharegpt_max_prompt_len: int = 1024
     sharegpt_max_total_len: int = 2048
+    # The server's context (from /v1/models' max_model_len) and the tokens its chat template or BOS
+    # add to a prompt: set by the runner once connected; None: unknown, nothing is clipped.
+    max_model_len: int | None = None
+    prompt_overhead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -120,6 +124,26 @@ class WorkloadSpec:
         if self.prefix_len < 1 or self.num_prefixes < 1:
             raise BenchError("--prefix-len and --num-prefixes must be >= 1")
 
+    def fit_to_context(self, index: int, num_in: int, num_out: int) -> tuple[int, bool]:
+        """(prompt content tokens, clipped): the prompt is cut so that template + prompt +
+        max_tokens fits the server's context. A request whose output (plus the shared prefix)
+        leaves no room for even one prompt token is refused before the run starts."""
+        if self.max_model_len is None:
+            return num_in, False
+        fixed = self.prompt_overhead_tokens + (
+            self.prefix_len if self.kind == "shared-prefix" else 0
+        )
+        room = self.max_model_len - fixed - num_out
+        if room < 1:
+            what = f"shared prefix {self.prefix_len} + " if self.kind == "shared-prefix" else ""
+            raise BenchError(
+                f"request {index}: {what}max_tokens {num_out} + {self.prompt_overhead_tokens} "
+                f"template tokens leave no room for a prompt in the server's context of "
+                f"{self.max_model_len} tokens; lower --output-len"
+                + (" or --prefix-len" if what else "")
+            )
+        return (room, True) if num_in > room else (num_in, False)
+
     def describe(self) -> dict:
         out = {"kind": self.kind, "content": self.content, "seed": self.seed}
         if self.kind == "sharegpt":
@@ -134,6 +158,11 @@ class WorkloadSpec:
         if self.kind == "shared-prefix":
             out |= {"prefix_len": self.prefix_len, "num_prefixes": self.num_prefixes}
             out["input_len"] = f"prefix {self.prefix_len} + suffix {self.input_len.describe()}"
+        if self.max_model_len is not None:
+            out |= {
+                "server_max_model_len": self.max_model_len,
+                "prompt_overhead_tokens": self.prompt_overhead_tokens,
+            }
         return out
 
 
@@ -156,14 +185,15 @@ def build_workload(
         if lengths is not None and i < len(lengths):
             num_in = lengths[i][0] or num_in
             num_out = lengths[i][1] or num_out
+        num_in, clipped = spec.fit_to_context(i, num_in, num_out)
         stream = pieces(spec.content, _rng(spec.seed, _TEXT, i))
         if prefixes is None:
             prompt, count = fitter.fit(stream, num_in)
-            out.append(RequestSpec(i, prompt, count, num_out))
+            out.append(RequestSpec(i, prompt, count, num_out, clipped=clipped))
         else:
             group = int(rng.integers(spec.num_prefixes))
             prompt, count = fitter.fit(stream, spec.prefix_len + num_in, prefix=prefixes[group])
-            out.append(RequestSpec(i, prompt, count, num_out, group=group))
+            out.append(RequestSpec(i, prompt, count, num_out, group=group, clipped=clipped))
     return out
 
 
@@ -218,10 +248,20 @@ def _sharegpt(spec: WorkloadSpec, num_requests: int, fitter: PromptFitter) -> li
         num_out = (
             spec.output_len.sample(_rng(spec.seed, _LENGTHS, i)) if spec.output_len else num_ref
         )
+        if (
+            spec.max_model_len is not None
+            and num_in + num_out + spec.prompt_overhead_tokens > spec.max_model_len
+        ):
+            continue  # does not fit the server's context: filtered like vLLM's long turns
         out.append(RequestSpec(i, prompt, num_in, num_out))
     if len(out) < num_requests:
         raise BenchError(
             f"{spec.dataset} has only {len(out)} usable conversations after filtering; "
             f"{num_requests} were asked for"
+            + (
+                f" (the server's context is {spec.max_model_len} tokens)"
+                if spec.max_model_len is not None
+                else ""
+            )
         )
     return out

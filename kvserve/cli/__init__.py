@@ -38,7 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    from kvserve.core.errors import KVServeError
+
+    try:
+        return int(args.func(args) or 0)
+    except KVServeError as exc:  # bad input the user can fix: a message, not a traceback
+        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

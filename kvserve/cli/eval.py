@@ -12,15 +12,21 @@ def register(subparsers) -> None:
     sub = parser.add_subparsers(dest="eval_command", metavar="EVAL")
     ppl = sub.add_parser(
         "perplexity",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="exp(mean NLL) over fixed windows of held-out text",
         description="Held-out perplexity: documents joined as BOS text EOS, cut into fixed "
         "non-overlapping windows; exp(total NLL / scored tokens), never a mean of window perplexities.",
     )
     ppl.add_argument(
-        "model", nargs="?", default=None, help="model directory (default: embedded demo)"
+        "model",
+        nargs="?",
+        default="kvserve-demo",
+        help="model directory, or a built-in name: kvserve-demo, kvserve-demo-draft",
     )
     ppl.add_argument(
-        "--data", required=True, help=".jsonl with a 'text' field per line, or a text file"
+        "--data",
+        required=True,
+        help='.jsonl with one {"text": "..."} object per line (documents), or a plain-text file',
     )
     ppl.add_argument("--window", type=int, default=512, help="window length in tokens")
     ppl.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens")
@@ -44,6 +50,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
         unigram_nll,
     )
 
+    documents = read_documents(args.data)  # before the model loads: a bad file fails at once
     llm = LLM(args.model, device=args.device)
     if llm.tokenizer is None:
         print("error: the model has no tokenizer")
@@ -53,7 +60,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
             f"error: --window {args.window} exceeds the model's context {llm.engine.max_model_len}"
         )
         return 2
-    ids = token_stream(llm.tokenizer, read_documents(args.data))
+    ids = token_stream(llm.tokenizer, documents)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
     windows = fixed_windows(ids, args.window)

@@ -4,37 +4,81 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`--help` shows every flag's default (unless it is None or a switch's False) and keeps the
+    epilogs' line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+MODEL_HELP = "model directory, or a built-in name: kvserve-demo, kvserve-demo-draft"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by `generate`, `serve` and the benchmarks."""
     group = parser.add_argument_group("engine")
     group.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="compute dtype; auto: fp32 on CPU, the checkpoint's bf16/fp16 on CUDA",
     )
-    group.add_argument("--device", default="cpu")
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--max-num-seqs", type=int, default=64)
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    group.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length in tokens, prompt + output (default: the model's limit)",
+    )
+    group.add_argument(
+        "--max-num-seqs", type=int, default=64, help="most sequences running at once"
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one step, shared by decode tokens and prompt chunks",
+    )
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     group.add_argument(
         "--kv-cache-memory",
         default="512MiB",
-        help="memory for the KV cache, e.g. 512MiB, 2GiB, or bytes (default 512MiB)",
+        help="memory for the KV cache, e.g. 512MiB, 2GiB, or bytes",
     )
-    group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--admission", default="on_demand", choices=["on_demand", "reserve"])
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes"
+    )
+    group.add_argument(
+        "--admission",
+        default="on_demand",
+        choices=["on_demand", "reserve"],
+        help="on_demand: charge blocks as used, preempt when full; reserve: prompt + max_tokens "
+        "up front (docs/scheduling.md)",
+    )
+    group.add_argument("--seed", type=int, default=0, help="engine random seed")
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
-        "--speculative-model", default=None, help="draft model directory (same tokenizer)"
+        "--speculative-model",
+        default=None,
+        help="draft model directory or built-in name (kvserve-demo-draft); same tokenizer",
     )
-    spec.add_argument("--speculative-method", default=None, choices=["draft", "ngram"])
+    spec.add_argument(
+        "--speculative-method",
+        default=None,
+        choices=["draft", "ngram"],
+        help="draft model or n-gram lookup (default: draft when --speculative-model is given)",
+    )
     spec.add_argument(
         "--num-speculative-tokens", type=int, default=4, help="gamma: proposals per step"
     )
-    spec.add_argument("--ngram-min", type=int, default=1)
-    spec.add_argument("--ngram-max", type=int, default=4)
+    spec.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram to match")
+    spec.add_argument("--ngram-max", type=int, default=4, help="longest n-gram to match")
 
 
 def parse_bytes(text: str) -> int:
@@ -67,18 +111,23 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("generate", help="generate text offline with the engine")
-    parser.add_argument(
-        "--model", default=None, help="model directory (default: the embedded demo model)"
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text offline with the engine",
+        formatter_class=HelpFormatter,
+        epilog="example:\n  kvserve generate --prompt 'def fibonacci(n):' --max-tokens 32",
     )
+    parser.add_argument("--model", default="kvserve-demo", help=MODEL_HELP)
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: all)")
     parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    parser.add_argument("--stop", action="append", default=[])
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--stop", action="append", default=[], help="stop string, never emitted (repeatable)"
+    )
+    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--json", action="store_true", help="print JSON with token ids and timings")
     add_engine_arguments(parser)
     parser.set_defaults(func=run)
@@ -102,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
         )
         outputs = llm.generate(args.prompt, params)
     except KVServeError as exc:
-        print(f"error: {exc}")
+        print(f"kvserve generate: error: {exc}", file=sys.stderr)
         return 2
-    for output in outputs:
+    for index, output in enumerate(outputs):
         completion = output.outputs[0]
         if args.json:
             metrics = completion.metrics
@@ -121,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
                     }
                 )
             )
-        else:
+        elif len(outputs) == 1:
+            print(completion.text)
+        else:  # several prompts: label each answer so they do not run together
+            print(f"--- [{index}] prompt: {output.prompt!r} (finish: {completion.finish_reason})")
             print(completion.text)
     return 0

@@ -229,6 +229,13 @@ def _measure(args: argparse.Namespace) -> Any:
     return profile
 
 
+def _builtin_to_dir(model: str) -> str:
+    """`kvserve-demo` / `kvserve-demo-draft` -> their directories; anything else unchanged."""
+    from kvserve.models import BUILTIN_MODELS, resolve_model
+
+    return str(resolve_model(model)) if model in BUILTIN_MODELS else model
+
+
 def run(args: argparse.Namespace) -> int:
     from kvserve.plan import (
         Assumptions,
@@ -257,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(measured.to_dict(), indent=2))
             return 0
-        model = load_model(args.model)
+        model = load_model(_builtin_to_dir(args.model))
         fmt = parse_weight_format(args.weights)
         hardware = _hardware(args, measured)
         workload = Workload(args.prompt, args.output, args.shared_prefix, args.requests_per_day)

@@ -21,7 +21,7 @@ examples:
   kvserve simulate --profile profile.json --trace runs/bench-X/requests.jsonl \\
       --policy on_demand-chunked                                     # replay a bench run
 
-policies: static | reserve | on_demand | reserve-chunked | on_demand-chunked (spec section 5).
+policies: static | reserve | on_demand | reserve-chunked | on_demand-chunked (docs/scheduling.md).
   -chunked: at most --chunk-tokens new tokens per step; otherwise max_model_len + max_num_seqs.
 lengths: N | uniform:LOW:HIGH | lognormal:MEDIAN:SIGMA[:LOW:HIGH]   (as kvserve bench serve)
 objectives (--slo): ttft|tpot|e2e|worst_gap|queue_time=LIMIT per request, or pNN_<metric>=LIMIT

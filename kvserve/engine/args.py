@@ -14,6 +14,7 @@ from kvserve.config import (
     SpeculativeConfig,
 )
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
+from kvserve.models import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ def resolve_dtype(dtype: str, device: str, model: ModelConfig) -> str:
 
 
 def build_engine_config(
-    model_dir: str | Path,
+    model_dir: str | Path | None,
     *,
     dtype: str = "auto",
     device: str = "cpu",
@@ -48,9 +49,7 @@ def build_engine_config(
     ngram_min: int = 1,
     ngram_max: int = 4,
 ) -> EngineConfig:
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist")
+    model_dir = resolve_model(model_dir)
     model = ModelConfig.from_dir(model_dir)
     limit = model.max_position_embeddings
     if model.sliding_window is not None and model.sliding_window < limit:
@@ -72,15 +71,13 @@ def build_engine_config(
                 raise InvalidRequestError(
                     "speculative method 'draft' needs --speculative-model DIR", "speculative_model"
                 )
-            draft_dir = Path(speculative_model)
-            if not draft_dir.is_dir():
-                raise ModelLoadError(f"draft model directory {str(draft_dir)!r} does not exist")
+            draft_dir = resolve_model(speculative_model, role="draft model")
             draft = ModelConfig.from_dir(draft_dir)
             check_same_vocabulary(model_dir, draft_dir)
         speculative = SpeculativeConfig(
             method=method,
             num_speculative_tokens=num_speculative_tokens,
-            draft_model_dir=str(speculative_model) if draft else None,
+            draft_model_dir=str(draft_dir) if draft else None,
             draft_model=draft,
             ngram_min=ngram_min,
             ngram_max=ngram_max,

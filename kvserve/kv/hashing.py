@@ -1,4 +1,4 @@
-"""Chained block hashes for prefix caching (spec section 6).
+"""Chained block hashes for prefix caching (docs/scheduling.md).
 
 hash(block i) = SHA-256(hash(block i-1), token ids of block i, extra keys). The extra keys of the first
 block carry anything that changes the computed states for the whole sequence (a per-tenant cache salt), and

@@ -1,4 +1,4 @@
-"""kvserve.plan: capacity arithmetic (spec section 4) from a model's config and a hardware profile.
+"""kvserve.plan: capacity arithmetic (docs/planning.md) from a model's config and a hardware profile.
 
 Pure arithmetic: never imports torch (the measurement that writes `this-machine` lives in
 kvserve.measure) and imports matplotlib only inside `plot.plot_roofline`.

@@ -1,4 +1,4 @@
-"""The formulas of spec section 4, one small function each, for the planner and the simulator's
+"""The formulas of docs/planning.md, one small function each, for the planner and the simulator's
 cost model.
 
 
@@ -27,9 +27,9 @@ def flops_per_token(model: ModelSpec, context_tokens: float) -> float:
 
 
 def prefill_flops(model: ModelSpec, num_tokens: float, num_cached_tokens: float = 0) -> float:
-    """Prefill of T new tokens: 2 N_matmul T + 2 L d T^2 (spec), plus 4 L d S T when the T tokens
+    """Prefill of T new tokens: 2 N_matmul T + 2 L d T^2 (docs/planning.md), plus 4 L d S T when the T tokens
     follow S cached ones (each new token also attends to the cached prefix; an extension of the
-    spec formula)."""
+    formula in docs/planning.md)."""
     L, d, T, S = model.num_layers, model.q_dim, num_tokens, num_cached_tokens
     return 2 * model.num_matmul_params * T + 2 * L * d * T * T + 4 * L * d * S * T
 
@@ -84,7 +84,7 @@ def prefill_compute_s(
     peak_flops_per_s: float,
     mfu: float,
 ) -> float:
-    """TTFT estimate (spec): prefill FLOPs / (MFU x peak)."""
+    """TTFT estimate (docs/planning.md): prefill FLOPs / (MFU x peak)."""
     return prefill_flops(model, num_tokens, num_cached_tokens) / (mfu * peak_flops_per_s)
 
 
@@ -105,8 +105,8 @@ def prefill_s(
     peak_flops_per_s: float,
     mfu: float,
 ) -> float:
-    """One request's prefill alone: the spec's compute time, floored by the time to read the
-    weights and cache once (the spec formula omits it; it decides only short or mostly-cached
+    """One request's prefill alone: docs/planning.md's compute time, floored by the time to read the
+    weights and cache once (docs/planning.md's formula omits it; it decides only short or mostly-cached
     prompts)."""
     memory_s = (
         prefill_bytes(weight_bytes, kv_bytes_per_token, num_tokens, num_cached_tokens)

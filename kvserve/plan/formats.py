@@ -1,4 +1,4 @@
-"""Weight and KV-cache storage formats, and the bytes they take (spec section 4: scales count).
+"""Weight and KV-cache storage formats, and the bytes they take (docs/planning.md: scales count).
 
 Format strings:
 
@@ -165,7 +165,7 @@ class KVFormat:
             raise PlanError(f"unknown KV dtype {self.name!r}: use bf16, fp16, fp32, fp8 or int8")
 
     def bytes_per_value(self, head_dim: int) -> float:
-        """b in spec section 4's k = 2 L n_kv d_h b."""
+        """b in docs/planning.md's k = 2 L n_kv d_h b."""
         if self.name == "int8":
             return 1 + SCALE_BITS / 8 / head_dim
         return _FLOAT_BITS[self.name] / 8

@@ -51,7 +51,7 @@ class ModelSpec:
     vocab_size: int  # V
     tie_word_embeddings: bool
     max_position_embeddings: int
-    # Documented extras beyond spec section 4's formula (0 / False for Llama):
+    # Documented extras beyond docs/planning.md's formula (0 / False for Llama):
     qkv_bias: bool = False  # Qwen2: biases on q, k and v
     o_bias: bool = False  # Llama `attention_bias=True` also biases o_proj
     mlp_bias: bool = False
@@ -81,7 +81,7 @@ class ModelSpec:
 
     @property
     def q_dim(self) -> int:
-        """n_q d_h: the attention width (spec's d in the attention terms)."""
+        """n_q d_h: the attention width (docs/planning.md's d in the attention terms)."""
         return self.num_heads * self.head_dim
 
     @property
@@ -117,7 +117,7 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        """N (spec 4): per block 2 d n_q d_h + 2 d n_kv d_h + 3 d f + 2 d, final norm d, V d
+        """N (docs/planning.md): per block 2 d n_q d_h + 2 d n_kv d_h + 3 d f + 2 d, final norm d, V d
         embedding, V d more for an untied head; plus the documented bias / qk-norm extras."""
         return sum(t.num_params for t in self.tensors())
 

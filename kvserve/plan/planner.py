@@ -380,7 +380,7 @@ def make_plan(
     prices: Prices | None = None,
     parallel: Parallelism | None = None,
 ) -> PlanResult:
-    """Every number of the plan (spec section 4) for one model, format, device and workload.
+    """Every number of the plan (docs/planning.md) for one model, format, device and workload.
 
     With `parallel`, weights, KV, latency and capacity are per device / per replica: one
     tensor-parallel rank is `shard_model(model, N)` and every step pays its all-reduces

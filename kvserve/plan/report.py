@@ -70,7 +70,11 @@ def model_lines(p: PlanResult) -> list[str]:
         f"d_h={m.head_dim} f={m.intermediate_size} V={m.vocab_size} {tie}, "
         f"max context {m.max_position_embeddings:,}",
         f"  N         {p.num_params:>15,} parameters"
-        + (f" (includes {', '.join(extras)}, beyond spec 4's formula)" if extras else ""),
+        + (
+            f" (includes {', '.join(extras)}, beyond the formula in docs/planning.md)"
+            if extras
+            else ""
+        ),
         f"  N_matmul  {p.num_matmul_params:>15,} ({head_note})",
         "Weights (bits/weight over all parameters, scales and zero-points included)",
         f"  {'format':<{wd}} {'bytes':>10} {'bits/weight':>11} {'linear bits':>12}",
@@ -260,7 +264,7 @@ def assumption_lines(p: PlanResult) -> list[str]:
         f"  workload: {w.prompt_tokens} prompt tokens ({w.shared_prefix_tokens} shared), "
         f"{w.output_tokens} output tokens, {w.requests_per_day:,.0f} requests/day",
         f"  prefill MFU {a.mfu:g}; bandwidth {a.bandwidth_fraction:g} x peak; runtime overhead "
-        f"{fmt_bytes(a.overhead_bytes)}; decode compute at peak FLOP/s (spec 4)",
+        f"{fmt_bytes(a.overhead_bytes)}; decode compute at peak FLOP/s (docs/planning.md)",
         "  decode step = max((W + B k t) / BW, (2 N_matmul B + 4 L d B t) / peak), t = prompt + "
         "output / 2"
         + (" (one rank's W, k, N_matmul, d) + the step's all-reduces" if p.parallel else ""),

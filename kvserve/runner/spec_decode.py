@@ -1,4 +1,4 @@
-"""Speculative decoding (spec section 7): verification and the two proposers.
+"""Speculative decoding (docs/speculative-decoding.md): verification and the two proposers.
 
 One target forward scores the last committed token plus the gamma proposals, giving gamma + 1 distributions.
 Greedy verification accepts proposals while they equal the target's argmax and then emits the argmax, so the

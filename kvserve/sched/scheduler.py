@@ -1,7 +1,7 @@
 """The scheduler: which tokens of which requests run in the next step. Torch-free.
 
 There is no prefill phase and no decode phase: each request has `num_computed_tokens` and `num_tokens`, and a
-step gives it up to the remaining token budget's worth of the difference (spec section 5). Running requests
+step gives it up to the remaining token budget's worth of the difference (docs/scheduling.md). Running requests
 are served first in arrival order; waiting requests are admitted FCFS while the budget, `max_num_seqs` and the
 cache allow. With `on_demand` admission a running request that cannot grow preempts the newest running
 request (recompute); with `reserve` admission a request is admitted only when prompt + max_tokens fit, so

@@ -158,7 +158,7 @@ class ResponseBuilder:
 
 def server_metrics(completion: CompletionOutput) -> dict | None:
     """Server-side timings of one sample (a kvserve extension; clients that do not know it ignore it):
-    queue time is admission - arrival, which a client cannot measure (spec section 1)."""
+    queue time is admission - arrival, which a client cannot measure (docs/metrics.md)."""
     m = completion.metrics
     if m is None:
         return None

@@ -4,7 +4,7 @@ A step is described by `StepLoad`: for each scheduled request, the new tokens it
 context already cached before them (the scheduler's chunk: `start_position`, `len(token_ids)`).
 Two models turn it into seconds:
 
-- `RooflineStepCost`: spec section 4's roofline through kvserve.plan.arith. Bytes = the weights
+- `RooflineStepCost`: docs/planning.md's roofline through kvserve.plan.arith. Bytes = the weights
   once + every scheduled request's cache read and new KV written; FLOPs = the planner's decode
   FLOPs for one-token chunks (each new token attending to its cached context) and its prefill FLOPs
   for prompt chunks (new tokens attending causally to each other and to the cached prefix). Decode
@@ -119,7 +119,7 @@ class RooflineStepCost:
 
     def step_bytes(self, load: StepLoad) -> float:
         """W + k x sum over requests of (cached + new) tokens: every weight once, each request's
-        cache read and its new KV written (spec's W + B k t when every chunk is one token)."""
+        cache read and its new KV written (docs/planning.md's W + B k t when every chunk is one token)."""
         r = self.roofline
         if not load.chunks:
             return 0.0

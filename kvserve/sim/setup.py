@@ -2,7 +2,7 @@
 
 - roofline: a model (preset, HF directory or config.json), a weight format, a KV dtype and a
   hardware profile, through kvserve.plan: the cache holds what the memory leaves after the weights
-  and the runtime overhead (spec section 4's memory budget).
+  and the runtime overhead (docs/planning.md's memory budget).
 - profile: a calibrated step profile, which also records the engine configuration it was measured
   with (cache blocks, block size, limits), so the twin runs with the same cache by default.
 """

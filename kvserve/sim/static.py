@@ -1,4 +1,4 @@
-"""Static batching (spec section 5), a policy of its own: nobody joins a running batch.
+"""Static batching (docs/scheduling.md), a policy of its own: nobody joins a running batch.
 
 A batch of up to `batch_size` waiting requests is dispatched when it is full or when its oldest
 request has waited `timeout_s`, and only when no batch is running. Prompts are padded to the

@@ -1,7 +1,7 @@
 """Policies, one simulated run's metrics, rate sweeps and the capacity search.
 
 Metrics come from `kvserve.bench.summary.summarize` over the run's records (one event per token),
-so TTFT, ITL, worst gaps, E2E, throughput (total output tokens / measured window, spec section 1),
+so TTFT, ITL, worst gaps, E2E, throughput (total output tokens / measured window, docs/metrics.md),
 goodput for named objectives and the realised rate mean exactly what `kvserve bench serve` reports.
 """
 
@@ -27,7 +27,7 @@ CHUNKED_SUFFIX = "-chunked"
 @dataclass(frozen=True)
 class Policy:
     """`static`, or continuous batching with `reserve` / `on_demand` admission, optionally with
-    chunked prefill (`on_demand-chunked`). Names are spec section 5's."""
+    chunked prefill (`on_demand-chunked`). Names are docs/scheduling.md's."""
 
     name: str
     admission: str | None  # None: static
@@ -52,7 +52,7 @@ class Policy:
 
 @dataclass(frozen=True)
 class EngineShape:
-    """The engine limits every policy runs under (spec section 5: max running sequences, max
+    """The engine limits every policy runs under (docs/scheduling.md: max running sequences, max
     batched tokens per step, cache occupancy).
 
     Chunked prefill uses `chunk_tokens` as the per-step token budget. Without it the budget is

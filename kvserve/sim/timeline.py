@@ -1,5 +1,5 @@
 """What a simulated run recorded, per request and per run, and its conversion to the bench's raw
-records so that every metric (spec section 1) comes from the same code as a load test's."""
+records so that every metric (docs/metrics.md) comes from the same code as a load test's."""
 
 from __future__ import annotations
 

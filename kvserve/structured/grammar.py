@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding with xgrammar (spec section 9).
+"""Grammar-constrained decoding with xgrammar (docs/structured-output.md).
 
 Why xgrammar: it compiles JSON schemas, regexes and EBNF against the served tokenizer into a token-level
 automaton with a precomputed mask cache, so filling one request's next-token bitmask takes microseconds;
@@ -12,6 +12,7 @@ step the runner fills that request's bitmask row and applies it to that request'
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,21 @@ import torch
 
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import StructuredOutput
+
+# xgrammar's C++ errors start "[HH:MM:SS] /path/to/file.cc:LINE: " and may hold an internal check:
+# neither means anything to a client, and a source path is not ours to publish.
+_LOG_PREFIX = re.compile(r"^\s*(\[[0-9:.]+\]\s*)?(\S+\.(cc|cpp|h|hpp|py):\d+:\s*)?")
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+
+
+def sanitize_compiler_error(exc: BaseException) -> str:
+    """The grammar compiler's message for a client: its last non-empty line, without the log
+    timestamp, the C++ source location or an internal "Check failed" clause."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    message = _CHECK_FAILED.sub("", _LOG_PREFIX.sub("", lines[-1], count=1)).strip()
+    return message or type(exc).__name__
 
 
 class GrammarCache:
@@ -66,9 +82,9 @@ class GrammarCache:
         try:
             compiled = self._compile(structured)
         except (RuntimeError, ValueError, TypeError) as exc:
-            message = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
             raise InvalidRequestError(
-                f"invalid {structured.kind} constraint: {message}", structured.param
+                f"invalid {structured.kind} constraint: {sanitize_compiler_error(exc)}",
+                structured.param,
             ) from exc
         elapsed = time.perf_counter() - start
         with self._lock:
