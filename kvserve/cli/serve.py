@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 from kvserve.cli.generate import MODEL_HELP, HelpFormatter, add_engine_arguments, engine_options
+from kvserve.server.limits import RequestLimits
+
+_EXIT_MARGIN_S = 2.0  # after the grace period: time for the cut streams' error events to go out
 
 EPILOG = """\
 examples:
@@ -44,14 +48,43 @@ def register(subparsers) -> None:
         "--api-key",
         action="append",
         default=[],
-        help="require `Authorization: Bearer KEY` on the API (repeatable)",
+        metavar="ID:SECRET",
+        help="require `Authorization: Bearer SECRET` on every route but /health, /ready, /metrics; "
+        "usage is metered per key ID (repeatable; a bare SECRET gets the id keyN)",
     )
     parser.add_argument(
         "--max-waiting",
         type=int,
         default=None,
-        help="reject with 429 + Retry-After when this many requests wait for admission",
+        help="reject with 429 + Retry-After when this many samples would wait for admission",
     )
+    limits = RequestLimits()
+    parser.add_argument("--max-n", type=int, default=limits.max_n, help="largest n per request")
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=limits.max_request_bytes,
+        help="largest request body (413 above it)",
+    )
+    parser.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=limits.max_json_depth,
+        help="deepest JSON nesting of a request body",
+    )
+    parser.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=limits.max_stop_strings,
+        help="stop strings per request",
+    )
+    parser.add_argument(
+        "--max-stop-chars",
+        type=int,
+        default=limits.max_stop_chars,
+        help="characters per stop string",
+    )
+    parser.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # tests only
     parser.add_argument(
         "--request-timeout",
         type=float,
@@ -68,7 +101,7 @@ def register(subparsers) -> None:
         "--grace-period",
         type=float,
         default=30.0,
-        help="on SIGTERM, seconds to let in-flight requests finish",
+        help="on SIGTERM, seconds to let in-flight requests finish; then each gets an error",
     )
     parser.add_argument(
         "--log-level",
@@ -87,9 +120,11 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.core.errors import InvalidRequestError
     from kvserve.engine.args import build_engine_config
+    from kvserve.engine.async_engine import FaultInjection
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.models import builtin_name, resolve_model
     from kvserve.server.app import build_app
+    from kvserve.server.metering import parse_api_keys
     from kvserve.server.serving import ServingOptions
     from kvserve.server.startup import startup_summary
 
@@ -104,6 +139,13 @@ def run(args: argparse.Namespace) -> int:
     options = engine_options(args)
     config = build_engine_config(model_dir, **options)  # fail fast on bad options, before binding
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
+    limits = RequestLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_json_depth=args.max_json_depth,
+        max_n=args.max_n,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_chars,
+    )
     serving = ServingOptions(
         served_model_name=args.served_model_name
         or builtin_name(model_dir)
@@ -112,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         chat_template=chat_template,
         log_content=args.log_content,
+        limits=limits,
     )
     url = f"http://{args.host}:{args.port}"
 
@@ -120,12 +163,52 @@ def run(args: argparse.Namespace) -> int:
         print(startup_summary(engine, serving.served_model_name, url), flush=True)
         return engine
 
-    app = build_app(load, serving, api_keys=tuple(args.api_key), engine_options=options)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.grace_period,
+    holder: dict = {}
+    app = build_app(
+        load,
+        serving,
+        api_keys=parse_api_keys(args.api_key),
+        engine_options=options,
+        faults=FaultInjection.parse(args.inject_fault),
+        on_fatal=lambda: holder["server"].request_exit(),
     )
+    state = app.state.kvserve
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.grace_period + _EXIT_MARGIN_S,
+        ),
+        state,
+        args.grace_period,
+    )
+    holder["server"] = server
+    server.run()
+    if state.dead_reason is not None:
+        return 1  # a supervisor should restart us
     return 0
+
+
+class _Server:
+    """uvicorn's server, with kvserve's drain: SIGTERM / SIGINT start the grace period (new work gets 503,
+    open requests may finish; at its end each is cut with an error), and the signal is not re-raised at
+    exit, so a clean drain exits 0."""
+
+    def __new__(cls, config, state, grace_period_s: float):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                if self.should_exit and sig == signal.SIGINT:
+                    self.force_exit = True  # a second Ctrl-C: stop now
+                    return
+                self.request_exit()
+
+            def request_exit(self) -> None:
+                if state.loop is not None and not state.loop.is_closed():
+                    state.loop.call_soon_threadsafe(state.begin_drain, grace_period_s)
+                self.should_exit = True
+
+        return Server(config)

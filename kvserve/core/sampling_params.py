@@ -13,6 +13,14 @@ _GREEDY_EPS = 1e-5
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
+# The ranges the consumers accept (docs/server.md, "Limits"): seeds go to torch.Generator.manual_seed, which
+# takes [-2^63, 2^64 - 1] (sample i of n uses seed + i, so the last one must fit too); integer knobs that
+# become int64 tensors must fit int64; float knobs that become float32 tensors must be finite in float32.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 @dataclass(frozen=True)
 class StructuredOutput:
@@ -67,9 +75,17 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if any(not _int(t) for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be integers", "stop_token_ids")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        try:
+            bias = tuple((int(t), float(b)) for t, b in bias)
+        except (TypeError, ValueError, OverflowError):
+            raise InvalidRequestError(
+                "logit_bias maps token ids to numbers in [-100, 100]", "logit_bias"
+            ) from None
+        object.__setattr__(self, "logit_bias", bias)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self._validate()
@@ -78,30 +94,32 @@ class SamplingParams:
         def bad(param: str, message: str) -> InvalidRequestError:
             return InvalidRequestError(message, param=param)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _int(self.n) or not 1 <= self.n <= INT64_MAX:
             raise bad("n", f"n must be an integer >= 1, got {self.n!r}")
         if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            not _int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX
         ):
             raise bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise bad("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(
                 "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             )
-        if not _finite(self.temperature) or self.temperature < 0:
+        if not _finite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             raise bad("temperature", f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
             raise bad(
-                "top_k", f"top_k must be an integer >= 1, or 0 / -1 to disable; got {self.top_k!r}"
+                "top_k",
+                f"top_k must be an integer >= 1 (at most 2^63 - 1), or 0 / -1 to disable; "
+                f"got {self.top_k!r}",
             )
         if not _finite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _finite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _finite(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
             raise bad(
                 "repetition_penalty",
                 f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
@@ -110,20 +128,26 @@ class SamplingParams:
             value = getattr(self, name)
             if not _finite(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, f"{name} must be in [-2, 2], got {value!r}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
-        ):
+        if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", f"seed must be an integer, got {self.seed!r}")
-        if any(not s for s in self.stop):
+        if self.seed is not None:
+            if not _int(self.seed):
+                raise bad("seed", f"seed must be an integer, got {self.seed!r}")
+            if not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1):
+                limit = "2^64 - 1" if self.n == 1 else f"2^64 - 1 - (n - 1) = 2^64 - {self.n}"
+                raise bad(
+                    "seed",
+                    f"seed must be in [-2^63, {limit}] (sample i of n uses seed + i), "
+                    f"got {self.seed}",
+                )
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "stop_token_ids must be >= 0")
+        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "stop_token_ids must be in [0, 2^63 - 1]")
         for token_id, bias in self.logit_bias:
             if not _finite(bias) or not -100.0 <= bias <= 100.0:
                 raise bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias!r}")
-            if token_id < 0:
+            if not 0 <= token_id <= INT64_MAX:
                 raise bad("logit_bias", f"logit_bias token id must be >= 0, got {token_id}")
 
     @property
@@ -138,6 +162,10 @@ class SamplingParams:
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
         fields.update(changes)
         return SamplingParams(**fields)
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _finite(value: object) -> bool:

@@ -3,6 +3,12 @@
 Requests and aborts are queued as commands and applied between steps; each step's outputs are handed to the
 per-request asyncio queues with `call_soon_threadsafe`. An abort (client gone, timeout) therefore takes effect
 before the next step, and its blocks return to the pool then.
+
+Failure isolation: an exception while adding one request, or in a step that admitted new requests, is
+charged to those requests (they fail with `RequestFailedError`, a 500) and the loop goes on; when several
+newcomers share the failing step they are re-admitted one at a time until the culprit is found. Only a
+failure that no request explains (or a broken cache invariant after recovery) stops the loop: the engine is
+then dead (`EngineDeadError`, a 503) and `on_dead` is called so the server can exit for a restart.
 """
 
 from __future__ import annotations
@@ -48,18 +54,76 @@ class EngineDeadError(KVServeError):
     """The engine loop stopped on an internal error; the server reports 503 from then on."""
 
 
+class RequestFailedError(KVServeError):
+    """An internal error while preparing or running this request only; the engine goes on (HTTP 500)."""
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only faults, keyed by a request's seed: `request_seed` makes the runner fail while preparing
+    that request (inside a step: attributable); `engine_seed` makes the loop itself fail after the step
+    that follows its arrival (not attributable: the engine dies)."""
+
+    request_seed: int | None = None
+    engine_seed: int | None = None
+    step_delay_s: float = (
+        0.0  # sleep after every step: a slow engine, for deterministic timing tests
+    )
+
+    @classmethod
+    def parse(cls, spec: str | None) -> FaultInjection | None:
+        """`request:SEED`, `engine:SEED`, `delay:SECONDS`, comma-separated."""
+        if not spec:
+            return None
+        fields: dict[str, float] = {}
+        for part in spec.split(","):
+            kind, _, value = part.partition(":")
+            try:
+                if kind == "delay":
+                    fields["step_delay_s"] = float(value)
+                elif kind in ("request", "engine"):
+                    fields[f"{kind}_seed"] = int(value)
+                else:
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    f"fault injection must be request:SEED, engine:SEED or delay:SECONDS; "
+                    f"got {part!r}"
+                ) from None
+        return cls(**fields)
+
+
 class AsyncEngine:
     def __init__(
-        self, engine: LLMEngine, on_step: Callable[[list[RequestOutput]], None] | None = None
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[list[RequestOutput]], None] | None = None,
+        *,
+        on_dead: Callable[[str], None] | None = None,
+        faults: FaultInjection | None = None,
     ):
         self.engine = engine
         self.on_step = on_step
+        self.on_dead = on_dead
         self._commands: deque[tuple] = deque()
         self._wakeup = threading.Condition()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._num_pending_adds = 0
+        # Samples not yet admitted, counted exactly (under `_wakeup`): reserved by `reserve` but not yet
+        # submitted, submitted but not yet handed to the engine, and waiting inside the engine.
+        self._num_reserved = 0
+        self._num_pending_samples = 0
+        self._num_engine_waiting = 0
         self._stopping = False
         self.error: BaseException | None = None
+        self.dead_reason: str | None = None
+        # Adds not yet scheduled, kept so that a failing step's newcomers can be re-admitted one at a time.
+        self._unscheduled: dict[str, tuple] = {}
+        self._quarantine: deque[tuple] = deque()
+        self._probation: str | None = None
+        self._faults = faults
+        self._fault_armed = False
+        if faults is not None and faults.request_seed is not None:
+            self._inject_runner_fault(faults.request_seed)
         self.stats = self._collect_stats()
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
@@ -76,13 +140,34 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted but not yet admitted by the scheduler (including ones not yet handed over)."""
-        return self.stats.num_waiting + self._num_pending_adds
+        """Samples accepted but not yet admitted by the scheduler: reserved, in flight to the engine
+        thread, or in its waiting queue. Exact: every term changes under one lock."""
+        with self._wakeup:
+            return self._num_reserved + self._num_pending_samples + self._num_engine_waiting
+
+    @property
+    def dead(self) -> bool:
+        return self.error is not None
+
+    def reserve(self, num_samples: int, limit: int | None) -> bool:
+        """Hold `num_samples` places in the waiting count if that keeps it <= `limit` (None: no limit).
+        A reservation is used by `generate(..., reserved=True)` or returned with `release`."""
+        with self._wakeup:
+            waiting = self._num_reserved + self._num_pending_samples + self._num_engine_waiting
+            if limit is not None and waiting + num_samples > limit:
+                return False
+            self._num_reserved += num_samples
+            return True
+
+    def release(self, num_samples: int) -> None:
+        with self._wakeup:
+            self._num_reserved -= num_samples
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request (compiling its grammar, if any): call it off the event loop."""
         return self.engine.validate(prompt_token_ids, params)  # reads only immutable configuration
 
-    async def generate(
+    def add(
         self,
         request_id: str,
         prompt_token_ids: list[int],
@@ -91,34 +176,48 @@ class AsyncEngine:
         prompt: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream snapshots of one request until it finishes. Leaving early (client disconnect, timeout,
-        cancellation) aborts the request."""
+        reserved: bool = False,
+    ) -> RequestStream:
+        """Submit one request now; iterate the returned stream for its snapshots until it finishes, and
+        `aclose` it to abort early. Validation happens in the engine thread (an invalid request raises
+        its error from the stream); callers on an event loop validate in a worker first. `reserved`: the
+        caller holds a `reserve` for `params.n` samples, which this request uses."""
         if self.error is not None:
-            raise EngineDeadError(f"the engine loop stopped: {self.error!r}")
-        self.engine.validate(prompt_token_ids, params)
+            if reserved:
+                self.release(params.n)
+            raise EngineDeadError(self.dead_reason or "the engine loop stopped")
         if request_id in self._queues:
+            if reserved:
+                self.release(params.n)
             raise KVServeError(f"duplicate request id {request_id!r}")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (asyncio.get_running_loop(), queue)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self._submit(
-            ("add", request_id, prompt_token_ids, params, prompt, cache_salt, arrival_time)
+            ("add", request_id, prompt_token_ids, params, prompt, cache_salt, arrival_time),
+            reserved=reserved,
         )
-        finished = False
+        return RequestStream(self, request_id, queue)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        **kwargs,
+    ) -> AsyncIterator[RequestOutput]:
+        """`add` as an async generator: leaving early (disconnect, timeout, cancellation) aborts."""
+        stream = self.add(request_id, prompt_token_ids, params, **kwargs)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for output in stream:
+                yield output
         finally:
-            self._queues.pop(request_id, None)
-            if not finished:
-                self._submit(("abort", request_id))
+            await stream.aclose()
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        self._queues.pop(request_id, None)
+        if abort:
+            self._submit(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -131,6 +230,8 @@ class AsyncEngine:
 
     def call_in_engine_thread(self, fn: Callable[[LLMEngine], object], timeout_s: float = 30.0):
         """Run `fn(engine)` between steps and return its result (for maintenance such as warm-up)."""
+        if self.error is not None:
+            raise EngineDeadError(self.dead_reason or "the engine loop stopped")
         done = threading.Event()
         box: list = []
 
@@ -151,19 +252,28 @@ class AsyncEngine:
 
     # --- engine thread ----------------------------------------------------------------------------------
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: tuple, reserved: bool = False) -> None:
         with self._wakeup:
             self._commands.append(command)
-            self._num_pending_adds += command[0] == "add"
+            if command[0] == "add":
+                num_samples = command[3].n
+                self._num_pending_samples += num_samples
+                if reserved:
+                    self._num_reserved -= num_samples
             self._wakeup.notify()
 
     def _next_command(self) -> tuple | None:
         with self._wakeup:
             if not self._commands:
                 return None
-            command = self._commands.popleft()
-            self._num_pending_adds -= command[0] == "add"
-            return command
+            return self._commands.popleft()
+
+    def _publish_waiting(self, handed_over: int = 0) -> None:
+        """After the engine's queue changed: move `handed_over` samples from pending to the engine's count,
+        in one locked update so `num_waiting` never sees a sample twice or not at all."""
+        with self._wakeup:
+            self._num_pending_samples -= handed_over
+            self._num_engine_waiting = self.engine.num_waiting_samples
 
     def _deliver(self, request_id: str, item) -> None:
         self._deliver_all([(request_id, item)])
@@ -182,50 +292,155 @@ class AsyncEngine:
             except RuntimeError:  # the event loop has closed (shutdown)
                 pass
 
+    def _add(self, command: tuple) -> None:
+        _, request_id, prompt_ids, params, prompt, salt, arrival = command
+        try:
+            if request_id not in self._queues:
+                return  # the caller gave up before the request reached the engine
+            faults = self._faults
+            if (
+                faults is not None
+                and faults.engine_seed is not None
+                and params.seed == faults.engine_seed
+            ):
+                self._fault_armed = True
+            try:
+                self.engine.add_request(
+                    request_id, prompt_ids, params, prompt=prompt, cache_salt=salt,
+                    arrival_time=arrival,
+                )  # fmt: skip
+                self._unscheduled[request_id] = command
+            except KVServeError as exc:
+                self._fail(request_id, exc)
+            except Exception as exc:  # attributable: this request alone fails
+                logger.exception("adding request %s failed", request_id)
+                self._fail(request_id, RequestFailedError(f"internal error: {exc!r}"))
+        finally:
+            self._publish_waiting(params.n)
+
+    def _fail(self, request_id: str, exc: KVServeError) -> None:
+        self.engine.abort_request(request_id)  # whatever it left behind goes back to the pool
+        self._unscheduled.pop(request_id, None)
+        self._deliver(request_id, exc)
+
     def _apply_commands(self) -> None:
         while (command := self._next_command()) is not None:
             kind = command[0]
             if kind == "add":
-                _, request_id, prompt_ids, params, prompt, salt, arrival = command
-                if request_id not in self._queues:
-                    continue  # the caller gave up before the request reached the engine
-                try:
-                    self.engine.add_request(
-                        request_id,
-                        prompt_ids,
-                        params,
-                        prompt=prompt,
-                        cache_salt=salt,
-                        arrival_time=arrival,
-                    )
-                except KVServeError as exc:
-                    self._deliver(request_id, exc)
+                self._add(command)
             elif kind == "abort":
+                self._unscheduled.pop(command[1], None)
                 self.engine.abort_request(command[1])
             elif kind == "call":
                 command[1](self.engine)
+        if self._quarantine and self._probation is None:
+            command = self._quarantine.popleft()
+            if command[1] in self._queues:  # not given up meanwhile
+                self._probation = command[1]
+                with self._wakeup:
+                    self._num_pending_samples += command[3].n
+                self._add(command)
+
+    def _parent_id(self, sample_id: str) -> str | None:
+        if sample_id in self._queues or sample_id in self._unscheduled:
+            return sample_id
+        parent, _, index = sample_id.rpartition("-")
+        return parent if index.isdigit() and parent in self._unscheduled else None
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; a failure charged to the step's newcomers fails them, not the loop."""
+        before = self.engine.last_scheduler_output
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            scheduled = self.engine.last_scheduler_output
+            if scheduled is before or not scheduled.new_requests:
+                raise  # the scheduler itself, or only requests that already ran: not attributable
+            suspects = list(
+                dict.fromkeys(
+                    p for new in scheduled.new_requests if (p := self._parent_id(new.request_id))
+                )
+            )
+            if not suspects:
+                raise
+            self._isolate(suspects, exc)
+            self.engine.check_invariants()  # recovery must leave a consistent cache, or the engine dies
+            return []
+        for new in self.engine.last_scheduler_output.new_requests:
+            parent = self._parent_id(new.request_id)
+            if parent is not None:
+                self._unscheduled.pop(parent, None)
+                if parent == self._probation:
+                    self._probation = None
+        return outputs
+
+    def _isolate(self, suspects: list[str], exc: Exception) -> None:
+        if len(suspects) == 1 or self._probation in suspects:
+            culprit = suspects[0] if len(suspects) == 1 else self._probation
+            logger.error("request %s failed in the engine step: %r", culprit, exc, exc_info=exc)
+            self._fail(culprit, RequestFailedError(f"internal error: {exc!r}"))
+            innocent = [s for s in suspects if s != culprit]
+        else:
+            logger.warning("a step failed with %d new requests; retrying them one by one: %r",
+                           len(suspects), exc)  # fmt: skip
+            innocent = suspects
+        self._probation = None
+        for (
+            request_id
+        ) in innocent:  # re-admitted later, one at a time; nothing of theirs was sent yet
+            command = self._unscheduled.pop(request_id, None)
+            self.engine.abort_request(request_id)
+            if command is not None:
+                self._quarantine.append(command)
+        self._publish_waiting()
 
     def _run(self) -> None:
         try:
             while True:
                 with self._wakeup:
-                    while not self._commands and not self.engine.has_unfinished_requests():
+                    while (
+                        not self._commands
+                        and not self._quarantine
+                        and not self.engine.has_unfinished_requests()
+                    ):
                         if self._stopping:
                             return
                         self._wakeup.wait()
                     if self._stopping and not self.engine.has_unfinished_requests():
                         return
                 self._apply_commands()
-                outputs = self.engine.step()
+                outputs = self._step()
+                self._publish_waiting()
                 self.stats = self._collect_stats()
+                if self._fault_armed:
+                    raise RuntimeError("injected engine fault")
+                if self._faults is not None and self._faults.step_delay_s and outputs:
+                    time.sleep(self._faults.step_delay_s)
                 if self.on_step is not None:
                     self.on_step(outputs)
                 self._deliver_all([(output.request_id, output) for output in outputs])
-        except BaseException as exc:  # a bug in the engine: fail every waiting request, loudly
+        except BaseException as exc:  # not attributable to a request: fail every request, loudly
             logger.exception("engine loop failed")
+            self.dead_reason = f"the engine loop stopped: {exc!r}"
             self.error = exc
-            dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
+            dead = EngineDeadError(self.dead_reason)
             self._deliver_all([(request_id, dead) for request_id in list(self._queues)])
+            while (command := self._next_command()) is not None:
+                if command[0] == "call":  # maintenance calls waiting for the thread get the error
+                    command[1](_DeadEngine(self.dead_reason))
+            if self.on_dead is not None:
+                self.on_dead(self.dead_reason)
+
+    def _inject_runner_fault(self, seed: int) -> None:
+        runner = self.engine.runner
+        add_request = runner.add_request
+
+        def failing_add_request(new):
+            if new.sampling_params.seed == seed:
+                raise RuntimeError("injected fault while preparing a request")
+            return add_request(new)
+
+        runner.add_request = failing_add_request
 
     def _collect_stats(self) -> EngineStats:
         engine = self.engine
@@ -249,6 +464,51 @@ class AsyncEngine:
             prefix_cache_hits=kv.stats.num_hits,
             num_steps=scheduler.stats.num_steps,
         )
+
+
+class RequestStream:
+    """The outputs of one submitted request, as an async iterator; `aclose` aborts it if unfinished."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue = queue
+        self._open = True
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._open:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            await self.aclose()
+            raise item
+        if item.finished:
+            self._open = False
+            self._engine._forget(self.request_id, abort=False)
+        return item
+
+    def interrupt(self, error: BaseException) -> None:
+        """Make the next read raise `error` (after the outputs already queued)."""
+        if self._open:
+            self._queue.put_nowait(error)
+
+    async def aclose(self) -> None:
+        if self._open:
+            self._open = False
+            self._engine._forget(self.request_id, abort=True)
+
+
+class _DeadEngine:
+    """Stands in for the engine in maintenance calls that arrive after it died: any use raises."""
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def __getattr__(self, name: str):
+        raise EngineDeadError(self._reason)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

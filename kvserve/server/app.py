@@ -1,35 +1,42 @@
 """The FastAPI application: OpenAI routes, tokenizer routes, health, readiness and metrics.
 
 The HTTP server starts at once; the model loads (and warms up) in a background thread. Until then /health is
-200 and /ready is 503, and the API answers 503.
+200 and /ready is 503, and the API answers 503. If the engine dies, /health and /ready answer 503 with the
+reason, every request gets 503, and `on_fatal` (the CLI: stop the server, exit non-zero) is called.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.async_engine import AsyncEngine, FaultInjection
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.server import access_log
 from kvserve.server.errors import (
     APIError,
     api_error_handler,
     engine_error_handler,
+    http_exception_handler,
+    internal_error_handler,
     validation_error_handler,
 )
+from kvserve.server.limits import GuardMiddleware
 from kvserve.server.manifest import build_manifest, fingerprint, manifest_hash
+from kvserve.server.metering import ApiKey, KeyRing, Metering, outcome_of, parse_api_keys
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.openapi import install_openapi
 from kvserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +44,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
 )
 from kvserve.server.serving import OpenAIServing, ServingOptions
+from kvserve.server.workers import offload
 
 logger = logging.getLogger("kvserve.server")
 
@@ -46,18 +54,61 @@ class ServerState:
     """Everything the routes need; `serving` is None until the model is loaded and warmed up."""
 
     options: ServingOptions
-    api_keys: tuple[str, ...] = ()
+    keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     engine_options: dict = field(default_factory=dict)
     serving: OpenAIServing | None = None
     engine: AsyncEngine | None = None
     manifest: dict | None = None
     manifest_sha256: str | None = None
     load_error: str | None = None
+    dead_reason: str | None = None
     shutting_down: bool = False
     metrics: ServerMetrics | None = None
+    metering: Metering | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    on_fatal: Callable[[], None] | None = None
+    num_cut_at_shutdown: int = 0
+
+    @property
+    def limits(self):
+        return self.options.limits
+
+    def record_rejection(self, key_id: str | None, error: APIError) -> None:
+        """Count and meter an error answered before (or outside) a running job, once."""
+        if error.accounted:
+            return
+        error.accounted = True
+        if self.metrics is not None:
+            self.metrics.observe_error(error.error_type)
+        if self.metering is not None and key_id is not None:
+            self.metering.record(key_id, outcome_of(error.status_code, error.code))
+
+    def engine_died(self, reason: str) -> None:
+        """On the event loop: the engine thread stopped for good."""
+        self.dead_reason = reason
+        logger.critical("engine dead: %s; the server stops so a supervisor can restart it", reason)
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def begin_drain(self, grace_period_s: float) -> None:
+        """On the event loop, at SIGTERM: refuse new work; when the grace period ends, cut what is left
+        (each open stream gets an error event, each waiting response a 503)."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+
+        def expire() -> None:
+            if self.serving is not None:
+                self.num_cut_at_shutdown = self.serving.expire_open_jobs()
+                if self.num_cut_at_shutdown:
+                    logger.warning("grace period over: %d requests cut", self.num_cut_at_shutdown)
+
+        asyncio.get_running_loop().call_later(grace_period_s, expire)
 
 
-def _load(state: ServerState, engine_factory: Callable[[], LLMEngine]) -> None:
+def _load(
+    state: ServerState, engine_factory: Callable[[], LLMEngine], faults: FaultInjection | None
+) -> None:
     try:
         engine = engine_factory()
         template = state.options.chat_template or getattr(engine.tokenizer, "chat_template", None)
@@ -71,14 +122,26 @@ def _load(state: ServerState, engine_factory: Callable[[], LLMEngine]) -> None:
         state.manifest_sha256 = manifest_hash(state.manifest)
         engine.on_grammar_compile = state.metrics.grammar_compile.observe
         mask_times = engine.runner.grammar_mask_times_s
+
+        def on_dead(reason: str) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody to tell
+                state.loop.call_soon_threadsafe(state.engine_died, reason)
+
         async_engine = AsyncEngine(
-            engine, on_step=lambda _: state.metrics.drain_mask_times(mask_times)
+            engine,
+            on_step=lambda _: state.metrics.drain_mask_times(mask_times),
+            on_dead=on_dead,
+            faults=faults,
         )
         # Warm up: one tiny request through the real path (allocations, first-call overheads).
         async_engine.call_in_engine_thread(_warm_up)
         state.engine = async_engine
         state.serving = OpenAIServing(
-            async_engine, state.options, state.metrics, fingerprint(state.manifest_sha256)
+            async_engine,
+            state.options,
+            state.metrics,
+            fingerprint(state.manifest_sha256),
+            state.metering,
         )
         logger.info(
             "ready: %s (manifest %s)", state.options.served_model_name, state.manifest_sha256
@@ -97,15 +160,25 @@ def _warm_up(engine: LLMEngine) -> None:
 def build_app(
     engine_factory: Callable[[], LLMEngine],
     options: ServingOptions,
-    api_keys: tuple[str, ...] = (),
+    api_keys: tuple[str | ApiKey, ...] = (),
     engine_options: dict | None = None,
+    *,
+    faults: FaultInjection | None = None,
+    on_fatal: Callable[[], None] | None = None,
 ) -> FastAPI:
-    state = ServerState(options=options, api_keys=api_keys, engine_options=engine_options or {})
+    keys = tuple(k for k in api_keys if isinstance(k, ApiKey))
+    keys += parse_api_keys([k for k in api_keys if not isinstance(k, ApiKey)])
+    state = ServerState(
+        options=options, keys=KeyRing(keys), engine_options=engine_options or {}, on_fatal=on_fatal
+    )
     state.metrics = ServerMetrics(lambda: state.engine.stats if state.engine else None)
+    state.metering = Metering(state.metrics.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        loader = threading.Thread(target=_load, args=(state, engine_factory), daemon=True)
+        state.loop = asyncio.get_running_loop()
+        access_log.install()
+        loader = threading.Thread(target=_load, args=(state, engine_factory, faults), daemon=True)
         loader.start()
         yield
         state.shutting_down = True
@@ -117,21 +190,13 @@ def build_app(
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(KVServeError, engine_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
-
-    def require_key(request: Request) -> None:
-        if not state.api_keys:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token, key) for key in state.api_keys):
-            raise APIError(
-                401,
-                "missing or invalid API key (send Authorization: Bearer KEY)",
-                "authentication_error",
-                code="invalid_api_key",
-            )
+    app.add_exception_handler(StarletteHTTPException, http_exception_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
+    app.add_middleware(GuardMiddleware, state=state)
 
     def serving() -> OpenAIServing:
+        if state.dead_reason is not None:
+            raise APIError(503, state.dead_reason, "service_unavailable", code="engine_dead")
         if state.shutting_down:
             raise APIError(503, "the server is shutting down", "service_unavailable")
         if state.serving is None:
@@ -139,12 +204,19 @@ def build_app(
             raise APIError(503, message, "service_unavailable", headers={"Retry-After": "2"})
         return state.serving
 
+    def key_id(request: Request) -> str | None:
+        return request.scope.get("state", {}).get("key_id")
+
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if state.dead_reason is not None:
+            return JSONResponse({"status": "dead", "error": state.dead_reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        if state.dead_reason is not None:
+            return JSONResponse({"status": "dead", "error": state.dead_reason}, status_code=503)
         if state.serving is None or state.shutting_down:
             status = (
                 "failed"
@@ -181,7 +253,12 @@ def build_app(
             state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> dict:
+        """The caller's own metered totals (by its API key id)."""
+        return state.metering.usage(key_id(request))
+
+    @app.get("/v1/models")
     async def models() -> dict:
         serving()
         return {
@@ -198,41 +275,49 @@ def build_app(
             ],
         }
 
-    async def run(job_builder, body, request: Request):
+    async def run(builder, body, request: Request):
         s = serving()
-        job = job_builder(s, body)
-        if job.stream:  # Starlette cancels the stream when the client goes away
-            return StreamingResponse(s.stream(job), media_type="text/event-stream")
-        return JSONResponse(await _unless_disconnected(request, s.complete(job)))
+        job = await s.prepare(builder, body, key_id(request))
+        if state.shutting_down or state.dead_reason is not None:
+            s.release(job)
+            serving()  # raises the 503
+        if job.stream:
+            return _JobStream(s, job)
+        return JSONResponse(await _unless_disconnected(request, s, job))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await run(OpenAIServing.chat_job, body, request)
 
-    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await run(OpenAIServing.completion_job, body, request)
 
-    @app.post("/tokenize", dependencies=[Depends(require_key)])
+    @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         s = serving()
         s.check_model(body.model)
-        if body.messages is not None:
-            chat = ChatCompletionRequest(
-                messages=body.messages, add_generation_prompt=body.add_generation_prompt
-            )
-            tokens = s.encode(s.render_chat(chat), add_special_tokens=False)
-        elif body.prompt is not None:
-            tokens = s.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
+
+        def encode() -> list[int]:
+            if body.messages is not None:
+                chat = ChatCompletionRequest.model_construct(
+                    messages=body.messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    chat_template_kwargs=None,
+                )
+                return s.encode(s.render_chat(chat), add_special_tokens=False)
+            if body.prompt is not None:
+                return s.encode(body.prompt, add_special_tokens=body.add_special_tokens)
             raise InvalidRequestError("give `prompt` or `messages`", "prompt")
+
+        tokens = await offload(encode)
         return {
             "tokens": tokens,
             "count": len(tokens),
             "max_model_len": s.engine.engine.max_model_len,
         }
 
-    @app.post("/detokenize", dependencies=[Depends(require_key)])
+    @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         s = serving()
         s.check_model(body.model)
@@ -240,9 +325,9 @@ def build_app(
         if any(not 0 <= t < vocab for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "tokens")
         s._require_tokenizer()
-        return {"prompt": s.tokenizer.decode(body.tokens)}
+        return {"prompt": await offload(s.tokenizer.decode, body.tokens)}
 
-    @app.post("/reset_prefix_cache", dependencies=[Depends(require_key)])
+    @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
         """Forget cached prefixes (benchmarks that replay one workload at several rates need it).
         Refused with 409 while any request holds blocks."""
@@ -270,13 +355,33 @@ def build_app(
 
         return await asyncio.to_thread(s.engine.call_in_engine_thread, check)
 
+    install_openapi(app)
     return app
 
 
-async def _unless_disconnected(request: Request, work, poll_s: float = 0.25):
-    """Await `work`, but cancel it (which aborts its engine requests) if the client disconnects first:
-    nobody would read the answer, and its cache blocks are better spent on others."""
-    task = asyncio.ensure_future(work)
+class _JobStream(StreamingResponse):
+    """A job's SSE stream that always settles its job: a stream that never started (the client left
+    before the first byte) gives its waiting-queue places back and is counted as aborted."""
+
+    def __init__(self, serving: OpenAIServing, job) -> None:
+        super().__init__(serving.stream(job), media_type="text/event-stream")
+        self._serving = serving
+        self._job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self._serving.release(self._job)
+            self._serving.client_gone(self._job)  # a no-op when the stream settled the job itself
+
+
+async def _unless_disconnected(request: Request, serving: OpenAIServing, job, poll_s: float = 0.25):
+    """Run a non-streaming job, but cancel it (which aborts its engine requests) if the client
+    disconnects first: nobody would read the answer, and its cache blocks are better spent on others.
+    The disconnected request is logged and metered as aborted."""
+    task = asyncio.ensure_future(serving.complete(job))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=poll_s)
@@ -284,7 +389,13 @@ async def _unless_disconnected(request: Request, work, poll_s: float = 0.25):
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                raise APIError(499, "the client closed the connection", "client_closed_request")
+                with contextlib.suppress(BaseException):
+                    await task
+                serving.client_gone(job)
+                error = APIError(499, "the client closed the connection", "client_closed_request")
+                error.accounted = True  # client_gone counted it
+                raise error
     finally:
         if not task.done():
             task.cancel()
+        serving.release(job)

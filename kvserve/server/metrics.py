@@ -139,6 +139,11 @@ class ServerMetrics:
             ["error_type"],
             registry=r,
         )
+        self.unauthorized = Counter(
+            "kvserve_unauthorized_requests",
+            "Requests refused for a missing or wrong API key (not in kvserve_request_errors)",
+            registry=r,
+        )
         self.grammar_compile = Histogram(
             "kvserve_grammar_compile_seconds", "Compiling one structured-output constraint",
             buckets=_FAST_BUCKETS, registry=r,

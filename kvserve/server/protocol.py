@@ -1,6 +1,8 @@
 """OpenAI request schemas (pydantic) and their mapping to `SamplingParams`.
 
 Unknown fields are accepted and ignored, as OpenAI clients send vendor extensions through `extra_body`.
+Known fields are strict: `"stream": "yes"`, `"top_p": true` or `"n": 2.0` are 400s, not coerced. The
+schema's numeric bounds are the ranges the engine accepts (docs/server.md, "Limits").
 Extensions beyond OpenAI's parameters follow vLLM's names so clients can switch: top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, cache_salt.
 """
@@ -13,10 +15,20 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.core.errors import InvalidRequestError
-from kvserve.core.sampling_params import SamplingParams, StructuredOutput
+from kvserve.core.sampling_params import (
+    INT64_MAX,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+    StructuredOutput,
+)
+
+_STRICT = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
     continuous_usage_stats: bool = (
         False  # vLLM's: usage in every chunk, so clients can count tokens
@@ -24,26 +36,26 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(1, ge=1, le=INT64_MAX)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
@@ -54,7 +66,7 @@ class _SamplingRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
     guided_grammar: str | None = None
 
     def structured_output(self) -> StructuredOutput | None:
@@ -143,7 +155,7 @@ class _SamplingRequest(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -151,10 +163,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -189,13 +201,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    # Not served (it needs prompt logprobs); the schema says so rather than refusing a valid request.
+    echo: Literal[False] = Field(False, description="not supported: must be false")
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise InvalidRequestError("echo is not supported", "echo")
         return self.sampling_params(self.max_tokens, self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:
@@ -211,17 +222,17 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
     model: str | None = None
     tokens: list[int]

@@ -13,7 +13,7 @@ from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 
 
-@dataclass
+@dataclass(eq=False)  # identity: jobs live in sets
 class Job:
     """One OpenAI request: its prompts (each fanned out to n samples by the engine)."""
 
@@ -29,6 +29,16 @@ class Job:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     finished_choices: set[int] = field(default_factory=set)  # streamed finish chunks
+    key_id: str | None = None  # the caller's API key id (metering)
+    num_reserved: int = 0  # waiting-queue places held for it and not yet used
+    streams: list = field(default_factory=list)  # the engine's request streams, once started
+    latest: dict[int, RequestOutput] = field(default_factory=dict)  # newest snapshot per prompt
+    accounted: bool = False  # counted, metered and logged (exactly once)
+
+    def interrupt(self, error: BaseException) -> None:
+        """End the job with `error` (time budget or grace period over): raised where it reads outputs."""
+        for stream in self.streams:
+            stream.interrupt(error)
 
 
 class ResponseBuilder:

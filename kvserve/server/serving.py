@@ -1,4 +1,9 @@
-"""OpenAI chat and completions over the async engine: request -> prompts -> engine streams -> responses."""
+"""OpenAI chat and completions over the async engine: request -> prompts -> engine streams -> responses.
+
+Preparing a job (chat template, tokenisation, validation and grammar compilation) runs in the worker pool
+(`prepare`); the event loop only admits it (an exact `--max-waiting` reservation) and relays its outputs.
+Every outcome is logged once and metered once under the caller's key id.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +17,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
+from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
-from kvserve.server.errors import APIError, from_engine_error
+from kvserve.server.errors import APIError, from_engine_error, internal_error
+from kvserve.server.limits import RequestLimits
+from kvserve.server.metering import Metering, outcome_of
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.responses import Job, ResponseBuilder, server_metrics
+from kvserve.server.workers import offload
 
 logger = logging.getLogger("kvserve.requests")
 
@@ -29,18 +38,37 @@ class ServingOptions:
     request_timeout_s: float | None = None
     chat_template: str | None = None
     log_content: bool = False
+    limits: RequestLimits = RequestLimits()
+
+
+def _shutdown_error() -> APIError:
+    return APIError(
+        503,
+        "the server shut down (grace period over) before this request finished",
+        "service_unavailable",
+        code="server_shutdown",
+    )
 
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, options: ServingOptions, metrics: ServerMetrics, fingerprint: str
+        self,
+        engine: AsyncEngine,
+        options: ServingOptions,
+        metrics: ServerMetrics,
+        fingerprint: str,
+        metering: Metering | None = None,
     ) -> None:
         self.engine = engine
         self.options = options
         self.metrics = metrics
+        self.metering = metering
         self.fingerprint = fingerprint
         self.tokenizer = engine.tokenizer
         self.responses = ResponseBuilder(options.served_model_name, fingerprint, engine.tokenizer)
+        self.open_jobs: set[Job] = (
+            set()
+        )  # running jobs, cut with an error when the grace period ends
 
     # --- request intake ---------------------------------------------------------------------------------
 
@@ -87,18 +115,48 @@ class OpenAIServing:
         self._require_tokenizer()
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
+        limits = self.options.limits
+        if params.n > limits.max_n:
+            raise InvalidRequestError(
+                f"n must be at most {limits.max_n} on this server (--max-n), got {params.n}", "n"
+            )
+        if len(params.stop) > limits.max_stop_strings:
+            raise InvalidRequestError(
+                f"at most {limits.max_stop_strings} stop strings, got {len(params.stop)}", "stop"
+            )
+        if params.max_stop_len > limits.max_stop_chars:
+            raise InvalidRequestError(
+                f"stop strings must be at most {limits.max_stop_chars} characters, got one of "
+                f"{params.max_stop_len}",
+                "stop",
+            )
+        waiting_limit = self.options.max_waiting
+        if waiting_limit is not None and num_prompts * params.n > waiting_limit:
+            # It could never be admitted: a 400, not a 429 that no retry can satisfy.
+            raise InvalidRequestError(
+                f"{num_prompts} prompt(s) x n={params.n} = {num_prompts * params.n} samples exceed "
+                f"the server's waiting-queue limit of {waiting_limit} (--max-waiting)",
+                "n",
+            )
+
     def chat_job(self, request: ChatCompletionRequest) -> Job:
+        """Run in the worker pool: template, tokenisation, validation (grammar compilation)."""
         self.check_model(request.model)
         params = request.to_sampling_params()
+        self.check_limits(params, 1)
         text = self.render_chat(request)
         ids = self.encode(text, add_special_tokens=False)
         return self._job("chat", request, params, [ids], [text])
 
     def completion_job(self, request: CompletionRequest) -> Job:
+        """Run in the worker pool: tokenisation, validation (grammar compilation)."""
         self.check_model(request.model)
         params = request.to_sampling_params()
+        prompts = request.prompts()
+        self.check_limits(params, len(prompts))
         ids, texts = [], []
-        for prompt in request.prompts():
+        for prompt in prompts:
             if isinstance(prompt, str):
                 ids.append(self.encode(prompt, add_special_tokens=True))
                 texts.append(prompt)
@@ -110,16 +168,6 @@ class OpenAIServing:
     def _job(self, kind, request, params, ids, texts) -> Job:
         for prompt_ids in ids:
             self.engine.validate(prompt_ids, params)
-        incoming = len(ids) * params.n
-        limit = self.options.max_waiting
-        if limit is not None and self.engine.num_waiting + incoming > limit:
-            raise APIError(
-                429,
-                f"the server is at its waiting-queue limit ({limit} requests); retry shortly",
-                "rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
-            )
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(
             request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
@@ -133,80 +181,103 @@ class OpenAIServing:
             cache_salt=request.cache_salt,
         )
 
+    async def prepare(self, builder, request, key_id: str | None = None) -> Job:
+        """Build the job off the loop, then admit it: reserve its samples in the waiting count, or 429."""
+        job = await offload(builder, self, request)
+        job.key_id = key_id
+        num_samples = len(job.prompt_token_ids) * job.params.n
+        limit = self.options.max_waiting
+        if not self.engine.reserve(num_samples, limit):
+            raise APIError(
+                429,
+                f"the server is at its waiting-queue limit ({limit} samples); retry shortly",
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        job.num_reserved = num_samples
+        return job
+
+    def release(self, job: Job) -> None:
+        """Give back a reservation nobody used (the job never started)."""
+        if job.num_reserved:
+            self.engine.release(job.num_reserved)
+            job.num_reserved = 0
+
     # --- running ----------------------------------------------------------------------------------------
 
+    def expire_open_jobs(self) -> int:
+        """The grace period is over: every running job ends now with a `server_shutdown` error."""
+        jobs = list(self.open_jobs)
+        for job in jobs:
+            job.interrupt(_shutdown_error())
+        return len(jobs)
+
     async def _outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Snapshots of every prompt's request, merged: (prompt index, output)."""
-        streams = [
-            self.engine.generate(
-                f"{job.request_id}-p{i}" if len(job.prompt_token_ids) > 1 else job.request_id,
-                ids,
-                job.params,
-                prompt=job.prompt_texts[i] if self.options.log_content else None,
-                cache_salt=job.cache_salt,
-                arrival_time=job.arrival_time,
-            )
-            for i, ids in enumerate(job.prompt_token_ids)
-        ]
-        if len(streams) == 1:
-            async with contextlib.aclosing(streams[0]) as stream:
-                async for output in stream:
-                    yield 0, output
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream) -> None:
-            try:
-                async with contextlib.aclosing(stream):
-                    async for output in stream:
-                        await queue.put((index, output))
-            except BaseException as exc:
-                await queue.put((index, exc))
-                raise
-            finally:
-                await queue.put((index, None))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        """Snapshots of every prompt's request, merged: (prompt index, output). Raises APIError when the
+        request's time budget or the server's grace period runs out."""
+        streams = []
         try:
-            remaining = len(tasks)
-            while remaining:
-                index, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield index, item
+            for i, ids in enumerate(job.prompt_token_ids):
+                streams.append(
+                    self.engine.add(
+                        f"{job.request_id}-p{i}"
+                        if len(job.prompt_token_ids) > 1
+                        else job.request_id,
+                        ids,
+                        job.params,
+                        prompt=job.prompt_texts[i] if self.options.log_content else None,
+                        cache_salt=job.cache_salt,
+                        arrival_time=job.arrival_time,
+                        reserved=True,
+                    )
+                )
+                job.num_reserved -= job.params.n
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _with_deadline(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+            self.release(job)
+        job.streams = streams
         timeout = self.options.request_timeout_s
-        async with contextlib.aclosing(self._outputs(job)) as outputs:
-            try:
-                async with asyncio.timeout(timeout):
-                    async for item in outputs:
-                        yield item
-            except TimeoutError:
-                self._log(job, "timeout", [])
-                raise APIError(
-                    504,
-                    f"request exceeded the server's {timeout:g} s time limit and was aborted",
-                    "timeout_error",
-                    code="request_timeout",
-                ) from None
+        timer = None
+        if timeout is not None:
+            remaining = max(0.0, job.arrival_time + timeout - time.monotonic())
+            error = APIError(
+                504,
+                f"request exceeded the server's {timeout:g} s time limit and was aborted",
+                "timeout_error",
+                code="request_timeout",
+            )
+            timer = asyncio.get_running_loop().call_later(remaining, job.interrupt, error)
+        self.open_jobs.add(job)
+        try:
+            if len(streams) == 1:
+                async for output in streams[0]:
+                    yield 0, output
+                return
+            async for item in _merge(streams):
+                yield item
+        finally:
+            self.open_jobs.discard(job)
+            if timer is not None:
+                timer.cancel()
+            for stream in streams:
+                await stream.aclose()
 
     async def complete(self, job: Job) -> dict:
         """Run a non-streaming request to the end; returns the response body."""
         finals: dict[int, RequestOutput] = {}
         try:
-            async for index, output in self._with_deadline(job):
-                if output.finished:
-                    finals[index] = output
+            async with contextlib.aclosing(self._outputs(job)) as outputs:
+                async for index, output in outputs:
+                    job.latest[index] = output
+                    if output.finished:
+                        finals[index] = output
+        except APIError as error:
+            self._finish(job, outcome_of(error.status_code, error.code), job.latest, error)
+            raise
         except KVServeError as exc:
-            raise from_engine_error(exc) from exc
+            error = from_engine_error(exc)
+            self._finish(job, outcome_of(error.status_code, error.code), job.latest, error)
+            raise error from exc
         choices = []
         for index in sorted(finals):
             for completion in finals[index].outputs:
@@ -223,10 +294,16 @@ class OpenAIServing:
             "metrics": server_metrics(finals[0].outputs[0]) if finals else None,
         }
 
+    def client_gone(self, job: Job) -> None:
+        """A non-streaming client disconnected: log and meter what it got (the caller cancelled it)."""
+        self._finish(
+            job, "aborted", job.latest, APIError(499, "client closed", "client_closed_request")
+        )
+
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """Server-sent events: role chunk (chat), content deltas, finish chunks, usage, [DONE]."""
         finals: dict[int, RequestOutput] = {}
-        latest: dict[int, RequestOutput] = {}
+        latest = job.latest
         n = job.params.n
         if job.kind == "chat":
             for index in range(len(job.prompt_token_ids) * n):
@@ -243,47 +320,91 @@ class OpenAIServing:
                     latest,
                 )
         try:
-            async for index, output in self._with_deadline(job):
-                latest[index] = output
-                for completion in output.outputs:
-                    choice_index = index * n + completion.index
-                    if completion.delta_text or completion.delta_logprobs:
-                        yield self.responses.sse(
-                            job,
-                            [self.responses.delta_choice(job, choice_index, completion)],
-                            latest,
-                        )
-                    if completion.finished and choice_index not in job.finished_choices:
-                        job.finished_choices.add(choice_index)
-                        finish = self.responses.finish_choice(job, choice_index, completion)
-                        yield self.responses.sse(job, [finish], latest, server_metrics(completion))
-                if output.finished:
-                    finals[index] = output
-        except (APIError, KVServeError) as exc:
-            # Headers are sent: the error travels as an event (counted here, not by a handler).
-            error = exc if isinstance(exc, APIError) else from_engine_error(exc)
-            self.metrics.observe_error(error.error_type)
-            yield f"data: {json.dumps(error.body())}\n\n"
-            yield "data: [DONE]\n\n"
-            return
+            async with contextlib.aclosing(self._outputs(job)) as outputs:
+                async for index, output in outputs:
+                    latest[index] = output
+                    for completion in output.outputs:
+                        choice_index = index * n + completion.index
+                        if completion.delta_text or completion.delta_logprobs:
+                            yield self.responses.sse(
+                                job,
+                                [self.responses.delta_choice(job, choice_index, completion)],
+                                latest,
+                            )
+                        if completion.finished and choice_index not in job.finished_choices:
+                            job.finished_choices.add(choice_index)
+                            finish = self.responses.finish_choice(job, choice_index, completion)
+                            yield self.responses.sse(
+                                job, [finish], latest, server_metrics(completion)
+                            )
+                    if output.finished:
+                        finals[index] = output
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away mid-stream; leaving this generator aborts the engine requests.
-            self.metrics.observe_error("client_closed_request")
-            self._log(job, "client_closed_request", [])
+            self._finish(
+                job, "aborted", latest, APIError(499, "client closed", "client_closed_request")
+            )
             raise
+        except Exception as exc:  # headers are sent: the error travels as an event, then [DONE]
+            if isinstance(exc, APIError):
+                error = exc
+            elif isinstance(exc, KVServeError):
+                error = from_engine_error(exc)
+            else:
+                error = internal_error()
+                logger.error("%s in stream %s", error.message, job.request_id, exc_info=exc)
+            self._finish(job, outcome_of(error.status_code, error.code), latest, error)
+            yield f"data: {error.json()}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         self._record(job, finals)
         if job.include_usage:
             yield f"data: {json.dumps(self.responses.envelope(job, [], usage=self.responses.usage(job, finals)))}\n\n"
         yield "data: [DONE]\n\n"
 
+    def _finish(
+        self,
+        job: Job,
+        outcome: str,
+        outputs: dict[int, RequestOutput],
+        error: APIError | None = None,
+    ) -> None:
+        """Count, meter and log a request that did not complete (once per job)."""
+        if job.accounted:
+            return
+        job.accounted = True
+        if error is not None:
+            error.accounted = True  # the error handler must not count it again
+            self.metrics.observe_error(error.error_type)
+        completions = [c for o in outputs.values() for c in o.outputs]
+        self._meter(job, outcome, outputs)
+        self._log(job, error.error_type if error is not None else outcome, completions)
+
+    def _meter(self, job: Job, outcome: str, outputs: dict[int, RequestOutput]) -> None:
+        if self.metering is None:
+            return
+        usage = self.responses.usage(job, outputs)
+        self.metering.record(
+            job.key_id,
+            outcome,
+            usage["prompt_tokens"],
+            usage["prompt_tokens_details"]["cached_tokens"],
+            usage["completion_tokens"],
+        )
+
     def _record(self, job: Job, finals: dict[int, RequestOutput]) -> None:
+        if job.accounted:
+            return
+        job.accounted = True
         completions = [c for o in finals.values() for c in o.outputs]
         self.metrics.observe_completion(sum(len(i) for i in job.prompt_token_ids), completions)
+        self._meter(job, "ok", finals)
         self._log(job, "ok", completions)
 
     def _log(self, job: Job, outcome: str, completions: list[CompletionOutput]) -> None:
         record = {
             "request_id": job.request_id,
+            "key_id": job.key_id,
             "kind": job.kind,
             "stream": job.stream,
             "outcome": outcome,
@@ -301,3 +422,34 @@ class OpenAIServing:
             record["prompts"] = job.prompt_texts
             record["outputs"] = [c.text for c in completions]
         logger.info("request %s", json.dumps(record))
+
+
+async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output), in arrival order."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((index, output))
+        except BaseException as exc:
+            await queue.put((index, exc))
+            raise
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

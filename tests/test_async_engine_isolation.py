@@ -1,0 +1,72 @@
+"""The async engine charges a failure to the request that caused it: several newcomers admitted in the
+failing step are re-admitted one at a time until the culprit is found; the others complete unchanged and
+the cache is whole afterwards (compared with the same requests run alone)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.engine.args import build_engine_config
+from kvserve.engine.async_engine import AsyncEngine, FaultInjection, RequestFailedError
+from kvserve.engine.llm_engine import LLMEngine
+
+FAULT_SEED = 99
+
+
+@pytest.fixture(scope="module")
+def config(gpt2_model_dir):
+    return build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=128)
+
+
+async def _collect(stream):
+    outputs = [o async for o in stream]
+    return outputs[-1]
+
+
+def test_culprit_among_newcomers_of_one_step_fails_alone(config, caplog):
+    engine = AsyncEngine(LLMEngine(config), faults=FaultInjection(request_seed=FAULT_SEED))
+    reference = LLMEngine(config)
+    params = [SamplingParams(max_tokens=6, seed=s, temperature=1.0) for s in (1, 2, FAULT_SEED, 3)]
+    prompts = [[5, 6, 7 + i] for i in range(4)]
+    inside, gate = threading.Event(), threading.Event()
+
+    def hold(_engine) -> None:  # keeps the engine thread between steps while the adds queue up
+        inside.set()
+        gate.wait(30)
+
+    holder = threading.Thread(target=engine.call_in_engine_thread, args=(hold,))
+    holder.start()
+    assert inside.wait(30)
+
+    async def main():
+        streams = [engine.add(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        gate.set()  # all four are applied in one go and admitted in the same step
+        return await asyncio.gather(*(_collect(s) for s in streams), return_exceptions=True)
+
+    results = asyncio.run(main())
+    holder.join(30)
+    assert isinstance(results[2], RequestFailedError)
+    assert "retrying them one by one" in caplog.text  # they did share the failing step
+    for i in (0, 1, 3):
+        reference.add_request(f"ref{i}", prompts[i], params[i])
+        while reference.has_unfinished_requests():
+            done = reference.step()
+        expected = [o for o in done if o.request_id == f"ref{i}"][0]
+        assert results[i].outputs[0].token_ids == expected.outputs[0].token_ids
+    engine.call_in_engine_thread(lambda e: e.check_invariants())
+    assert engine.call_in_engine_thread(lambda e: e.num_free_blocks()) == 64
+    assert not engine.dead and engine.num_waiting == 0
+    engine.shutdown()
+
+
+def test_reservations_make_the_waiting_count_exact(config):
+    engine = AsyncEngine(LLMEngine(config))
+    assert engine.reserve(3, limit=4) and engine.num_waiting == 3
+    assert not engine.reserve(2, limit=4)  # 3 + 2 > 4
+    engine.release(3)
+    assert engine.num_waiting == 0
+    engine.shutdown()

@@ -1,0 +1,234 @@
+"""No single request kills, stalls or misleads the server: every trigger gets an OpenAI-shaped error with the
+right status, and a normal request succeeds right after it (docs/server.md, "Errors" and "Limits")."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from tests.server_utils import running_server, sse_events, wait_until
+
+pytestmark = pytest.mark.slow
+
+FAULT_SEED = 1234  # --inject-fault request:1234: the runner fails while preparing a request with this seed
+MAX_BYTES = 200_000
+ARGS = ("--kv-cache-memory", "16MiB", "--max-model-len", "256", "--max-num-seqs", "4",
+        "--inject-fault", f"request:{FAULT_SEED},delay:0.01", "--max-request-bytes", str(MAX_BYTES),
+        "--max-waiting", "32", "--log-level", "info")  # fmt: skip
+NORMAL = {"prompt": "hello", "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def server(gpt2_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("hardening") / "server.log"
+    with running_server(gpt2_model_dir, *ARGS, log_path=log) as (url, _):
+        yield url, log
+
+
+def assert_openai_error(response: httpx.Response, status: int, param=None, fragment: str = ""):
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param, error
+    assert fragment in error["message"], error
+    return error
+
+
+def assert_still_serving(url: str) -> None:
+    ok = httpx.post(f"{url}/v1/completions", json=NORMAL, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/ready").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"seed": 18446744073709551616}, "seed"),
+        ({"seed": -9223372036854775809}, "seed"),
+        ({"top_k": 9223372036854775808}, "top_k"),
+        ({"n": 2, "seed": 18446744073709551615}, "seed"),  # the second sample's seed overflows
+        ({"min_tokens": 2**70}, "min_tokens"),
+        ({"max_tokens": 2**70}, "max_tokens"),
+        ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+        ({"logit_bias": {"5": 1e300}}, "logit_bias"),
+        ({"logit_bias": {"99999999999999999999999": 1}}, "logit_bias"),
+        ({"temperature": 1e39}, "temperature"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty"),
+        ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+    ],
+)
+def test_out_of_range_numbers_are_400_naming_the_param(server, body, param):
+    url, _ = server
+    path = "/v1/chat/completions" if "top_logprobs" in body else "/v1/completions"
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | body
+    if path == "/v1/completions":
+        payload = {"prompt": "hello", "max_tokens": 4} | body
+    assert_openai_error(httpx.post(f"{url}{path}", json=payload), 400, param)
+    assert_still_serving(url)
+
+
+def test_a_request_failing_in_the_engine_fails_alone(server):
+    """The injected fault stands for any attributable bug: one 500, the neighbours finish, the loop goes on."""
+    url, _ = server
+    body = {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{url}/v1/completions", json=body) as neighbour:
+            lines = neighbour.iter_lines()
+            next(lines)
+            failed = http.post(
+                f"{url}/v1/completions", json=NORMAL | {"seed": FAULT_SEED, "n": 3}
+            )
+            error = assert_openai_error(failed, 500, fragment="request id req-")
+            assert error["type"] == "internal_error"
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2][6:])
+        assert last["choices"][0]["finish_reason"] == "length"
+        streamed = http.post(
+            f"{url}/v1/completions", json=NORMAL | {"seed": FAULT_SEED, "stream": True}
+        )
+        events = sse_events(streamed)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["type"] == "internal_error"
+    debug = wait_until(
+        lambda: (d := httpx.get(f"{url}/debug/engine").json())["num_requests"] == 0 and d
+    )
+    assert debug["num_free_blocks"] == debug["num_blocks"] and debug["invariants"] == "ok"
+    assert_still_serving(url)
+
+
+def test_newcomers_sharing_a_failing_step_are_retried_one_by_one(server):
+    """Several requests admitted in the step that fails: only the culprit fails; the others complete."""
+    import asyncio
+
+    url, _ = server
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            bodies = [NORMAL | {"seed": 7 + i} for i in range(3)] + [NORMAL | {"seed": FAULT_SEED}]
+            return await asyncio.gather(
+                *(http.post(f"{url}/v1/completions", json=b) for b in bodies)
+            )
+
+    responses = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200, 200, 200, 500]
+    assert_still_serving(url)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "ab\ud800cd"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "x\udc00"]}, "prompt[1]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+         "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "us\ud800er", "content": "a"}]},
+         "messages[0].role"),
+        ("/tokenize", {"prompt": "ab\ud800cd"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]},
+         "messages[0].content"),
+        ("/v1/completions", {"model": "m\ud800", "prompt": "hi"}, "model"),
+    ],
+)  # fmt: skip
+def test_lone_surrogates_are_400(server, path, body, param):
+    url, _ = server
+    raw = json.dumps(body)  # ensure_ascii: the surrogate travels as a \\ud800 escape
+    response = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, param, "surrogate")
+    assert_still_serving(url)
+
+
+def test_an_emoji_as_a_surrogate_pair_is_fine(server):
+    url, _ = server
+    raw = json.dumps({"prompt": "smile \U0001f600", "max_tokens": 2})
+    assert "\\ud83d\\ude00" in raw
+    response = httpx.post(
+        f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "method, path, content, status, fragment",
+    [
+        ("POST", "/tokenize", b'{"messages": []}', 400, "messages"),
+        ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+        ("POST", "/v1/completions", b'{"prompt": "hi",', 400, "not valid JSON"),
+        ("POST", "/v1/completions", b"[" * 100 + b"]" * 100, 400, "nests JSON 100 levels"),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400, "boolean"),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "top_p": true}', 400, "number"),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "n": 2.0}', 400, "integer"),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "echo": true}', 400, "echo"),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "guided_choice": []}', 400, "guided_choice"),
+        ("PUT", "/v1/completions", b"{}", 405, "not allowed"),
+        ("GET", "/v1/nothing", b"", 404, "no route"),
+        ("POST", "/v1/completions", b'{"prompt": "hi", "n": 17}', 400, "--max-n"),
+        ("POST", "/v1/completions", json.dumps({"prompt": "hi", "stop": ["x"] * 17}).encode(),
+         400, "at most 16 stop strings"),
+        ("POST", "/v1/completions", json.dumps({"prompt": "hi", "stop": ["x" * 257]}).encode(),
+         400, "at most 256 characters"),
+        ("POST", "/v1/completions", b'{"prompt": ["a", "b", "c"], "n": 11}', 400, "--max-waiting"),
+    ],
+)  # fmt: skip
+def test_every_error_is_openai_shaped(server, method, path, content, status, fragment):
+    url, _ = server
+    response = httpx.request(
+        method, f"{url}{path}", content=content, headers={"content-type": "application/json"}
+    )
+    assert_openai_error(response, status, fragment=fragment)
+    assert_still_serving(url)
+
+
+def test_body_over_the_limit_is_413_declared_or_chunked(server):
+    url, _ = server
+    big = json.dumps({"prompt": "x" * (MAX_BYTES + 10)}).encode()
+    declared = httpx.post(
+        f"{url}/v1/completions", content=big, headers={"content-type": "application/json"}
+    )
+    error = assert_openai_error(declared, 413, fragment="--max-request-bytes")
+    assert error["code"] == "request_too_large"
+
+    def chunks():
+        for start in range(0, len(big), 65536):
+            yield big[start : start + 65536]
+
+    chunked = httpx.post(
+        f"{url}/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert_openai_error(chunked, 413, fragment="--max-request-bytes")
+    assert_still_serving(url)
+
+
+def test_a_large_prompt_under_the_limit_is_served(server):
+    url, _ = server
+    text = "word " * 30_000  # 150 kB, tokenised in the worker pool; too long for the context
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 2})
+    assert_openai_error(response, 400, "prompt", "tokens")
+    assert_still_serving(url)
+
+
+def test_disconnected_non_streaming_request_is_logged_and_query_strings_are_not(server):
+    url, log = server
+    assert httpx.get(f"{url}/health?note=hunter2-secret").status_code == 200
+    body = json.dumps({"prompt": "A long story:", "max_tokens": 200, "ignore_eos": True})
+    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        assert wait_until(lambda: httpx.get(f"{url}/ready").json()["num_unfinished"] == 1)
+    # closed: the server notices, aborts, and logs the request as client_closed_request
+    assert wait_until(lambda: httpx.get(f"{url}/ready").json()["num_unfinished"] == 0)
+    assert wait_until(lambda: "client_closed_request" in log.read_text())
+    text = log.read_text()
+    record = [line for line in text.splitlines() if '"client_closed_request"' in line][-1]
+    assert '"stream": false' in record
+    assert "hunter2-secret" not in text and "GET /health?[query omitted]" in text
+    assert_still_serving(url)
