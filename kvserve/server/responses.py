@@ -11,6 +11,7 @@ from functools import lru_cache
 from kvserve.core.outputs import TokenLogprob
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.server.logprob_text import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Job:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     finished_choices: set[int] = field(default_factory=set)  # streamed finish chunks
+    # per choice: the logprob token-text state (streamed chunks continue where the last one ended)
+    token_texts: dict[int, TokenTexts] = field(default_factory=dict)
 
 
 class ResponseBuilder:
@@ -39,6 +42,7 @@ class ResponseBuilder:
         self.fingerprint = fingerprint
         self.tokenizer = tokenizer
         self.token_text = lru_cache(maxsize=65536)(self.decode_token)
+        self.token_bytes = TokenBytes(tokenizer) if tokenizer is not None else None
 
     def envelope(self, job: Job, choices: list[dict], usage=None, with_usage_key=False) -> dict:
         body = {
@@ -63,7 +67,7 @@ class ResponseBuilder:
         return f"data: {json.dumps(body)}\n\n"
 
     def delta_choice(self, job: Job, index: int, c: CompletionOutput) -> dict:
-        logprobs = self.logprobs(job, c.delta_logprobs) if c.delta_logprobs else None
+        logprobs = self.logprobs(job, index, c.delta_logprobs) if c.delta_logprobs else None
         if job.kind == "chat":
             return {
                 "index": index,
@@ -92,7 +96,7 @@ class ResponseBuilder:
 
     def choice(self, job: Job, prompt_index: int, c: CompletionOutput) -> dict:
         index = prompt_index * job.params.n + c.index
-        logprobs = self.logprobs(job, c.logprobs) if c.logprobs is not None else None
+        logprobs = self.logprobs(job, index, c.logprobs) if c.logprobs is not None else None
         if job.kind == "chat":
             return with_structured(
                 {
@@ -118,8 +122,18 @@ class ResponseBuilder:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    def logprobs(self, job: Job, entries: list[TokenLogprob]) -> dict:
-        text = self.token_text
+    def logprobs(self, job: Job, index: int, entries: list[TokenLogprob]) -> dict:
+        """Logprobs of choice `index`'s next entries; token texts are their text in context."""
+        if self.token_bytes is not None:
+            texts = job.token_texts.get(index)
+            if texts is None:
+                prompt_ids = job.prompt_token_ids[index // job.params.n]
+                texts = TokenTexts(
+                    self.tokenizer, self.token_bytes, prompt_ids, job.params.skip_special_tokens
+                )
+                job.token_texts[index] = texts
+            return (chat_logprobs if job.kind == "chat" else completion_logprobs)(texts, entries)
+        text = self.token_text  # no tokenizer: token_id:N
         if job.kind == "chat":
             return {
                 "content": [
