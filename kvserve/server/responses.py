@@ -11,6 +11,7 @@ from functools import lru_cache
 from kvserve.core.outputs import TokenLogprob
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.server.logprob_text import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
 
 
 @dataclass(eq=False)  # identity: jobs live in sets
@@ -35,6 +36,9 @@ class Job:
     latest: dict[int, RequestOutput] = field(default_factory=dict)  # newest snapshot per prompt
     accounted: bool = False  # counted, metered and logged (exactly once)
 
+    # per choice: the logprob token-text state (streamed chunks continue where the last one ended)
+    token_texts: dict[int, TokenTexts] = field(default_factory=dict)
+
     def interrupt(self, error: BaseException) -> None:
         """End the job with `error` (time budget or grace period over): raised where it reads outputs."""
         for stream in self.streams:
@@ -49,6 +53,7 @@ class ResponseBuilder:
         self.fingerprint = fingerprint
         self.tokenizer = tokenizer
         self.token_text = lru_cache(maxsize=65536)(self.decode_token)
+        self.token_bytes = TokenBytes(tokenizer) if tokenizer is not None else None
 
     def envelope(self, job: Job, choices: list[dict], usage=None, with_usage_key=False) -> dict:
         body = {
@@ -73,7 +78,7 @@ class ResponseBuilder:
         return f"data: {json.dumps(body)}\n\n"
 
     def delta_choice(self, job: Job, index: int, c: CompletionOutput) -> dict:
-        logprobs = self.logprobs(job, c.delta_logprobs) if c.delta_logprobs else None
+        logprobs = self.logprobs(job, index, c.delta_logprobs) if c.delta_logprobs else None
         if job.kind == "chat":
             return {
                 "index": index,
@@ -102,7 +107,7 @@ class ResponseBuilder:
 
     def choice(self, job: Job, prompt_index: int, c: CompletionOutput) -> dict:
         index = prompt_index * job.params.n + c.index
-        logprobs = self.logprobs(job, c.logprobs) if c.logprobs is not None else None
+        logprobs = self.logprobs(job, index, c.logprobs) if c.logprobs is not None else None
         if job.kind == "chat":
             return with_structured(
                 {
@@ -128,8 +133,18 @@ class ResponseBuilder:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
-    def logprobs(self, job: Job, entries: list[TokenLogprob]) -> dict:
-        text = self.token_text
+    def logprobs(self, job: Job, index: int, entries: list[TokenLogprob]) -> dict:
+        """Logprobs of choice `index`'s next entries; token texts are their text in context."""
+        if self.token_bytes is not None:
+            texts = job.token_texts.get(index)
+            if texts is None:
+                prompt_ids = job.prompt_token_ids[index // job.params.n]
+                texts = TokenTexts(
+                    self.tokenizer, self.token_bytes, prompt_ids, job.params.skip_special_tokens
+                )
+                job.token_texts[index] = texts
+            return (chat_logprobs if job.kind == "chat" else completion_logprobs)(texts, entries)
+        text = self.token_text  # no tokenizer: token_id:N
         if job.kind == "chat":
             return {
                 "content": [
