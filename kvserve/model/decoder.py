@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.model.attention import AttentionBackend, AttentionMetadata, write_kv
+from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.kv_cache import LayerKVCache
 from kvserve.model.linear import cpu_linear, use_cpu_linears
 from kvserve.model.registry import ArchSpec
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
@@ -47,7 +48,7 @@ class Attention(nn.Module):
         self,
         hidden: torch.Tensor,  # [T, hidden_size]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, head_dim / 2]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
@@ -59,9 +60,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = backend(q, k_cache, v_cache, meta, self.scale)  # [T, num_heads, head_dim]
+        kv_cache.write(k, v, meta.slot_mapping)
+        out = backend(q, kv_cache, meta, self.scale)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -117,7 +117,7 @@ class DecoderLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
