@@ -65,8 +65,8 @@ def quantise(values: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tenso
     """values [..., head_dim] -> (uint8 codes [..., head_dim], fp16 scales [...])."""
     values = values.float()
     code_max = _CODE_MAX[kind]
-    scale = (values.abs().amax(dim=-1) / code_max).to(_SCALE_DTYPE)
-    scale = scale.clamp_min(torch.finfo(_SCALE_DTYPE).tiny)  # an all-zero vector keeps codes 0
+    # fp16 subnormals keep tiny vectors' scales; an all-zero vector gets the smallest one (codes 0).
+    scale = (values.abs().amax(dim=-1) / code_max).clamp_min(2**-24).to(_SCALE_DTYPE)
     scaled = (values / scale.float().unsqueeze(-1)).clamp(-code_max, code_max)
     if kind == "int8":
         scaled = scaled.round()
