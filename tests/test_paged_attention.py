@@ -3,17 +3,22 @@ full fp32 recompute, and the decode path's KV reads (no gather) and the cache's 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvserve import LLM
 from kvserve.model.attention import build_attention_metadata, cpu_attention, torch_attention
-from kvserve.model.cpu_attention import kernel_available
+from kvserve.model.cpu_kernels import kernel_available
 from kvserve.model.kv_cache import allocate_layers, dequantise, quantise
 from tests.oracle import assert_logits_close
 
-needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the CPU kernel")
+# With a compiler on the machine the kernels must build: a build failure fails these tests.
+needs_kernel = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
 PROMPT = [(i * 37 + 11) % 250 + 3 for i in range(53)]
 # Against an fp32 cache, measured on the tiny llama (logit std 0.79): int8 max 0.044 / mean 0.0055, fp8
 # (3 mantissa bits: up to 6% per value) max 0.20 / mean 0.024. Tolerances: about 2x those.
@@ -42,6 +47,7 @@ def _filled_cache(kind: str, contexts: list[int], block_size: int = 16):
 @needs_kernel
 @pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
 def test_cpu_kernel_equals_torch_backend(kind):
+    assert kernel_available()
     # One-token, block-straddling, multi-split (> 256 tokens) contexts, GQA 9 q heads over 3 kv heads.
     cache, meta = _filled_cache(kind, [1, 17, 300, 700, 40])
     q = torch.randn(5, 9, 64, generator=torch.Generator().manual_seed(1))

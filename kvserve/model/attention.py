@@ -2,7 +2,7 @@
 
 The KV cache of one layer is a `LayerKVCache` (model/kv_cache.py). Backends take the block tables and read
 the cache themselves: `cpu` runs decode rows through a kernel that reads the blocks in place
-(model/cpu_attention.py) and prompt chunks through torch; `torch` gathers each chunk's blocks into a
+(model/cpu_kernels.py) and prompt chunks through torch; `torch` gathers each chunk's blocks into a
 contiguous copy for SDPA (any device, any dtype).
 """
 
@@ -184,12 +184,13 @@ def torch_attention(
 def _single_cpu(
     q: torch.Tensor, cache: LayerKVCache, group: SingleTokenGroup, scale: float
 ) -> torch.Tensor:
-    from kvserve.model.cpu_attention import paged_decode
+    from kvserve.model.cpu_kernels import paged_decode
 
     if not cache.quantised and cache.k.dtype != torch.float32 or q.dtype != torch.float32:
         raise ValueError("the cpu attention backend runs fp32 models; use the torch backend")
-    q = q.contiguous()
-    out = torch.empty_like(q)  # [B, num_heads, head_dim]
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    out = q.new_empty(q.shape)  # [B, num_heads, head_dim]
     paged_decode(
         q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kind,
         group.block_table, group.context_lens, scale, out,
@@ -212,7 +213,7 @@ ATTENTION_BACKENDS: dict[str, AttentionBackend] = {"torch": torch_attention, "cp
 def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """`auto`: the in-place CPU kernel for fp32 models on CPU when it builds here, else `torch`."""
     if name == "auto":
-        from kvserve.model.cpu_attention import kernel_available
+        from kvserve.model.cpu_kernels import kernel_available
 
         use_cpu = device.type == "cpu" and dtype == torch.float32 and kernel_available()
         name = "cpu" if use_cpu else "torch"

@@ -10,7 +10,8 @@
  * for the q heads of its group, and a second pass merges the splits (flash-decoding).
  *
  * Layouts (row-major):
- *   q, out         [B, H, D] fp32
+ *   q              [B, H, D] fp32, row b at q + b * q_row_stride (heads contiguous)
+ *   out            [B, H, D] fp32 contiguous
  *   k, v           [num_blocks, block_size, KVH, D] fp32, or uint8 codes
  *   k_scale, v_scale [num_blocks, block_size, KVH] fp16 (8-bit caches only)
  *   block_table    [B, max_blocks] int32
@@ -34,6 +35,7 @@ typedef struct {
     const float *lut; /* NULL: fp32 cache */
     const int32_t *block_table, *context_lens;
     float *out;
+    int64_t q_row_stride;
     int batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
 } Args;
@@ -59,7 +61,7 @@ static void attend_split(const Args *a, int b, int h, int t0, int t1, float *m_o
     const int32_t *table = a->block_table + (int64_t)b * a->max_blocks;
     float scores[MAX_GROUP][SPLIT_TOKENS];
     float row[MAX_HEAD_DIM];
-    const float *q = a->q + ((int64_t)b * a->num_heads + (int64_t)h * G) * D;
+    const float *q = a->q + b * a->q_row_stride + (int64_t)h * G * D;
     for (int t = t0; t < t1; t++) {
         int64_t slot = (int64_t)table[t / a->block_size] * a->block_size + t % a->block_size;
         const float *k = load_row(a, a->k, a->k_scale, slot, h, row);
@@ -95,11 +97,12 @@ static void attend_split(const Args *a, int b, int h, int t0, int t1, float *m_o
 
 int paged_decode_attention(const float *q, const void *k, const void *v, const uint16_t *k_scale,
                            const uint16_t *v_scale, const float *lut, const int32_t *block_table,
-                           const int32_t *context_lens, float *out, int batch, int num_heads,
+                           const int32_t *context_lens, float *out, int64_t q_row_stride,
+                           int batch, int num_heads,
                            int num_kv_heads, int head_dim, int block_size, int max_blocks,
                            float scale, int num_threads) {
-    Args a = {q, k, v, k_scale, v_scale, lut, block_table, context_lens, out, batch, num_heads,
-              num_kv_heads, head_dim, block_size, max_blocks, scale};
+    Args a = {q, k, v, k_scale, v_scale, lut, block_table, context_lens, out, q_row_stride, batch,
+              num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
     const int G = num_heads / num_kv_heads, D = head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || num_heads % num_kv_heads) return -1;
     int max_splits = 1;
