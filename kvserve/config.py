@@ -12,6 +12,10 @@ from pathlib import Path
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# KV cache storage: "auto" = the model's dtype; 8-bit codes with one fp16 scale per (token, kv head).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_SCALE_BYTES = 2
+ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 
 
 @dataclass(frozen=True)
@@ -67,9 +71,12 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling)
 
-    def kv_bytes_per_token(self, dtype: str) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes (docs/planning.md)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+    def kv_bytes_per_token(self, dtype: str, kv_cache_dtype: str = "auto") -> int:
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes (docs/planning.md);
+        8-bit caches: 1 byte per value plus a 2-byte scale per kv head."""
+        if kv_cache_dtype == "auto":
+            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + KV_SCALE_BYTES)
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -128,8 +135,14 @@ class CacheConfig:
     num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 512 * 1024**2
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+                "kv_cache_dtype",
+            )
         if self.block_size < 1:
             raise InvalidRequestError(
                 f"block_size must be >= 1, got {self.block_size}", "block_size"
@@ -231,17 +244,23 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     speculative: SpeculativeConfig | None = None
+    attention_backend: str = "auto"  # ATTENTION_BACKENDS; auto: the in-place kernel on CPU
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPE_BYTES)}", "dtype")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise InvalidRequestError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}", "attention_backend"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Cache bytes per token slot: the target's, plus the draft model's (it shares the block ids)."""
-        total = self.model.kv_bytes_per_token(self.dtype)
+        kv_dtype = self.cache.kv_cache_dtype
+        total = self.model.kv_bytes_per_token(self.dtype, kv_dtype)
         if self.speculative is not None and self.speculative.draft_model is not None:
-            total += self.speculative.draft_model.kv_bytes_per_token(self.dtype)
+            total += self.speculative.draft_model.kv_bytes_per_token(self.dtype, kv_dtype)
         return total
 
     @property

@@ -48,6 +48,8 @@ def build_engine_config(
     num_speculative_tokens: int = 4,
     ngram_min: int = 1,
     ngram_max: int = 4,
+    kv_cache_dtype: str = "auto",
+    attention_backend: str = "auto",
 ) -> EngineConfig:
     model_dir = resolve_model(model_dir)
     model = ModelConfig.from_dir(model_dir)
@@ -90,6 +92,7 @@ def build_engine_config(
             num_blocks=num_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -102,6 +105,7 @@ def build_engine_config(
         device=device,
         seed=seed,
         speculative=speculative,
+        attention_backend=attention_backend,
     )
 
 

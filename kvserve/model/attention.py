@@ -1,16 +1,21 @@
 """Paged attention: metadata built once per step, and backends that attend over block tables.
 
-The KV cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim]. A token at
-position p of a request lives in slot block_ids[p // block_size] * block_size + p % block_size.
+The KV cache of one layer is a `LayerKVCache` (model/kv_cache.py). Backends take the block tables and read
+the cache themselves: `cpu` runs decode rows through a kernel that reads the blocks in place
+(model/cpu_kernels.py) and prompt chunks through torch; `torch` gathers each chunk's blocks into a
+contiguous copy for SDPA (any device, any dtype).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.model.kv_cache import LayerKVCache
 
 
 @dataclass(frozen=True)
@@ -18,8 +23,19 @@ class SingleTokenGroup:
     """Chunks of one new token (a decode step, or a one-token prompt remainder): one batched call."""
 
     rows: torch.Tensor  # [B] row of each chunk's token in the flat batch
-    block_table: torch.Tensor  # [B, max_blocks], padded with block 0
-    mask: torch.Tensor  # [B, 1, 1, max_context] True where the key is visible
+    block_table: torch.Tensor  # [B, max_blocks] int32, padded with block 0
+    context_lens: torch.Tensor  # [B] int32: keys visible to each row
+    max_context: int
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, 1, max_context] True where the key is visible (torch backend; built once per step)."""
+        key_pos = torch.arange(self.max_context, device=self.context_lens.device)
+        return (key_pos[None, :] < self.context_lens[:, None])[:, None, None, :]
+
+    @cached_property
+    def long_block_table(self) -> torch.Tensor:
+        return self.block_table.long()
 
 
 @dataclass(frozen=True)
@@ -29,8 +45,16 @@ class MultiTokenChunk:
     row_start: int
     row_end: int
     block_ids: torch.Tensor  # [num_blocks_of_context]
-    mask: torch.Tensor  # [1, 1, num_new, context_len]
     context_len: int
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[1, 1, num_new, context_len] causal, offset by the cached prefix."""
+        device = self.block_ids.device
+        start = self.context_len - (self.row_end - self.row_start)
+        query_pos = torch.arange(start, self.context_len, device=device).unsqueeze(1)
+        key_pos = torch.arange(self.context_len, device=device).unsqueeze(0)
+        return (key_pos <= query_pos)[None, None]
 
 
 @dataclass(frozen=True)
@@ -44,8 +68,10 @@ class AttentionMetadata:
 def build_attention_metadata(
     chunks: list[tuple[int, int, list[int]]], block_size: int, device: torch.device
 ) -> AttentionMetadata:
-    """`chunks`: (start_position, num_new_tokens, block_ids) per request, in flat-batch order."""
-    slot_parts: list[int | torch.Tensor] = []
+    """`chunks`: (start_position, num_new_tokens, block_ids) per request, in flat-batch order.
+
+    Host work is a handful of small tensors per step (no tensor per decode row)."""
+    slots: list[int] = []
     single_rows: list[int] = []
     single_tables: list[list[int]] = []
     single_contexts: list[int] = []
@@ -54,128 +80,145 @@ def build_attention_metadata(
     for start, num_new, block_ids in chunks:
         context_len = start + num_new
         num_context_blocks = -(-context_len // block_size)
+        slots.extend(
+            block_ids[p // block_size] * block_size + p % block_size
+            for p in range(start, context_len)
+        )
         if num_new == 1:
-            slot_parts.append(block_ids[start // block_size] * block_size + start % block_size)
             single_rows.append(row)
             single_tables.append(block_ids[:num_context_blocks])
             single_contexts.append(context_len)
         else:
-            query_pos = torch.arange(start, context_len, device=device).unsqueeze(1)
-            key_pos = torch.arange(context_len, device=device).unsqueeze(0)
             table = torch.tensor(block_ids[:num_context_blocks], device=device)
-            positions = query_pos.squeeze(1)
-            slot_parts.append(table[positions // block_size] * block_size + positions % block_size)
-            multi.append(
-                MultiTokenChunk(
-                    row_start=row,
-                    row_end=row + num_new,
-                    block_ids=table,
-                    mask=(key_pos <= query_pos)[None, None],
-                    context_len=context_len,
-                )
-            )
+            multi.append(MultiTokenChunk(row, row + num_new, table, context_len))
         row += num_new
     single = None
     if single_rows:
         max_blocks = max(len(t) for t in single_tables)
-        table = torch.tensor(
-            [t + [0] * (max_blocks - len(t)) for t in single_tables], device=device
+        table = [t + [0] * (max_blocks - len(t)) for t in single_tables]
+        single = SingleTokenGroup(
+            torch.tensor(single_rows, device=device),
+            torch.tensor(table, dtype=torch.int32, device=device),
+            torch.tensor(single_contexts, dtype=torch.int32, device=device),
+            max(single_contexts),
         )
-        max_context = max(single_contexts)
-        key_pos = torch.arange(max_context, device=device)
-        contexts = torch.tensor(single_contexts, device=device)
-        mask = (key_pos[None, :] < contexts[:, None])[:, None, None, :]
-        single = SingleTokenGroup(torch.tensor(single_rows, device=device), table, mask)
     return AttentionMetadata(
-        slot_mapping=_concat_slots(slot_parts, device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         single=single,
         multi=tuple(multi),
         block_size=block_size,
     )
 
 
-def _concat_slots(parts: list[int | torch.Tensor], device: torch.device) -> torch.Tensor:
-    # Single-token chunks give Python ints (cheap), prompt chunks give tensors (no per-token loop).
-    tensors = [
-        p if isinstance(p, torch.Tensor) else torch.tensor([p], device=device) for p in parts
-    ]
-    return torch.cat(tensors).long() if tensors else torch.empty(0, dtype=torch.long, device=device)
+def _single_torch(
+    q: torch.Tensor, cache: LayerKVCache, group: SingleTokenGroup, scale: float
+) -> torch.Tensor:
+    """q: [B, num_heads, head_dim] -> [B, num_heads, head_dim]; gathers the padded KV of the group."""
+    batch, max_blocks = group.block_table.shape
+    _, block_size, num_kv_heads, head_dim = cache.k.shape
+    mask = group.mask
+    max_context = mask.shape[-1]
+    keys, values = cache.gather(group.long_block_table, q.dtype)
+    # [B, max_blocks, block_size, kv_heads, head_dim] -> [B, kv_heads, max_context, head_dim]
+    keys = keys.view(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    values = values.view(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    keys = keys[:, :max_context].transpose(1, 2)
+    values = values[:, :max_context].transpose(1, 2)
+    attended = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return attended.squeeze(2)
 
 
-def write_kv(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    slots: torch.Tensor,
-) -> None:
-    # k, v: [T, num_kv_heads, head_dim] -> cache slots
-    num_kv_heads, head_dim = k.shape[1:]
-    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k
-    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v
+def _multi_torch(
+    q: torch.Tensor, cache: LayerKVCache, chunk: MultiTokenChunk, scale: float
+) -> torch.Tensor:
+    """q: [num_new, num_heads, head_dim] of one chunk -> the same shape, causal over its context."""
+    _, block_size, num_kv_heads, head_dim = cache.k.shape
+    num_blocks = chunk.block_ids.shape[0]
+    keys, values = cache.gather(chunk.block_ids, q.dtype)
+    keys = keys.view(num_blocks * block_size, num_kv_heads, head_dim)[: chunk.context_len]
+    values = values.view(num_blocks * block_size, num_kv_heads, head_dim)[: chunk.context_len]
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_new, head_dim]
+        keys.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, ctx, head_dim]
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attended.squeeze(0).transpose(0, 1)
 
 
-def torch_reference_attention(
+SingleAttention = Callable[[torch.Tensor, LayerKVCache, SingleTokenGroup, float], torch.Tensor]
+
+
+def _attend(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKVCache,
     meta: AttentionMetadata,
     scale: float,
+    single_fn: SingleAttention,
 ) -> torch.Tensor:
-    """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim], reading keys and values from the cache.
-
-    One batched SDPA call for all single-token chunks (keys gathered through a padded block table and masked
-    by context length), one call per multi-token chunk.
-    """
-    out = torch.empty_like(q) if meta.multi else None
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]: one call for the decode rows, one per
+    multi-token chunk."""
+    if meta.single is not None and not meta.multi:
+        return single_fn(q, cache, meta.single, scale)  # rows are 0 .. T-1 in order
+    out = torch.empty_like(q)
     if meta.single is not None:
-        group = meta.single
-        batch, max_blocks = group.block_table.shape
-        max_context = group.mask.shape[-1]
-        # [B, max_blocks, block_size, kv_heads, head_dim] -> [B, kv_heads, max_context, head_dim]
-        keys = k_cache[group.block_table].view(
-            batch, max_blocks * block_size, num_kv_heads, head_dim
-        )
-        values = v_cache[group.block_table].view(
-            batch, max_blocks * block_size, num_kv_heads, head_dim
-        )
-        keys = keys[:, :max_context].transpose(1, 2)
-        values = values[:, :max_context].transpose(1, 2)
-        only_single = not meta.multi  # then the rows are 0 .. T-1 in order: no gather, no scatter
-        queries = (q if only_single else q[group.rows]).unsqueeze(2)  # [B, num_heads, 1, head_dim]
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
-        )
-        if only_single:
-            return attended.squeeze(2)
-        out[group.rows] = attended.squeeze(2)
+        out[meta.single.rows] = single_fn(q[meta.single.rows], cache, meta.single, scale)
     for chunk in meta.multi:
-        num_blocks = chunk.block_ids.shape[0]
-        keys = k_cache[chunk.block_ids].view(num_blocks * block_size, num_kv_heads, head_dim)
-        values = v_cache[chunk.block_ids].view(num_blocks * block_size, num_kv_heads, head_dim)
-        keys = (
-            keys[: chunk.context_len].transpose(0, 1).unsqueeze(0)
-        )  # [1, kv_heads, ctx, head_dim]
-        values = values[: chunk.context_len].transpose(0, 1).unsqueeze(0)
-        queries = q[chunk.row_start : chunk.row_end].transpose(0, 1).unsqueeze(0)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
+        out[chunk.row_start : chunk.row_end] = _multi_torch(
+            q[chunk.row_start : chunk.row_end], cache, chunk, scale
         )
-        out[chunk.row_start : chunk.row_end] = attended.squeeze(0).transpose(0, 1)
     return out
 
 
-AttentionBackend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor
-]
+def torch_attention(
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Reference backend: every chunk's KV gathered into a contiguous copy, then SDPA."""
+    return _attend(q, cache, meta, scale, _single_torch)
 
-ATTENTION_BACKENDS: dict[str, AttentionBackend] = {"torch": torch_reference_attention}
+
+def _single_cpu(
+    q: torch.Tensor, cache: LayerKVCache, group: SingleTokenGroup, scale: float
+) -> torch.Tensor:
+    from kvserve.model.cpu_kernels import paged_decode
+
+    if not cache.quantised and cache.k.dtype != torch.float32 or q.dtype != torch.float32:
+        raise ValueError("the cpu attention backend runs fp32 models; use the torch backend")
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    out = q.new_empty(q.shape)  # [B, num_heads, head_dim]
+    paged_decode(
+        q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kind,
+        group.block_table, group.context_lens, scale, out,
+    )  # fmt: skip
+    return out
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+def cpu_attention(
+    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decode rows read the paged cache in place (C kernel, fp32 model); prompt chunks as `torch`."""
+    return _attend(q, cache, meta, scale, _single_cpu)
+
+
+AttentionBackend = Callable[[torch.Tensor, LayerKVCache, AttentionMetadata, float], torch.Tensor]
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {"torch": torch_attention, "cpu": cpu_attention}
+
+
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """`auto`: the in-place CPU kernel for fp32 models on CPU when it builds here, else `torch`."""
+    if name == "auto":
+        from kvserve.model.cpu_kernels import kernel_available
+
+        use_cpu = device.type == "cpu" and dtype == torch.float32 and kernel_available()
+        name = "cpu" if use_cpu else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r} (available: {sorted(ATTENTION_BACKENDS)})"
+            f"unknown attention backend {name!r} (available: auto, {', '.join(ATTENTION_BACKENDS)})"
         )
     return ATTENTION_BACKENDS[name]

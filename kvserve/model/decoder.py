@@ -1,7 +1,12 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), over a flat batch of tokens and a paged cache.
 
 Architectures differ by a few flags (`ArchSpec`, registered in model/registry.py). q/k/v and gate/up are
-fused into one matmul each; the loader concatenates the checkpoint's separate tensors.
+fused into one matmul each; the loader concatenates the checkpoint's separate tensors. The residual stream
+is carried beside the hidden state so the add fuses into the next norm (vLLM's layout).
+
+On CPU with fp32 weights (`use_cpu_weights`) the small ops between the linears run as fused C kernels
+(model/cpu_kernels.py): add + RMSNorm, RoPE in place on the q/k/v projection, the KV write, SiLU-and-multiply.
+Elsewhere they are torch ops with the same arithmetic.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.model.attention import AttentionBackend, AttentionMetadata, write_kv
+from kvserve.model import cpu_kernels
+from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model.kv_cache import LayerKVCache
 from kvserve.model.linear import cpu_linear, use_cpu_linears
 from kvserve.model.registry import ArchSpec
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
@@ -22,10 +29,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.cpu_kernels = False  # set by DecoderLM.use_cpu_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same order of operations as Hugging Face: normalise in fp32, cast back, then scale.
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, dim] -> (norm(x + residual), x + residual); residual None: x alone."""
+        if self.cpu_kernels:
+            return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
+        return self(x), x
 
 
 class Attention(nn.Module):
@@ -42,26 +60,34 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.cpu_kernels = False  # set by DecoderLM.use_cpu_weights
 
     def forward(
         self,
         hidden: torch.Tensor,  # [T, hidden_size]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, head_dim / 2]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 kv_size]
+        fused = self.cpu_kernels and self.q_norm is None  # RoPE and the KV write in C, in place
+        if fused:
+            cpu_kernels.rotary_(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = backend(q, k_cache, v_cache, meta, self.scale)  # [T, num_heads, head_dim]
+        if not fused:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, k, rope)
+        if fused and not kv_cache.quantised:
+            cpu_kernels.write_kv(k, v, meta.slot_mapping, kv_cache.k, kv_cache.v)
+        else:
+            kv_cache.write(k, v, meta.slot_mapping)
+        out = backend(q, kv_cache, meta, self.scale)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -75,9 +101,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(
             config.intermediate_size, config.hidden_size, bias=config.mlp_bias
         )
+        self.cpu_kernels = False  # set by DecoderLM.use_cpu_weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 intermediate_size]
+        if self.cpu_kernels:
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -89,11 +119,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, hidden, rope, kv_cache, meta, backend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(
-            self.input_layernorm(hidden), rope, kv_cache, meta, backend
-        )
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden, residual, rope, kv_cache, meta, backend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) [T, hidden_size] -> this layer's MLP output and the residual before it;
+        the stream after the layer is their sum (added by the next norm)."""
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm.add_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderLM(nn.Module):
@@ -117,15 +151,16 @@ class DecoderLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        residual = None
         rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, kv_cache, meta, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
+        return self.norm.add_norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden_size] -> [S, vocab_size], fp32 for the sampler
@@ -138,6 +173,10 @@ class DecoderLM(nn.Module):
         """CPU layout (model/linear.py): every projection, and the head, run from a weight laid out for
         the CPU kernel. A tied head keeps its own copy beside the embedding table it shares."""
         use_cpu_linears(self.layers)
+        if self.embed_tokens.weight.dtype == torch.float32 and cpu_kernels.kernel_available():
+            for module in self.modules():
+                if isinstance(module, (RMSNorm, Attention, MLP)):
+                    module.cpu_kernels = True
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.cpu_head = cpu_linear(weight)
         self.lm_head = None  # an untied head lives on only as cpu_head

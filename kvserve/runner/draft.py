@@ -40,9 +40,10 @@ class DraftModel:
             device=config.device,
         )
         self.attention = attention
-        self.kv_cache, self.kv_caches = allocate_kv_cache(
-            self.model, num_blocks, self.block_size, TORCH_DTYPES[config.dtype], self.device
-        )
+        self.kv_tensors, self.kv_caches = allocate_kv_cache(
+            self.model, num_blocks, self.block_size, TORCH_DTYPES[config.dtype], self.device,
+            config.cache.kv_cache_dtype,
+        )  # fmt: skip
 
     def _forward(
         self, chunks: list[tuple[int, list[int], list[int]]], rows: list[int]

@@ -8,11 +8,12 @@ import torch
 
 from kvserve.model.attention import AttentionBackend, build_attention_metadata
 from kvserve.model.decoder import DecoderLM
+from kvserve.model.kv_cache import LayerKVCache, allocate_layers
 
 
 def forward_chunks(
     model: DecoderLM,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: list[LayerKVCache],
     attention: AttentionBackend,
     chunks: Sequence[tuple[int, Sequence[int], Sequence[int]]],
     block_size: int,
@@ -22,40 +23,39 @@ def forward_chunks(
     """`chunks`: (start position, token ids, block ids) per request, in batch order. Writes their K/V into
     `kv_caches` and returns logits [len(logit_rows), V] for the given flat rows (None: every row)."""
     input_ids: list[int] = []
-    positions: list[torch.Tensor] = []
+    positions: list[int] = []
     for start, token_ids, _ in chunks:
         input_ids.extend(token_ids)
-        positions.append(torch.arange(start, start + len(token_ids)))
+        positions.extend(range(start, start + len(token_ids)))
     meta = build_attention_metadata(
         [(start, len(token_ids), list(block_ids)) for start, token_ids, block_ids in chunks],
         block_size,
         device,
     )
     hidden = model(
-        torch.tensor(input_ids, device=device),
-        torch.cat(positions).to(device),
+        torch.tensor(input_ids, device=device),  # [T]
+        torch.tensor(positions, device=device),  # [T]
         kv_caches,
         meta,
         attention,
-    )
-    if logit_rows is not None:
+    )  # [T, hidden_size]
+    if logit_rows is not None and list(logit_rows) != list(range(len(input_ids))):
         hidden = hidden[torch.tensor(logit_rows, device=device, dtype=torch.long)]
     return model.compute_logits(hidden)
 
 
 def allocate_kv_cache(
-    model: DecoderLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """One tensor [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] and per-layer (k, v) views."""
+    model: DecoderLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
+) -> tuple[list[torch.Tensor], list[LayerKVCache]]:
+    """The backing tensors ([num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] values or
+    codes, and for 8-bit caches their scales) and one `LayerKVCache` per layer."""
     config = model.config
-    cache = torch.zeros(
-        config.num_layers,
-        2,
-        num_blocks,
-        block_size,
-        config.num_kv_heads,
-        config.head_dim,
-        dtype=dtype,
-        device=device,
-    )
-    return cache, [(layer[0], layer[1]) for layer in cache]
+    return allocate_layers(
+        config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+        dtype, kv_cache_dtype, device,
+    )  # fmt: skip

@@ -46,9 +46,7 @@ class SpecStats:
 
 
 class ModelRunner:
-    def __init__(
-        self, config: EngineConfig, num_blocks: int, attention_backend: str = "torch"
-    ) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
@@ -61,11 +59,13 @@ class ModelRunner:
             dtype=config.dtype,
             device=config.device,
         )
-        self.attention = get_attention_backend(attention_backend)
+        dtype = TORCH_DTYPES[config.dtype]
+        self.attention = get_attention_backend(config.attention_backend, self.device, dtype)
         self.vocab_size = config.model.vocab_size
-        self.kv_cache, self.kv_caches = allocate_kv_cache(
-            self.model, num_blocks, self.block_size, TORCH_DTYPES[config.dtype], self.device
-        )
+        self.kv_tensors, self.kv_caches = allocate_kv_cache(
+            self.model, num_blocks, self.block_size, dtype, self.device,
+            config.cache.kv_cache_dtype,
+        )  # fmt: skip
         self.sampler = Sampler(config.seed, self.device)
         self.states: dict[str, RequestState] = {}
         spec = config.speculative
@@ -84,7 +84,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        return sum(t.numel() * t.element_size() for t in self.kv_tensors)
 
     @property
     def kv_bytes_per_token(self) -> int:

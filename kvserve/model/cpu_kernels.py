@@ -1,0 +1,174 @@
+"""CPU kernels in C: decode attention that reads the paged cache in place (csrc/paged_attention.c) and the
+decoder's small fused ops (csrc/layer_ops.c: add + RMSNorm, RoPE, KV write, SiLU-and-multiply).
+
+The C sources are compiled once per machine with the system compiler (`-O3 -march=native -fopenmp`, about a
+second) into ~/.cache/kvserve/kernels and loaded with ctypes; it shares torch's OpenMP runtime (libgomp is
+loaded once, by soname) and runs on torch's thread count. Without a compiler the torch backend stands in
+(logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "layer_ops.c")
+)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_PTR, _INT = ctypes.c_void_p, ctypes.c_int
+
+
+def _cache_dir() -> Path:
+    return Path.home() / ".cache" / "kvserve" / "kernels"
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None when it cannot be built here (reason logged)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning(
+            "no C compiler found: CPU decode attention uses the torch backend (gathers KV)"
+        )
+        return None
+    source = b"".join(p.read_bytes() for p in _SOURCES)
+    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"kvserve_cpu-{digest}.so"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            result = subprocess.run(
+                [compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"],
+                capture_output=True,
+                text=True,
+            )
+            if result.returncode != 0:
+                logger.warning(
+                    "building the CPU kernels failed; using torch ops:\n%s",
+                    result.stderr[-2000:],
+                )
+                return None
+            os.replace(built, path)  # atomic: concurrent builders agree on one file
+    library = ctypes.CDLL(str(path))
+    i64, f32 = ctypes.c_int64, ctypes.c_float
+    signatures = {
+        "paged_decode_attention": ([_PTR] * 9 + [i64] + [_INT] * 6 + [f32, _INT], _INT),
+        "add_rms_norm": ([_PTR] * 5 + [_INT, _INT, f32, _INT], None),
+        "rotary": ([_PTR, i64, _PTR, _PTR, _INT, _INT, _INT, _INT], None),
+        "write_kv": ([_PTR, _PTR, i64, _PTR, _PTR, _PTR, _INT, _INT, _INT], None),
+        "silu_mul": ([_PTR, _PTR, _INT, _INT, _INT], None),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(library, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return library
+
+
+def kernel_available() -> bool:
+    return load_kernel() is not None
+
+
+@functools.cache
+def code_table(kind: str) -> torch.Tensor:
+    """[256] fp32: the value of each 8-bit code (int8: the signed integer; fp8: the e4m3 float)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    return codes.view(dtype).float()
+
+
+def paged_decode(
+    q: torch.Tensor,  # [B, num_heads, head_dim] fp32, heads contiguous (rows may be strided)
+    k: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or uint8 codes
+    v: torch.Tensor,
+    k_scale: torch.Tensor | None,  # [num_blocks, block_size, num_kv_heads] fp16 (8-bit caches)
+    v_scale: torch.Tensor | None,
+    kind: str,  # "float" | "int8" | "fp8"
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    context_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    out: torch.Tensor,  # [B, num_heads, head_dim] fp32, written in place
+) -> None:
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k.shape
+    lut = None if kind == "float" else code_table(kind)
+    status = load_kernel().paged_decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        None if k_scale is None else k_scale.data_ptr(),
+        None if v_scale is None else v_scale.data_ptr(),
+        None if lut is None else lut.data_ptr(),
+        block_table.data_ptr(), context_lens.data_ptr(), out.data_ptr(), q.stride(0),
+        batch, num_heads, num_kv_heads, head_dim, block_size, block_table.shape[1],
+        scale, torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(
+            f"paged attention kernel refused the shapes (status {status}): {num_heads} heads, "
+            f"{num_kv_heads} kv heads, head_dim {head_dim}"
+        )
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, D] fp32 contiguous
+    residual: torch.Tensor | None,  # [T, D]: added to x first (None: x is the residual stream)
+    weight: torch.Tensor,  # [D]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual)."""
+    num_rows, dim = x.shape
+    out = torch.empty_like(x)
+    residual_out = x if residual is None else torch.empty_like(x)
+    load_kernel().add_rms_norm(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), residual_out.data_ptr(), num_rows, dim, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out, residual_out
+
+
+def rotary_(
+    qkv: torch.Tensor,  # [T, (num_heads + 2 num_kv_heads) head_dim] fp32 contiguous, rotated in place
+    cos: torch.Tensor,  # [T, 1, head_dim / 2] of each row's position, contiguous
+    sin: torch.Tensor,
+    num_rotated_heads: int,  # q heads then k heads
+    head_dim: int,
+) -> None:
+    load_kernel().rotary(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
+        num_rotated_heads, head_dim, torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def write_kv(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim] views of rows of one buffer (same row stride as v)
+    v: torch.Tensor,
+    slots: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    v_cache: torch.Tensor,
+) -> None:
+    num_rows, num_kv_heads, head_dim = k.shape
+    load_kernel().write_kv(
+        k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), num_rows, num_kv_heads * head_dim, torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2 I] fp32 contiguous (gate first) -> silu(gate) * up [T, I]."""
+    num_rows, width = gate_up.shape
+    out = gate_up.new_empty(num_rows, width // 2)
+    load_kernel().silu_mul(
+        gate_up.data_ptr(), out.data_ptr(), num_rows, width // 2, torch.get_num_threads()
+    )
+    return out

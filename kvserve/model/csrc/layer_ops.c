@@ -1,0 +1,83 @@
+/* The small per-layer ops of the decoder, fused for fp32 on CPU (docs/performance.md).
+ *
+ * At decode each of these touches a few KB; in torch each is several dispatched ops (~40 per layer), which
+ * cost more than their arithmetic. Rows are independent, so large batches (prefill) split rows over threads.
+ * The arithmetic follows Hugging Face's order in fp32 (normalise, then scale; rotate-half RoPE).
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define PARALLEL_MIN_VALUES 32768 /* below this, one thread: waking the others costs more */
+
+/* residual_out = x + residual (when residual != NULL, else x); out = rms_norm(residual_out) * weight.
+ * x, residual, out, residual_out: [T, D] contiguous; weight [D]. out may alias x. */
+void add_rms_norm(const float *x, const float *residual, const float *weight, float *out,
+                  float *residual_out, int num_rows, int dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * dim >= PARALLEL_MIN_VALUES)
+    for (int t = 0; t < num_rows; t++) {
+        const float *xr = x + (int64_t)t * dim;
+        float *o = out + (int64_t)t * dim, *r = residual_out + (int64_t)t * dim;
+        float sum = 0.f;
+        if (residual != NULL) {
+            const float *rr = residual + (int64_t)t * dim;
+#pragma omp simd reduction(+ : sum)
+            for (int d = 0; d < dim; d++) {
+                float h = xr[d] + rr[d];
+                r[d] = h;
+                sum += h * h;
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int d = 0; d < dim; d++) sum += xr[d] * xr[d];
+        }
+        const float *h = residual != NULL ? r : xr;
+        float inv = 1.f / sqrtf(sum / dim + eps);
+#pragma omp simd
+        for (int d = 0; d < dim; d++) o[d] = weight[d] * (h[d] * inv);
+    }
+}
+
+/* In place on the fused projection qkv [T, row_stride]: rotate the first num_rotated heads of head_dim
+ * (q heads then k heads). cos, sin: [T, head_dim / 2], each row's position already looked up. */
+void rotary(float *qkv, int64_t row_stride, const float *cos_rows, const float *sin_rows, int num_rows,
+            int num_rotated, int head_dim, int num_threads) {
+    const int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) \
+    if ((int64_t)num_rows * num_rotated * head_dim >= PARALLEL_MIN_VALUES)
+    for (int t = 0; t < num_rows; t++) {
+        const float *c = cos_rows + (int64_t)t * half, *s = sin_rows + (int64_t)t * half;
+        for (int h = 0; h < num_rotated; h++) {
+            float *x1 = qkv + t * row_stride + (int64_t)h * head_dim, *x2 = x1 + half;
+#pragma omp simd
+            for (int d = 0; d < half; d++) {
+                float a = x1[d], b = x2[d];
+                x1[d] = a * c[d] - b * s[d];
+                x2[d] = b * c[d] + a * s[d];
+            }
+        }
+    }
+}
+
+/* Copy rows of k and v (heads of head_dim, row stride in elements) into cache slots:
+ * cache[slot[t], :, :] = src[t] for k_cache, v_cache [num_slots, num_kv_heads, head_dim]. */
+void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t *slots, float *k_cache,
+              float *v_cache, int num_rows, int kv_values, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * kv_values >= PARALLEL_MIN_VALUES)
+    for (int t = 0; t < num_rows; t++) {
+        float *kd = k_cache + slots[t] * kv_values, *vd = v_cache + slots[t] * kv_values;
+        const float *ks = k + t * row_stride, *vs = v + t * row_stride;
+#pragma omp simd
+        for (int d = 0; d < kv_values; d++) kd[d] = ks[d], vd[d] = vs[d];
+    }
+}
+
+/* out = silu(gate) * up for gate_up [T, 2 I] (gate first); out [T, I]. */
+void silu_mul(const float *gate_up, float *out, int num_rows, int inter, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * inter >= PARALLEL_MIN_VALUES)
+    for (int t = 0; t < num_rows; t++) {
+        const float *g = gate_up + (int64_t)t * 2 * inter, *u = g + inter;
+        float *o = out + (int64_t)t * inter;
+        for (int d = 0; d < inter; d++) o[d] = g[d] / (1.f + expf(-g[d])) * u[d];
+    }
+}
