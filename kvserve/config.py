@@ -231,10 +231,15 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     speculative: SpeculativeConfig | None = None
+    quantization: str | None = None  # weight scheme (docs/quantization.md), rounded at load
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPE_BYTES)}", "dtype")
+        if self.quantization is not None:
+            from kvserve.quant.scheme import parse_weight_scheme  # torch-free
+
+            parse_weight_scheme(self.quantization)  # raises QuantizationError naming the choice
 
     @property
     def kv_bytes_per_token(self) -> int:

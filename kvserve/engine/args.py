@@ -47,6 +47,7 @@ def build_engine_config(
     num_speculative_tokens: int = 4,
     ngram_min: int = 1,
     ngram_max: int = 4,
+    quantization: str | None = None,
 ) -> EngineConfig:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -105,6 +106,7 @@ def build_engine_config(
         device=device,
         seed=seed,
         speculative=speculative,
+        quantization=quantization,
     )
 
 

@@ -138,6 +138,7 @@ class DecoderLM(nn.Module):
         """CPU layout (model/linear.py): every projection, and the head, run from a weight laid out for
         the CPU kernel. A tied head keeps its own copy beside the embedding table it shares."""
         use_cpu_linears(self.layers)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.cpu_head = cpu_linear(weight)
+        if self.cpu_head is None:  # a quantised head (model/linear.py) is already there
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.cpu_head = cpu_linear(weight)
         self.lm_head = None  # an untied head lives on only as cpu_head

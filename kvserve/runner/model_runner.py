@@ -60,6 +60,7 @@ class ModelRunner:
             max_positions=config.scheduler.max_model_len,
             dtype=config.dtype,
             device=config.device,
+            quantization=config.quantization,
         )
         self.attention = get_attention_backend(attention_backend)
         self.vocab_size = config.model.vocab_size
