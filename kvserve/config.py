@@ -245,6 +245,7 @@ class EngineConfig:
     seed: int = 0
     speculative: SpeculativeConfig | None = None
     attention_backend: str = "auto"  # ATTENTION_BACKENDS; auto: the in-place kernel on CPU
+    quantization: str | None = None  # weight scheme (docs/quantization.md), rounded at load
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -253,6 +254,10 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}", "attention_backend"
             )
+        if self.quantization is not None:
+            from kvserve.quant.scheme import parse_weight_scheme  # torch-free
+
+            parse_weight_scheme(self.quantization)  # raises QuantizationError naming the choice
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -50,6 +50,7 @@ def build_engine_config(
     ngram_max: int = 4,
     kv_cache_dtype: str = "auto",
     attention_backend: str = "auto",
+    quantization: str | None = None,
 ) -> EngineConfig:
     model_dir = resolve_model(model_dir)
     model = ModelConfig.from_dir(model_dir)
@@ -106,6 +107,7 @@ def build_engine_config(
         seed=seed,
         speculative=speculative,
         attention_backend=attention_backend,
+        quantization=quantization,
     )
 
 

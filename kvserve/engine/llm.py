@@ -17,7 +17,8 @@ PromptType = str | Sequence[int]
 class LLM:
     """Runs a local Hugging Face checkpoint, or a built-in model (`kvserve-demo`, the default). Engine options are those of `build_engine_config`
     (dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_blocks,
-    kv_cache_memory_bytes, enable_prefix_caching, admission, seed, kv_cache_dtype, attention_backend)."""
+    kv_cache_memory_bytes, enable_prefix_caching, admission, seed, kv_cache_dtype, attention_backend,
+    quantization)."""
 
     def __init__(self, model: str | None = None, *, tokenizer=None, **engine_options) -> None:
         self.engine = LLMEngine(build_engine_config(model, **engine_options), tokenizer=tokenizer)

@@ -177,6 +177,7 @@ class DecoderLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, (RMSNorm, Attention, MLP)):
                     module.cpu_kernels = True
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.cpu_head = cpu_linear(weight)
+        if self.cpu_head is None:  # a quantised head (model/linear.py) is already there
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            self.cpu_head = cpu_linear(weight)
         self.lm_head = None  # an untied head lives on only as cpu_head

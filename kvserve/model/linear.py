@@ -22,6 +22,10 @@ import functools
 import torch
 from torch import nn
 
+from kvserve.model.qlinear import QuantEmbedding, QuantLinear
+from kvserve.quant.rtn import quantize
+from kvserve.quant.scheme import TensorScheme, WeightScheme
+
 # oneDNN picks its blocked layout for an expected row count; 16 rows (a decode batch) measured well for
 # 1 to 512 rows.
 _PACK_ROWS_HINT = 16
@@ -84,3 +88,53 @@ def use_cpu_linears(module: nn.Module) -> nn.Module:
         else:
             use_cpu_linears(child)
     return module
+
+
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scheme: TensorScheme | None = None,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """The linear module for `weight` [out, in]: quantised by RTN in `scheme` (QuantLinear: integer
+    kernels on CPU), else the fastest float layout on CPU, else nn.Linear's function on `device`."""
+    if scheme is not None and not scheme.is_float:
+        return QuantLinear(quantize(weight, scheme), bias, device)
+    if torch.device(device).type == "cpu":
+        return cpu_linear(weight, bias)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
+
+
+def quantize_linears(module: nn.Module, scheme: TensorScheme, device: torch.device | str) -> int:
+    """Replace every nn.Linear below `module` by a QuantLinear of its weights; returns how many."""
+    count = 0
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, make_linear(child.weight, child.bias, scheme, device))
+            count += 1
+        else:
+            count += quantize_linears(child, scheme, device)
+    return count
+
+
+def apply_weight_scheme(model: nn.Module, scheme: WeightScheme) -> None:
+    """Quantise a loaded DecoderLM in place by round-to-nearest: block linears, the LM head (as
+    `cpu_head`, which compute_logits prefers) and the embedding table, each by its class's scheme.
+    A tied head follows `embed` unless `head` is named. Unquantised parts are left for
+    `use_cpu_weights`."""
+    device = model.embed_tokens.weight.device
+    if (linear := scheme.for_class("linear")) is not None:
+        quantize_linears(model.layers, linear, device)
+    tied = model.lm_head is None
+    head = scheme.for_class("head") or (scheme.for_class("embed") if tied else None)
+    if head is not None:
+        weight = model.embed_tokens.weight if tied else model.lm_head.weight
+        model.cpu_head = make_linear(weight, None, head, device)
+        model.lm_head = None
+    if (embed := scheme.for_class("embed")) is not None:
+        table = model.embed_tokens.weight
+        model.embed_tokens = QuantEmbedding(quantize(table, embed), table.dtype, device)

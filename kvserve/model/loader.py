@@ -12,7 +12,10 @@ from safetensors import safe_open
 from kvserve.config import ModelConfig
 from kvserve.core.errors import ModelLoadError
 from kvserve.model.decoder import DecoderLM
+from kvserve.model.linear import apply_weight_scheme
+from kvserve.model.qlinear import kernel_summary
 from kvserve.model.registry import get_arch
+from kvserve.quant.scheme import parse_weight_scheme
 
 # Our fused parameter <- the checkpoint's tensors, concatenated along the output dimension.
 _FUSED = {
@@ -76,7 +79,10 @@ def load_model(
     max_positions: int,
     dtype: str = "float32",
     device: str = "cpu",
+    quantization: str | None = None,
 ) -> DecoderLM:
+    """The checkpoint's DecoderLM on `device`; `quantization` (a scheme string, docs/quantization.md)
+    rounds its weights to nearest at load and runs them on the integer kernels."""
     model_dir = Path(model_dir)
     arch = get_arch(config.model_type)
     with torch.device("meta"):
@@ -117,6 +123,11 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     # Buffers (rotary cos/sin) were on meta: rebuild them for real.
     model.rotary.build(device)
+    if quantization is not None:
+        scheme = parse_weight_scheme(quantization)
+        if scheme.is_quantized:
+            apply_weight_scheme(model, scheme)
+            log_kernels(model, scheme.name)
     if torch.device(device).type == "cpu":
         model.use_cpu_weights()
     unused = sorted(set(checkpoint) - used)
@@ -129,3 +140,17 @@ def load_model(
             ", ".join(unused[:5]),
         )
     return model.eval()
+
+
+def log_kernels(model: DecoderLM, scheme_name: str) -> None:
+    """Say which kernel runs each quantised linear, loudly when a slower one stands in."""
+    kernels = kernel_summary(model)
+    logger.info("quantization %s: %s", scheme_name, kernels)
+    slow = {k: n for k, n in kernels.items() if k.startswith("dequantized") or k.endswith("scalar")}
+    if slow:
+        logger.warning(
+            "quantization %s: %d linears run on a slower stand-in kernel %s (see /manifest)",
+            scheme_name,
+            sum(slow.values()),
+            sorted(slow),
+        )

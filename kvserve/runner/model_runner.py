@@ -58,6 +58,7 @@ class ModelRunner:
             max_positions=config.scheduler.max_model_len,
             dtype=config.dtype,
             device=config.device,
+            quantization=config.quantization,
         )
         dtype = TORCH_DTYPES[config.dtype]
         self.attention = get_attention_backend(config.attention_backend, self.device, dtype)

@@ -1,0 +1,172 @@
+"""Quantisation schemes the engine can run, parsed from the format strings `kvserve plan` spells.
+
+A scheme string names one tensor format, or one per tensor class (docs/quantization.md):
+
+- `int8`: symmetric, one fp16 scale per output channel (`int8-g128`: per group of 128 inputs).
+- `int4-g32`, `int4-g64`, `int4-g128`: symmetric, one fp16 scale per group of input values.
+- `int4-g128-zp`: min-max with an fp16 zero-point per group (`int4-zp`: per channel).
+- `int4` is per output channel; `int4-pt`: one scale for the whole tensor (the seed's catastrophe).
+- `w8a8`: int8 weights per channel, activations quantised to int8 per token at run time;
+  `w8a8-pt`: one activation scale per tensor (the whole batch), as SmoothQuant's static scheme.
+- `fp32`, `bf16`, `fp16`: unquantised.
+- `linear=int4-g64,embed=int8,head=fp32`: per class; `mixed` is plan's mixed format. A single name
+  quantises the block linears only: the embedding and the head keep the model's dtype (what GPTQ and
+  AWQ checkpoints ship).
+
+Only what a kernel can run parses: 4- or 8-bit integers, groups a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvserve.core.errors import InvalidRequestError
+
+SCALE_BITS = 16  # scales and zero-points are stored in fp16
+KERNEL_BLOCK = 32  # the kernels quantise activations and walk weights in blocks of 32 inputs
+FLOAT_FORMATS = ("fp32", "bf16", "fp16")
+CLASSES = ("linear", "embed", "head")
+MIXED = "linear=int4-g128,embed=int8,head=int8"
+ACT_NONE, ACT_TOKEN, ACT_TENSOR = "block", "token", "tensor"
+
+
+class QuantizationError(InvalidRequestError):
+    """A quantisation format, method or calibration input that kvserve cannot use."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "quantization")
+
+
+@dataclass(frozen=True)
+class TensorScheme:
+    """How one weight matrix is stored and multiplied.
+
+    granularity: "channel" (one scale per output row), "group" (per `group_size` inputs of a row), or
+    "tensor" (one scale). act: how the kernel rounds activations to int8: "block" (per 32 inputs of a
+    row, llama.cpp's Q8_0 activations: near weight-only accuracy), "token" (one scale per row, W8A8),
+    "tensor" (one scale for the whole input, W8A8 per tensor).
+    """
+
+    name: str
+    bits: int | None  # None: a float format
+    granularity: str = "channel"
+    group_size: int | None = None
+    zero_point: bool = False
+    act: str = ACT_NONE
+
+    @property
+    def is_float(self) -> bool:
+        return self.bits is None
+
+    def group_len(self, num_cols: int) -> int:
+        """Inputs per scale for a row of `num_cols` (the last group of a row may be shorter)."""
+        return self.group_size if self.granularity == "group" else num_cols
+
+    def num_bits(self, num_rows: int, num_cols: int) -> int:
+        """Bits of a [num_rows, num_cols] matrix in this format, every scale and zero-point included
+        (docs/quantization.md: int4-g128 is 4 + 16/128 bits per weight)."""
+        if self.is_float:
+            return num_rows * num_cols * (32 if self.name == "fp32" else 16)
+        if self.granularity == "tensor":
+            num_scales = 1
+        else:
+            num_scales = num_rows * math.ceil(num_cols / self.group_len(num_cols))
+        return num_rows * num_cols * self.bits + num_scales * SCALE_BITS * (1 + self.zero_point)
+
+    def bits_per_weight(self, num_rows: int, num_cols: int) -> float:
+        return self.num_bits(num_rows, num_cols) / (num_rows * num_cols)
+
+
+_ALIASES = {"int8-pc": "int8", "int8-per-channel": "int8", "w8": "int8", "int4-tensor": "int4-pt"}
+
+
+def parse_tensor_scheme(text: str) -> TensorScheme:
+    name = _ALIASES.get(text.strip().lower(), text.strip().lower())
+    if name in FLOAT_FORMATS:
+        return TensorScheme(name, None)
+    if name in ("w8a8", "w8a8-pt"):
+        return TensorScheme(name, 8, act=ACT_TOKEN if name == "w8a8" else ACT_TENSOR)
+    if name == "int4-pt":
+        return TensorScheme(name, 4, granularity="tensor")
+    parts = name.split("-")
+    head, rest = parts[0], parts[1:]
+    if head not in ("int8", "int4"):
+        hint = " (plan prices it, but kvserve has no kernel for it)" if head[:3] == "int" else ""
+        raise QuantizationError(f"unknown quantisation format {text!r}{hint}; " + _CHOICES)
+    bits = int(head[3:])
+    zero_point = "zp" in rest
+    rest = [r for r in rest if r != "zp"]
+    group = None
+    if rest:
+        if len(rest) != 1 or not rest[0].startswith("g") or not rest[0][1:].isdigit():
+            raise QuantizationError(f"unknown quantisation format {text!r}; " + _CHOICES)
+        group = int(rest[0][1:])
+        if group <= 0 or group % KERNEL_BLOCK:
+            raise QuantizationError(
+                f"{text}: the group size must be a positive multiple of {KERNEL_BLOCK}"
+            )
+    if zero_point and bits == 8:
+        raise QuantizationError(f"{text}: int8 is symmetric only (use int8 or int4-g128-zp)")
+    return TensorScheme(
+        name, bits, "group" if group else "channel", group_size=group, zero_point=zero_point
+    )
+
+
+_CHOICES = (
+    "use fp32, bf16, int8, int8-g128, int4, int4-g32, int4-g64, int4-g128, int4-g128-zp, int4-pt, "
+    "w8a8, w8a8-pt, or linear=...,embed=...,head=..."
+)
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """A tensor scheme per class: block linears, the embedding table, the LM head. None: unquantised
+    (the model's dtype)."""
+
+    name: str
+    linear: TensorScheme | None
+    embed: TensorScheme | None = None
+    head: TensorScheme | None = None
+
+    def __post_init__(self) -> None:
+        for cls in ("embed",):
+            scheme = getattr(self, cls)
+            if scheme is not None and scheme.act != ACT_NONE:
+                raise QuantizationError(
+                    f"{self.name}: {cls} is a lookup and cannot be {scheme.name}"
+                )
+
+    def for_class(self, cls: str) -> TensorScheme | None:
+        scheme = getattr(self, cls)
+        return None if scheme is None or scheme.is_float else scheme
+
+    @property
+    def is_quantized(self) -> bool:
+        return any(self.for_class(c) is not None for c in CLASSES)
+
+
+def parse_weight_scheme(text: str) -> WeightScheme:
+    """`int8`, `int4-g128`, `mixed`, `linear=int4-g64,embed=int8,head=fp32`, ... (see module doc)."""
+    if not isinstance(text, str) or not text.strip():
+        raise QuantizationError("empty quantisation format; " + _CHOICES)
+    name = text.strip().lower()
+    spec = MIXED if name == "mixed" else name
+    if "=" not in spec:
+        return WeightScheme(name, parse_tensor_scheme(spec))
+    parts: dict[str, TensorScheme] = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key == "norm":
+            if value.strip() not in FLOAT_FORMATS:
+                raise QuantizationError(f"{text}: norm weights must stay float")
+            continue
+        if key not in CLASSES:
+            raise QuantizationError(
+                f"{text}: unknown tensor class {key!r}; classes: {', '.join(CLASSES)}"
+            )
+        if key in parts:
+            raise QuantizationError(f"{text}: {key} is given twice")
+        parts[key] = parse_tensor_scheme(value)
+    return WeightScheme(name, parts.get("linear"), parts.get("embed"), parts.get("head"))
