@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.model.attention import get_attention_backend
 from kvserve.model.loader import load_model, read_checkpoint
 from kvserve.model.parallel import (
     TensorParallelDecoderLM,
@@ -23,6 +24,7 @@ from kvserve.model.parallel import (
     load_tensor_parallel_model,
     shard_state_dict,
 )
+from kvserve.model.registry import get_arch
 from kvserve.runner.forward import allocate_kv_cache, forward_chunks
 from tests.checkpoints import ARCHS, build_checkpoint
 
@@ -40,13 +42,12 @@ def run_steps(model) -> tuple[list[torch.Tensor], list[list[int]], int]:
     cache, kv_caches = allocate_kv_cache(model, 32, BLOCK, torch.float32, torch.device("cpu"))
     blocks_a, blocks_b = list(range(0, 8)), list(range(8, 16))
 
+    attention = get_attention_backend("torch")
+
     def step(chunks, rows):
         with torch.no_grad():
-            return forward_chunks(model, kv_caches, model_attention, chunks, BLOCK, "cpu", rows)
+            return forward_chunks(model, kv_caches, attention, chunks, BLOCK, "cpu", rows)
 
-    from kvserve.model.attention import get_attention_backend
-
-    model_attention = get_attention_backend("torch")
     logits = [step([(0, PROMPT_A[:12], blocks_a)], [11])]  # first chunk of A: no sample used
     # second chunk of A beside B's whole prompt: rows 7 (A's last) and 13 (B's last)
     logits.append(step([(12, PROMPT_A[12:], blocks_a), (0, PROMPT_B, blocks_b)], [7, 13]))
@@ -153,13 +154,10 @@ def test_per_rank_weight_bytes_are_half(checkpoints, name):
         whole.pop("lm_head.weight", None)
     whole_split = sum(t.nbytes for n, t in whole.items() if not _replicated(n))
     whole_replicated = sum(t.nbytes for n, t in whole.items() if _replicated(n))
+    arch = get_arch(config.model_type)
     with torch.device("meta"):
-        arch = __import__("kvserve.model.registry", fromlist=["get_arch"]).get_arch(
-            config.model_type
-        )
-        names = list(
-            TensorParallelDecoderLM(TensorParallelLayout(0, WORLD, config), arch, 64).state_dict()
-        )
+        layout = TensorParallelLayout(0, WORLD, config)
+        names = list(TensorParallelDecoderLM(layout, arch, 64).state_dict())
     shards = [
         shard_state_dict(model_dir, TensorParallelLayout(r, WORLD, config), names)
         for r in range(WORLD)

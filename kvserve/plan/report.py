@@ -232,6 +232,17 @@ def parallel_lines(p: PlanResult) -> list[str]:
         else f"{m.num_kv_heads} KV heads / {n} = {par.num_kv_heads_per_rank} per rank"
     )
     big = fmt_s(par.decode_comm_s_max_batch)
+    totals = (
+        f"  all {par.data_parallel} replica(s)  max concurrent {par.max_concurrent_total:,}; "
+        f"{fmt_num(par.tokens_per_s_max_batch_total)} tokens/s at max batch; full load "
+        f"{fmt_num(par.full_load_output_tokens_per_s_total)} output tokens/s"
+    )
+    if n == 1:
+        return [
+            f"Parallel  data parallel {par.data_parallel} replicas of one device each: no "
+            "communication; capacity adds, latency does not improve",
+            totals,
+        ]
     return [
         f"Parallel  tensor parallel {n} x data parallel {par.data_parallel} = {par.num_devices} "
         f"devices; interconnect {link.name}: {fmt_bw(link.bandwidth_bytes_per_s)} each way, "
@@ -251,9 +262,7 @@ def parallel_lines(p: PlanResult) -> list[str]:
         f"  communication  TPOT solo {fmt_s(par.decode_comm_s_solo)} "
         f"({par.decode_comm_share_solo:.0%} of {fmt_s(lat.tpot_solo_s)}), at B={p.max_concurrent:,} "
         f"{big}, prefill of {p.workload.prompt_tokens} tokens {fmt_s(par.prefill_comm_s)}",
-        f"  all {par.data_parallel} replica(s)  max concurrent {par.max_concurrent_total:,}; "
-        f"{fmt_num(par.tokens_per_s_max_batch_total)} tokens/s at max batch; full load "
-        f"{fmt_num(par.full_load_output_tokens_per_s_total)} output tokens/s",
+        totals,
     ]
 
 
