@@ -80,7 +80,7 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out_path: str) -> No
     _, kv = allocate_kv_cache(
         model, batch * blocks_per_seq, BLOCK, torch.float32, torch.device("cpu")
     )
-    attention = get_attention_backend("torch")
+    attention = get_attention_backend("torch", torch.device("cpu"), torch.float32)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
     prompt = [(7 * i + 3) % VOCAB for i in range(context)]
     with torch.no_grad():

@@ -42,7 +42,7 @@ def run_steps(model) -> tuple[list[torch.Tensor], list[list[int]], int]:
     cache, kv_caches = allocate_kv_cache(model, 32, BLOCK, torch.float32, torch.device("cpu"))
     blocks_a, blocks_b = list(range(0, 8)), list(range(8, 16))
 
-    attention = get_attention_backend("torch")
+    attention = get_attention_backend("torch", torch.device("cpu"), torch.float32)
 
     def step(chunks, rows):
         with torch.no_grad():
@@ -58,7 +58,7 @@ def run_steps(model) -> tuple[list[torch.Tensor], list[list[int]], int]:
         logits.append(out)
         tokens[0].append(int(out[0].argmax()))
         tokens[1].append(int(out[1].argmax()))
-    return logits, tokens, cache.nbytes
+    return logits, tokens, sum(t.nbytes for t in cache)
 
 
 def _rank_main(rank: int, port: int, jobs: list[tuple[str, str]], out_dir: str) -> None:
