@@ -19,6 +19,7 @@ from kvserve.core.errors import KVServeError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.stats = self._collect_stats()
+        self.step_log = StepLog()  # per-iteration timings (simulator calibration)
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -207,7 +209,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            clock = time.perf_counter
             while True:
+                t_idle = clock()
                 with self._wakeup:
                     while not self._commands and not self.engine.has_unfinished_requests():
                         if self._stopping:
@@ -215,17 +219,29 @@ class AsyncEngine:
                         self._wakeup.wait()
                     if self._stopping and not self.engine.has_unfinished_requests():
                         return
+                t0 = clock()
                 self._apply_commands()
+                t1 = clock()
                 outputs = self.engine.step()
+                t2 = clock()
                 self.stats = self._collect_stats()
                 if self.on_step is not None:
                     self.on_step(outputs)
                 self._deliver_all([(output.request_id, output) for output in outputs])
+                self._log_step(t_idle, t0, t1, t2, clock())
         except BaseException as exc:  # a bug in the engine: fail every waiting request, loudly
             logger.exception("engine loop failed")
             self.error = exc
             dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
             self._deliver_all([(request_id, dead) for request_id in list(self._queues)])
+
+    def _log_step(self, t_idle: float, t0: float, t1: float, t2: float, t3: float) -> None:
+        last = self.engine.last_scheduler_output
+        chunks = (
+            () if last is None else tuple((c.num_tokens, c.start_position) for c in last.chunks)
+        )
+        # waited: idle only when the loop actually slept (a cheap lock round trip otherwise)
+        self.step_log.record(t0, t0 - t_idle, t1 - t0, t2 - t1, t3 - t2, chunks)
 
     def _collect_stats(self) -> EngineStats:
         engine = self.engine

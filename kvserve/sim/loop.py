@@ -60,12 +60,17 @@ def simulate_continuous(
     scheduler = Scheduler(scheduler_config, kv)
     timelines = [RequestTimeline(r) for r in requests]
     by_id = {t.request_id: t for t in timelines}
+    # A calibrated server profile says how long a request takes to reach the engine loop.
+    overhead_s = float(getattr(cost_model, "request_overhead_s", 0.0))
     pending = sorted(timelines, key=lambda t: (t.request.arrival_s, t.request.index))
     run = SimRun(policy, timelines, num_blocks=num_blocks)
     now = 0.0
     next_arrival = 0
     while next_arrival < len(pending) or scheduler.has_unfinished():
-        while next_arrival < len(pending) and pending[next_arrival].request.arrival_s <= now:
+        while (
+            next_arrival < len(pending)
+            and pending[next_arrival].request.arrival_s + overhead_s <= now
+        ):
             timeline = pending[next_arrival]
             next_arrival += 1
             sim = timeline.request
@@ -81,7 +86,7 @@ def simulate_continuous(
                     "and nothing running (a request larger than the cache?)"
                 )
             if next_arrival < len(pending):
-                now = max(now, pending[next_arrival].request.arrival_s)
+                now = max(now, pending[next_arrival].request.arrival_s + overhead_s)
             continue
         for new in out.new_requests:
             by_id[new.request_id].first_scheduled_s = now
