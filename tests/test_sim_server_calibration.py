@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import pytest
 
 from kvserve.bench.records import RequestRecord, StreamEvent
-from kvserve.sim.cost import ChunkLoad, StepLoad
+from kvserve.sim.cost import ChunkLoad, StepLoad, feature_vector
 from kvserve.sim.server_steps import (
     SERVER_FEATURES,
     fit_server_profile,
@@ -18,18 +19,22 @@ from kvserve.sim.server_steps import (
 )
 from kvserve.sim.workload import SimError
 
+# const, num_tokens, num_seqs, decode_context_tokens, prompt_attention_pairs, num_new_requests
+TRUTH = (2e-3, 1e-5, 1e-3, 1e-7, 1e-8, 5e-3)
+
 
 def synthetic_log(num: int = 200) -> dict:
-    """Steps whose cost is 2 ms + 1 ms per sequence + 5 ms per new request, split over the three
-    phases of an iteration."""
+    """Steps of a known cost (TRUTH over SERVER_FEATURES), split over the three phases of an
+    iteration; some steps take a new request's prompt, some a later chunk of one."""
     steps = []
     for i in range(num):
-        seqs = 1 + i % 8
-        chunks = [[1, 50 + i] for _ in range(seqs)]
-        new = i % 3 == 0
-        if new:
-            chunks.append([20, 0])
-        cost = 2e-3 + 1e-3 * (seqs + new) + 5e-3 * new
+        chunks = [[1, 50 + 7 * i + 13 * j] for j in range(1 + i % 8)]
+        if i % 3 == 0:
+            chunks.append([5 + i % 17, 0])  # a new request
+        elif i % 3 == 1:
+            chunks.append([4 + i % 11, 32])  # a later chunk of a prompt
+        load = StepLoad(tuple(ChunkLoad(n, c) for n, c in chunks))
+        cost = float(np.dot(TRUTH, feature_vector(load, SERVER_FEATURES)))
         steps.append(
             {"index": i, "t_start_s": 0.01 * i, "waited_s": 0.0, "commands_s": 0.1 * cost,
              "step_s": 0.8 * cost, "deliver_s": 0.1 * cost, "chunks": chunks}
@@ -42,16 +47,18 @@ def synthetic_log(num: int = 200) -> dict:
 def test_loads_and_costs_sum_the_iteration_and_skip_empty_steps():
     loads, costs = loads_and_costs(synthetic_log(3)["steps"])
     assert len(loads) == 3
-    assert loads[0] == StepLoad((ChunkLoad(1, 50), ChunkLoad(20, 0)))
-    assert costs[0] == pytest.approx(2e-3 + 2e-3 + 5e-3)
+    assert loads[0] == StepLoad((ChunkLoad(1, 50), ChunkLoad(5, 0)))
+    assert costs[0] == pytest.approx(
+        float(np.dot(TRUTH, feature_vector(loads[0], SERVER_FEATURES)))
+    )
 
 
 def test_the_server_fit_recovers_the_intake_term_and_keeps_the_engine_limits():
     profile = fit_server_profile(synthetic_log(), overhead_s=0.012)
     coef = dict(zip(profile.features, profile.coef_s, strict=True))
     assert profile.features == SERVER_FEATURES
-    assert coef["const"] == pytest.approx(2e-3, rel=1e-3)
-    assert coef["num_new_requests"] == pytest.approx(5e-3, rel=1e-3)
+    assert profile.coef_s == pytest.approx(TRUTH, rel=1e-4)
+    assert coef["num_new_requests"] == pytest.approx(5e-3, rel=1e-4)
     assert profile.meta["engine"]["num_blocks"] == 99
     assert profile.request_overhead_s == 0.012
     with pytest.raises(SimError, match="load it first"):
@@ -93,10 +100,11 @@ def test_a_live_server_logs_its_steps_and_the_cli_fits_them(gpt2_model_dir, tmp_
         start = httpx.get(f"{base_url}/debug/steps", params={"since": 10**9}).json()
         assert start["steps"] == [] and start["engine"]["max_model_len"] == 256
         with httpx.Client(base_url=base_url, timeout=60) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
             for i in range(8):
-                body = {"model": "x", "prompt": [5 + i] * (10 + 7 * i), "max_tokens": 6,
+                body = {"model": model, "prompt": [5 + i] * (10 + 7 * i), "max_tokens": 6,
                         "ignore_eos": True}  # fmt: skip
-                assert http.post("/v1/completions", json=body).status_code in (200, 404)
+                assert http.post("/v1/completions", json=body).status_code == 200
         doc = httpx.get(f"{base_url}/debug/steps", params={"since": start["num_recorded"]}).json()
     rows = [r for r in doc["steps"] if r["chunks"]]
     assert len(rows) >= 8 * 6  # one step per output token at least
