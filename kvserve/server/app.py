@@ -265,6 +265,7 @@ def build_app(
             "engine": {
                 "model_dir": str(c.model_dir),
                 "dtype": c.dtype,
+                "quantization": getattr(c, "quantization", None),
                 "num_blocks": engine.engine.num_blocks,
                 "block_size": c.cache.block_size,
                 "max_model_len": c.scheduler.max_model_len,
