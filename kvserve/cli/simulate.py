@@ -353,35 +353,6 @@ def _header(doc: dict) -> str:
     )
 
 
-def _calibrate_server(args: argparse.Namespace) -> str:
-    """Fit a profile to a live server's logged steps; judged and saved like `--calibrate`."""
-    from kvserve.bench.records import read_jsonl
-    from kvserve.sim.fit import FitBound, judge_fit
-    from kvserve.sim.server_steps import fit_server_profile, load_steps, request_overhead_s
-
-    out = sys.stderr if args.json else sys.stdout
-    doc = load_steps(args.calibrate_server, args.steps_since)
-    overhead = None
-    if args.calibrate_run:
-        overhead = request_overhead_s(read_jsonl(Path(args.calibrate_run) / "requests.jsonl"))
-    profile = fit_server_profile(doc, overhead)
-    fit = profile.meta["fit"]
-    bound = FitBound(args.max_fit_error, args.max_fit_p90_error)
-    coef = ", ".join(f"{f}={c:.3g}" for f, c in zip(profile.features, profile.coef_s, strict=True))
-    print(
-        f"server fit over {fit['num_steps']} steps: median |rel err| "
-        f"{fit['median_abs_rel_error']:.1%}, p90 {fit['p90_abs_rel_error']:.1%}; request "
-        f"overhead {profile.request_overhead_s * 1e3:.1f} ms; seconds per unit: {coef}",
-        file=out,
-    )
-    bad = judge_fit(profile, bound, args.accept_poor_fit)
-    path = profile.save(args.save)
-    if bad:
-        print(f"WARNING: POOR FIT ({'; '.join(bad)}), saved anyway to {path}", file=sys.stderr)
-    print(f"saved to {path}", file=out)
-    return str(path)
-
-
 def run(args: argparse.Namespace) -> int:
     from kvserve.bench.records import BenchError
     from kvserve.plan import PlanError
@@ -390,7 +361,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         profile_path = args.profile
         if args.calibrate_server:
-            profile_path = _calibrate_server(args)
+            from kvserve.sim.server_steps import calibrate_server_main
+
+            profile_path = calibrate_server_main(args)
             if not (args.trace or args.request_rate or args.find_capacity):
                 return 0
         elif args.calibrate:

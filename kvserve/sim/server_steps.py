@@ -93,3 +93,34 @@ def load_steps(source: str, since: int = 0) -> dict[str, Any]:
         raise SimError(f"cannot read steps {source}: {exc}") from exc
     doc["steps"] = [s for s in doc.get("steps", []) if s.get("index", 0) >= since]
     return doc
+
+
+def calibrate_server_main(args: Any) -> str:
+    """`kvserve simulate --calibrate-server URL|FILE`: fit, judge against the bound, save like
+    `--calibrate`; returns the profile path."""
+    import sys
+
+    from kvserve.bench.records import read_jsonl
+    from kvserve.sim.fit import FitBound, judge_fit
+
+    out = sys.stderr if args.json else sys.stdout
+    doc = load_steps(args.calibrate_server, args.steps_since)
+    overhead = None
+    if args.calibrate_run:
+        overhead = request_overhead_s(read_jsonl(Path(args.calibrate_run) / "requests.jsonl"))
+    profile = fit_server_profile(doc, overhead)
+    fit = profile.meta["fit"]
+    bound = FitBound(args.max_fit_error, args.max_fit_p90_error)
+    coef = ", ".join(f"{f}={c:.3g}" for f, c in zip(profile.features, profile.coef_s, strict=True))
+    print(
+        f"server fit over {fit['num_steps']} steps: median |rel err| "
+        f"{fit['median_abs_rel_error']:.1%}, p90 {fit['p90_abs_rel_error']:.1%}; request "
+        f"overhead {profile.request_overhead_s * 1e3:.1f} ms; seconds per unit: {coef}",
+        file=out,
+    )
+    bad = judge_fit(profile, bound, args.accept_poor_fit)
+    path = profile.save(args.save)
+    if bad:
+        print(f"WARNING: POOR FIT ({'; '.join(bad)}), saved anyway to {path}", file=sys.stderr)
+    print(f"saved to {path}", file=out)
+    return str(path)
