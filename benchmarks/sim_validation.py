@@ -187,7 +187,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--calibrate-budget-s", type=float, default=90.0)
     p.add_argument("--calibration", choices=("server", "offline"), default="server")
     p.add_argument("--calibration-rates", default="1,inf", help="server calibration runs")
