@@ -313,12 +313,14 @@ def calibrate_on_server(args, base_url: str, out: Path, profile: Path) -> None:
         run_dir = out / f"calibration_rate_{rate}"
         bench(base_url, rate, run_dir, workload)
         first_run = first_run or run_dir
+    steps = out / "server_steps.json"  # kept: what the fit saw
+    steps.write_text(
+        json.dumps(httpx.get(f"{base_url}/debug/steps", params={"since": since}).json())
+    )
     kvserve(
         "simulate",
         "--calibrate-server",
-        base_url,
-        "--steps-since",
-        str(since),
+        str(steps),
         "--calibrate-run",
         str(first_run),
         "--save",

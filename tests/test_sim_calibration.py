@@ -175,3 +175,16 @@ def test_speculative_decoding_commits_the_independence_models_tokens_per_verify(
     shape = EngineShape(**(base.__dict__ | {"speculative": slow, "seed": 3}))
     slowed, _ = evaluate(policy, shape, profile, requests, None)
     assert tpot(slowed) > tpot(plain)
+
+
+def test_cli_speculative_flags_reach_the_engine_shape(capsys):
+    from kvserve.cli import main
+
+    args = ["simulate", "SmolLM2-135M", "--hardware", "l4", "--num-requests", "4"]
+    args += ["--input-len", "100", "--output-len", "50", "--policy", "on_demand", "--json"]
+    assert main(args + ["--speculative-k", "3", "--acceptance", "0.5"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["engine"]["speculative"]["num_speculative_tokens"] == 3
+    assert doc["engine"]["speculative"]["expected_tokens_per_verify"] == pytest.approx(1.875)
+    assert main(args + ["--speculative-k", "3", "--acceptance", "1.5"]) == 2
+    assert "acceptance must be in [0, 1)" in capsys.readouterr().err

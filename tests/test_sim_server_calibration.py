@@ -26,7 +26,7 @@ TRUTH = (2e-3, 1e-5, 1e-3, 1e-7, 1e-8, 5e-3)
 def synthetic_log(num: int = 200) -> dict:
     """Steps of a known cost (TRUTH over SERVER_FEATURES), split over the three phases of an
     iteration; some steps take a new request's prompt, some a later chunk of one."""
-    steps = []
+    steps, t, slept = [], 100.0, 0.0
     for i in range(num):
         chunks = [[1, 50 + 7 * i + 13 * j] for j in range(1 + i % 8)]
         if i % 3 == 0:
@@ -35,16 +35,19 @@ def synthetic_log(num: int = 200) -> dict:
             chunks.append([4 + i % 11, 32])  # a later chunk of a prompt
         load = StepLoad(tuple(ChunkLoad(n, c) for n, c in chunks))
         cost = float(np.dot(TRUTH, feature_vector(load, SERVER_FEATURES)))
+        # a third of the cost is spent between the timed parts (the interpreter held elsewhere)
         steps.append(
-            {"index": i, "t_start_s": 0.01 * i, "waited_s": 0.0, "commands_s": 0.1 * cost,
-             "step_s": 0.8 * cost, "deliver_s": 0.1 * cost, "chunks": chunks}
+            {"index": i, "t_start_s": t, "waited_s": slept, "commands_s": 0.1 * cost,
+             "step_s": 0.5 * cost, "deliver_s": 0.1 * cost, "chunks": chunks}
         )  # fmt: skip
-    steps.append({"index": num, "t_start_s": 9, "waited_s": 1, "commands_s": 0, "step_s": 0,
+        slept = 0.5 if i % 10 == 9 else 0.0  # idle now and then: slept before the next one
+        t += cost + slept
+    steps.append({"index": num, "t_start_s": t, "waited_s": slept, "commands_s": 0, "step_s": 0,
                   "deliver_s": 0, "chunks": []})  # fmt: skip
     return {"engine": {"num_blocks": 99, "block_size": 16}, "steps": steps}
 
 
-def test_loads_and_costs_sum_the_iteration_and_skip_empty_steps():
+def test_a_step_costs_the_time_to_the_next_iteration_less_its_idle_sleep():
     loads, costs = loads_and_costs(synthetic_log(3)["steps"])
     assert len(loads) == 3
     assert loads[0] == StepLoad((ChunkLoad(1, 50), ChunkLoad(5, 0)))

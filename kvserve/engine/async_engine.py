@@ -211,12 +211,14 @@ class AsyncEngine:
         try:
             clock = time.perf_counter
             while True:
-                t_idle = clock()
+                slept_s = 0.0
                 with self._wakeup:
                     while not self._commands and not self.engine.has_unfinished_requests():
                         if self._stopping:
                             return
+                        t_sleep = clock()
                         self._wakeup.wait()
+                        slept_s += clock() - t_sleep
                     if self._stopping and not self.engine.has_unfinished_requests():
                         return
                 t0 = clock()
@@ -228,20 +230,20 @@ class AsyncEngine:
                 if self.on_step is not None:
                     self.on_step(outputs)
                 self._deliver_all([(output.request_id, output) for output in outputs])
-                self._log_step(t_idle, t0, t1, t2, clock())
+                self._log_step(slept_s, t0, t1, t2, clock())
         except BaseException as exc:  # a bug in the engine: fail every waiting request, loudly
             logger.exception("engine loop failed")
             self.error = exc
             dead = EngineDeadError(f"the engine loop stopped: {exc!r}")
             self._deliver_all([(request_id, dead) for request_id in list(self._queues)])
 
-    def _log_step(self, t_idle: float, t0: float, t1: float, t2: float, t3: float) -> None:
+    def _log_step(self, slept_s: float, t0: float, t1: float, t2: float, t3: float) -> None:
         last = self.engine.last_scheduler_output
         chunks = (
             () if last is None else tuple((c.num_tokens, c.start_position) for c in last.chunks)
         )
-        # waited: idle only when the loop actually slept (a cheap lock round trip otherwise)
-        self.step_log.record(t0, t0 - t_idle, t1 - t0, t2 - t1, t3 - t2, chunks)
+        # slept: only the time asleep waiting for work (idle), never lock or interpreter waits
+        self.step_log.record(t0, slept_s, t1 - t0, t2 - t1, t3 - t2, chunks)
 
     def _collect_stats(self) -> EngineStats:
         engine = self.engine

@@ -1,11 +1,11 @@
 """The serving loop's own per-step timings, kept for the simulator's calibration (docs/simulator.md).
 
-Each iteration of the engine thread records: when it started, how long it had waited idle before
+Each iteration of the engine thread records: when it started, how long it slept idle before it
 (no work), how long applying queued commands, `engine.step()` and handing the outputs to the HTTP
 side took, and what the step computed (per chunk: new tokens, cached tokens before them). The time
 from one iteration's start to the next, less the idle wait, is what a step costs *while serving*:
-it includes the HTTP side's share of the interpreter and the cores, which an offline calibration
-of `step()` alone never sees. A bounded ring; read through `GET /debug/steps`.
+it includes the HTTP side's share of the interpreter and the cores (also between the timed parts
+of an iteration), which an offline calibration of `step()` alone never sees. A bounded ring; read through `GET /debug/steps`.
 """
 
 from __future__ import annotations

@@ -27,13 +27,21 @@ SERVER_FEATURES = DEFAULT_FEATURES + ("num_new_requests",)
 
 
 def loads_and_costs(steps: Iterable[dict]) -> tuple[list[StepLoad], list[float]]:
-    """(what each non-empty step computed, its cost while serving in seconds)."""
+    """(what each non-empty step computed, its cost while serving in seconds). The cost is the
+    time from the iteration's start to the next one's, less the next one's idle sleep: all the
+    loop spent on this step, waits for the interpreter between its timed parts included; the
+    last logged step, without a successor, counts its timed parts only."""
+    rows = list(steps)
     loads, costs = [], []
-    for row in steps:
+    for row, nxt in zip(rows, (rows[1:] + [None]) if rows else [], strict=True):
         if not row["chunks"]:
             continue
+        timed = float(row["commands_s"] + row["step_s"] + row["deliver_s"])
+        cost = timed
+        if nxt is not None and nxt["index"] == row["index"] + 1:
+            cost = max(timed, nxt["t_start_s"] - row["t_start_s"] - nxt["waited_s"])
         loads.append(StepLoad(tuple(ChunkLoad(int(n), int(c)) for n, c in row["chunks"])))
-        costs.append(float(row["commands_s"] + row["step_s"] + row["deliver_s"]))
+        costs.append(cost)
     return loads, costs
 
 
