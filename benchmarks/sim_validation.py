@@ -1,8 +1,13 @@
-"""Validate the simulator against the engine (issue 6, "what it must show" 3).
+"""Validate the simulator against the live server, per metric and load.
 
-1. Calibrate: `kvserve simulate --calibrate MODEL` times real engine steps and fits a step profile.
-2. Measure: start `kvserve serve MODEL` with the same engine options and load it with
-   `kvserve bench serve` (open loop, Poisson, forced lengths) at each rate.
+1. Calibrate, by default from the server itself (`--calibration server`): load the running
+   `kvserve serve` with calibration runs (their own seed, a moderate and a saturating rate), then
+   `kvserve simulate --calibrate-server URL` fits the steps the server logged (intake + step +
+   streaming per iteration, with residual noise) and the request overhead outside the loop
+   (client TTFT - server TTFT of the calibration run). `--calibration offline` times
+   `LLMEngine.step()` in a separate process instead (`kvserve simulate --calibrate MODEL`).
+2. Measure: `kvserve bench serve` (open loop, Poisson, forced lengths) at each rate: a light, a
+   medium and a saturating one by default.
 3. Predict, twice per rate, with `kvserve simulate --profile`:
    - a priori: the same synthetic workload (same seed, lengths, rate, warm-up, count) before
      looking at the run;
@@ -174,7 +179,7 @@ def main() -> int:
         default=str(ROOT / "benchmarks" / "results" / "sim_validation.json"),
         help="where the comparison goes",
     )
-    p.add_argument("--rates", default="0.5,1.5")
+    p.add_argument("--rates", default="0.5,1.5,inf", help="light, medium, saturating")
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--input-len", default="uniform:64:256")
@@ -182,8 +187,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--calibrate-budget-s", type=float, default=90.0)
+    p.add_argument("--calibration", choices=("server", "offline"), default="server")
+    p.add_argument("--calibration-rates", default="1,inf", help="server calibration runs")
+    p.add_argument("--calibration-requests", type=int, default=30)
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out)
@@ -198,25 +206,8 @@ def main() -> int:
         str(args.max_model_len),
     ]
     profile = out / "profile.json"
-    kvserve(
-        "simulate",
-        "--calibrate",
-        str(model),
-        "--save",
-        str(profile),
-        "--calibrate-budget-s",
-        str(args.calibrate_budget_s),
-        "--calibrate-max-len",
-        "512",
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--chunk-tokens",
-        str(args.max_num_batched_tokens),
-        "--max-model-len",
-        str(args.max_model_len),
-        "--dtype",
-        "float32",
-    )
+    if args.calibration == "offline":
+        calibrate_offline(args, model, profile)
     port = free_port()
     server = start_server(
         model,
@@ -236,60 +227,13 @@ def main() -> int:
         "--seed",
         str(args.seed),
     ]
+    base_url = f"http://127.0.0.1:{port}"
     results = []
     try:
+        if args.calibration == "server":
+            calibrate_on_server(args, base_url, out, profile)
         for rate in args.rates.split(","):
-            run_dir = out / f"bench_rate_{rate}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            kvserve(
-                "bench",
-                "serve",
-                "--base-url",
-                f"http://127.0.0.1:{port}",
-                "--endpoint",
-                "completions",
-                "--mode",
-                "forced",
-                "--tokenizer",
-                "server",
-                "--request-rate",
-                rate,
-                "--out",
-                str(run_dir),
-                "--no-plots",
-                "--no-progress",
-                # every rate sends the same seeded prompts; the simulator has no prefix-cache hits,
-                # so neither may the server (95% hits at the second rate otherwise)
-                "--reset-prefix-cache",
-                *workload,
-                stdout=subprocess.DEVNULL,
-            )
-            measured = json.loads((run_dir / "summary.json").read_text())
-            a_priori = simulate(
-                profile, workload + ["--request-rate", rate], out / f"sim_a_priori_{rate}.json"
-            )
-            replay = simulate(
-                profile,
-                ["--trace", str(run_dir / "requests.jsonl")],
-                out / f"sim_replay_{rate}.json",
-            )
-            results.append(
-                {
-                    "rate": float(rate),
-                    "measured_realised_rate_rps": dig(measured, ("arrivals", "realised_rate_rps")),
-                    "mean_tokens_per_chunk": dig(
-                        measured, ("tokens_per_chunk", "mean_tokens_per_chunk")
-                    ),
-                    "a_priori": compare(a_priori, measured),
-                    "replay": compare(replay, measured),
-                    "measured_counts": measured.get("counts"),
-                    "means": {
-                        "measured_client": means(measured),
-                        "measured_server": server_side(run_dir),
-                        "replay": means(replay),
-                    },
-                }
-            )
+            results.append(validate_rate(args, base_url, rate, workload, profile, out))
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -298,8 +242,10 @@ def main() -> int:
         "what": "kvserve simulate (calibrated profile, on_demand-chunked = the server's scheduler "
         "settings) vs kvserve bench serve against a live kvserve serve, same workload",
         "model": str(model),
+        "calibration": args.calibration,
         "engine": json.loads(profile.read_text())["engine"],
-        "calibration_fit": fit,
+        "calibration_fit": {k: v for k, v in fit.items() if k != "residual_ratio_quantiles"},
+        "request_overhead_s": json.loads(profile.read_text()).get("request_overhead_s"),
         "workload": {
             "input_len": args.input_len,
             "output_len": args.output_len,
@@ -317,6 +263,116 @@ def main() -> int:
     print_table(results)
     print(f"written to {args.json}")
     return 0
+
+
+def bench(base_url: str, rate: str, run_dir: Path, workload: list[str]) -> dict:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    kvserve(
+        "bench",
+        "serve",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "completions",
+        "--mode",
+        "forced",
+        "--tokenizer",
+        "server",
+        "--request-rate",
+        rate,
+        "--out",
+        str(run_dir),
+        "--no-plots",
+        "--no-progress",
+        # every rate sends the same seeded prompts; the simulator has no prefix-cache hits,
+        # so neither may the server (95% hits at the second rate otherwise)
+        "--reset-prefix-cache",
+        *workload,
+        stdout=subprocess.DEVNULL,
+    )
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def calibrate_on_server(args, base_url: str, out: Path, profile: Path) -> None:
+    """Calibration runs with their own seed, then a fit of the steps the server logged."""
+    since = httpx.get(f"{base_url}/debug/steps", params={"since": 10**12}).json()["num_recorded"]
+    workload = [
+        "--input-len",
+        args.input_len,
+        "--output-len",
+        args.output_len,
+        "--num-requests",
+        str(args.calibration_requests),
+        "--warmup",
+        "2",
+        "--seed",
+        str(args.seed + 1000),
+    ]
+    first_run = None
+    for rate in args.calibration_rates.split(","):
+        run_dir = out / f"calibration_rate_{rate}"
+        bench(base_url, rate, run_dir, workload)
+        first_run = first_run or run_dir
+    steps = out / "server_steps.json"  # kept: what the fit saw
+    steps.write_text(
+        json.dumps(httpx.get(f"{base_url}/debug/steps", params={"since": since}).json())
+    )
+    kvserve(
+        "simulate",
+        "--calibrate-server",
+        str(steps),
+        "--calibrate-run",
+        str(first_run),
+        "--save",
+        str(profile),
+        "--accept-poor-fit",  # a poor fit is reported in the JSON, not fatal to the benchmark
+    )
+
+
+def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: Path, out: Path):
+    run_dir = out / f"bench_rate_{rate}"
+    measured = bench(base_url, rate, run_dir, workload)
+    a_priori = simulate(
+        profile, workload + ["--request-rate", rate], out / f"sim_a_priori_{rate}.json"
+    )
+    replay = simulate(
+        profile, ["--trace", str(run_dir / "requests.jsonl")], out / f"sim_replay_{rate}.json"
+    )
+    return {
+        "rate": float(rate),
+        "measured_realised_rate_rps": dig(measured, ("arrivals", "realised_rate_rps")),
+        "mean_tokens_per_chunk": dig(measured, ("tokens_per_chunk", "mean_tokens_per_chunk")),
+        "a_priori": compare(a_priori, measured),
+        "replay": compare(replay, measured),
+        "measured_counts": measured.get("counts"),
+        "means": {
+            "measured_client": means(measured),
+            "measured_server": server_side(run_dir),
+            "replay": means(replay),
+        },
+    }
+
+
+def calibrate_offline(args, model: Path, profile: Path) -> None:
+    kvserve(
+        "simulate",
+        "--calibrate",
+        str(model),
+        "--save",
+        str(profile),
+        "--calibrate-budget-s",
+        str(args.calibrate_budget_s),
+        "--calibrate-max-len",
+        "512",
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--chunk-tokens",
+        str(args.max_num_batched_tokens),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--dtype",
+        "float32",
+    )
 
 
 def print_table(results: list[dict]) -> None:

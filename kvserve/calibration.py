@@ -132,6 +132,8 @@ def engine_meta(engine: LLMEngine) -> dict[str, Any]:
         "num_layers": c.model.num_layers,
         "hidden_size": c.model.hidden_size,
         "dtype": c.dtype,
+        # weight format of a quantised engine (an engine without the option: None)
+        "quantization": getattr(c, "quantization", None),
         "device": c.device,
         "num_blocks": engine.num_blocks,
         "block_size": c.cache.block_size,

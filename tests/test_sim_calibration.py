@@ -150,3 +150,41 @@ def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("calib") / "llama"
     build_checkpoint(path, "llama")
     return path
+
+
+def test_speculative_decoding_commits_the_independence_models_tokens_per_verify():
+    from kvserve.sim.speculative import SpecModel
+
+    spec = SpecModel(num_speculative_tokens=4, acceptance=0.6)
+    profile = StepProfile(("const", "num_tokens"), (0.01, 1e-4))
+    base = EngineShape(num_blocks=4000, max_model_len=2048, max_num_seqs=8, chunk_tokens=512)
+    requests = tuple(SimRequest(i, 0.2 * i, 30, 400) for i in range(6))
+    policy = Policy.parse("on_demand-chunked")
+    plain, plain_run = evaluate(policy, base, profile, requests, None)
+    shape = EngineShape(**(base.__dict__ | {"speculative": spec, "seed": 3}))
+    fast, run = evaluate(policy, shape, profile, requests, None)
+    assert all(len(t.token_times_s) == 400 for t in run.timelines)  # lengths stay exact
+    # each verification step commits (1 - a^(k+1)) / (1 - a) = 2.3056 tokens on average
+    per_step = [400 / len(set(t.token_times_s)) for t in run.timelines]
+    assert np.mean(per_step) == pytest.approx(spec.expected_tokens_per_verify, rel=0.05)
+    assert plain_run.num_steps > 1.5 * run.num_steps
+    tpot = lambda r: r["summary"]["latency_s"]["tpot"]["p50"]  # noqa: E731
+    assert tpot(fast) < 0.6 * tpot(plain)
+    # a draft as slow as the target step loses the gain
+    slow = SpecModel(4, 0.6, draft_step_s=0.01)
+    shape = EngineShape(**(base.__dict__ | {"speculative": slow, "seed": 3}))
+    slowed, _ = evaluate(policy, shape, profile, requests, None)
+    assert tpot(slowed) > tpot(plain)
+
+
+def test_cli_speculative_flags_reach_the_engine_shape(capsys):
+    from kvserve.cli import main
+
+    args = ["simulate", "SmolLM2-135M", "--hardware", "l4", "--num-requests", "4"]
+    args += ["--input-len", "100", "--output-len", "50", "--policy", "on_demand", "--json"]
+    assert main(args + ["--speculative-k", "3", "--acceptance", "0.5"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["engine"]["speculative"]["num_speculative_tokens"] == 3
+    assert doc["engine"]["speculative"]["expected_tokens_per_verify"] == pytest.approx(1.875)
+    assert main(args + ["--speculative-k", "3", "--acceptance", "1.5"]) == 2
+    assert "acceptance must be in [0, 1)" in capsys.readouterr().err

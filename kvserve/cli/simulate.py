@@ -68,6 +68,17 @@ def register(subparsers: Any) -> None:
         "--calibrate-budget-s", type=float, default=120.0, help="time for the sweep (120 s)"
     )
     g.add_argument(
+        "--calibrate-server",
+        metavar="URL|FILE",
+        help="fit the steps a live kvserve server logged (GET /debug/steps), or a saved copy",
+    )
+    g.add_argument("--steps-since", type=int, default=0, help="first step index to fit (0)")
+    g.add_argument(
+        "--calibrate-run",
+        metavar="RUN_DIR",
+        help="a bench run against that server: its client-server TTFT gap is the request overhead",
+    )
+    g.add_argument(
         "--max-fit-error",
         type=float,
         default=0.30,
@@ -103,6 +114,11 @@ def register(subparsers: Any) -> None:
     g.add_argument("--static-batch-size", type=int, default=None, help="(max-num-seqs)")
     g.add_argument("--static-timeout", default="1s", help="static dispatch timeout (1s)")
     g.add_argument("--policy", default=DEFAULT_POLICIES, help=f"({DEFAULT_POLICIES})")
+    g = p.add_argument_group("speculative decoding (continuous policies)")
+    g.add_argument("--speculative-k", type=int, default=0, help="proposals per step (0: off)")
+    g.add_argument("--acceptance", type=float, default=0.7, help="per-proposal acceptance (0.7)")
+    g.add_argument("--draft-step-ms", type=float, default=0.0, help="draft forward per position")
+    g.add_argument("--draft-token-ms", type=float, default=0.0, help="draft cost per proposal")
     g = p.add_argument_group("workload")
     g.add_argument("--input-len", default="uniform:2000:6000", help="prompt tokens")
     g.add_argument("--output-len", default="lognormal:1500:0.5:16:4000", help="output tokens")
@@ -187,7 +203,16 @@ def _shape(args: argparse.Namespace, deployment, max_len_needed: int):
     block_size = pick(args.block_size, "block_size", 16)
     num_blocks = args.num_blocks or d.get("num_blocks") or deployment.num_blocks(block_size)
     max_model_len = pick(args.max_model_len, "max_model_len", max_len_needed)
+    speculative = None
+    if args.speculative_k:
+        from kvserve.sim.speculative import SpecModel
+
+        speculative = SpecModel(
+            args.speculative_k, args.acceptance, args.draft_step_ms / 1e3, args.draft_token_ms / 1e3
+        )
     return EngineShape(
+        speculative=speculative,
+        seed=args.seed,
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         block_size=block_size,
@@ -338,7 +363,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         profile_path = args.profile
-        if args.calibrate:
+        if args.calibrate_server:
+            from kvserve.sim.server_steps import calibrate_server_main
+
+            profile_path = calibrate_server_main(args)
+            if not (args.trace or args.request_rate or args.find_capacity):
+                return 0
+        elif args.calibrate:
             from kvserve.calibration import calibrate_main
 
             profile_path = calibrate_main(args)

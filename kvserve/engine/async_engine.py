@@ -25,6 +25,7 @@ from kvserve.core.errors import KVServeError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.step_log import StepLog
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class AsyncEngine:
         if faults is not None and faults.request_seed is not None:
             self._inject_runner_fault(faults.request_seed)
         self.stats = self._collect_stats()
+        self.step_log = StepLog()  # per-iteration timings (simulator calibration)
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -396,7 +398,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            clock = time.perf_counter
             while True:
+                slept_s = 0.0
                 with self._wakeup:
                     while (
                         not self._commands
@@ -405,11 +409,16 @@ class AsyncEngine:
                     ):
                         if self._stopping:
                             return
+                        t_sleep = clock()
                         self._wakeup.wait()
+                        slept_s += clock() - t_sleep
                     if self._stopping and not self.engine.has_unfinished_requests():
                         return
+                t0 = clock()
                 self._apply_commands()
+                t1 = clock()
                 outputs = self._step()
+                t2 = clock()
                 self._publish_waiting()
                 self.stats = self._collect_stats()
                 if self._fault_armed:
@@ -419,6 +428,7 @@ class AsyncEngine:
                 if self.on_step is not None:
                     self.on_step(outputs)
                 self._deliver_all([(output.request_id, output) for output in outputs])
+                self._log_step(slept_s, t0, t1, t2, clock())
         except BaseException as exc:  # not attributable to a request: fail every request, loudly
             logger.exception("engine loop failed")
             self.dead_reason = f"the engine loop stopped: {exc!r}"
@@ -441,6 +451,14 @@ class AsyncEngine:
             return add_request(new)
 
         runner.add_request = failing_add_request
+
+    def _log_step(self, slept_s: float, t0: float, t1: float, t2: float, t3: float) -> None:
+        last = self.engine.last_scheduler_output
+        chunks = (
+            () if last is None else tuple((c.num_tokens, c.start_position) for c in last.chunks)
+        )
+        # slept: only the time asleep waiting for work (idle), never lock or interpreter waits
+        self.step_log.record(t0, slept_s, t1 - t0, t2 - t1, t3 - t2, chunks)
 
     def _collect_stats(self) -> EngineStats:
         engine = self.engine

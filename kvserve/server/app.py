@@ -339,6 +339,29 @@ def build_app(
             raise APIError(409, "requests are running; retry when idle", "conflict")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/debug/steps")
+    async def debug_steps(since: int = 0) -> dict:
+        """The engine loop's per-step timings (kvserve.engine.step_log), from sequence number
+        `since`, and the engine limits: what `kvserve simulate --calibrate-server` fits."""
+        engine = serving().engine
+        c = engine.engine.config
+        return {
+            "num_recorded": engine.step_log.num_recorded,
+            "engine": {
+                "model_dir": str(c.model_dir),
+                "dtype": c.dtype,
+                "quantization": getattr(c, "quantization", None),
+                "num_blocks": engine.engine.num_blocks,
+                "block_size": c.cache.block_size,
+                "max_model_len": c.scheduler.max_model_len,
+                "max_num_seqs": c.scheduler.max_num_seqs,
+                "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
+                "enable_prefix_caching": c.cache.enable_prefix_caching,
+                "admission": c.scheduler.admission,
+            },
+            "steps": engine.step_log.since(since),
+        }
+
     @app.get("/debug/engine")
     async def debug_engine() -> dict:
         """Block-pool state, for tests and operators: all blocks free when nothing runs."""

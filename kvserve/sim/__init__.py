@@ -21,6 +21,8 @@ Module map:
 
 - `fit`       fitting a step profile to timed steps, its error, the bound a saved fit must meet
 - `noise`     step-cost noise drawn from a fit's residuals (tails from the model)
+- `server_steps` calibration from a live server's logged steps (GET /debug/steps)
+- `speculative` speculative decoding: acceptance draws and the draft's cost
 
 Calibration (timing the real engine) lives in kvserve.calibration: it needs torch and the engine,
 which the simulator never imports.

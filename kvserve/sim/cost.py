@@ -87,6 +87,8 @@ FEATURES = {
     # prompt-chunk attention: causal (token, attended token) pairs
     "prompt_attention_pairs": lambda s: float(sum(c.num_attended for c in s.prompt_chunks)),
     "prompt_tokens": lambda s: float(sum(c.num_new_tokens for c in s.prompt_chunks)),
+    # requests entering the engine this step (first chunk, nothing cached): intake on the server
+    "num_new_requests": lambda s: float(sum(c.num_cached_tokens == 0 for c in s.chunks)),
 }
 DEFAULT_FEATURES = (
     "const",
@@ -193,6 +195,12 @@ class StepProfile:
 
     def step_s(self, scheduler_output: SchedulerOutput) -> float:
         return self.load_s(StepLoad.of(scheduler_output))
+
+    @property
+    def request_overhead_s(self) -> float:
+        """Per-request time outside the engine loop (HTTP intake and delivery, the client):
+        a request reaches the simulated engine this long after it was sent."""
+        return float(self.meta.get("request_overhead_s", 0.0))
 
     def load_s(self, load: StepLoad) -> float:
         if not load.chunks:

@@ -21,6 +21,7 @@ from kvserve.core.outputs import RunnerOutput, SampledTokens, SchedulerOutput
 from kvserve.kv.manager import KVCacheManager
 from kvserve.sched.scheduler import Scheduler
 from kvserve.sim.cost import CostModel
+from kvserve.sim.speculative import Acceptance
 from kvserve.sim.timeline import (
     FAKE_TOKEN_ID,
     RequestTimeline,
@@ -35,15 +36,28 @@ from kvserve.sim.workload import SimError, SimRequest
 StepHook = Callable[[KVCacheManager, SchedulerOutput, float], None]
 
 
-def fake_runner_output(scheduler_output: SchedulerOutput) -> RunnerOutput:
-    """What the runner would return, with every sampled token = FAKE_TOKEN_ID."""
-    return RunnerOutput(
-        tuple(
-            SampledTokens(c.request_id, (FAKE_TOKEN_ID,))
-            for c in scheduler_output.chunks
-            if c.sample
+def fake_runner_output(
+    scheduler_output: SchedulerOutput, acceptance: Acceptance | None = None
+) -> RunnerOutput:
+    """What the runner would return, with every sampled token = FAKE_TOKEN_ID. With speculative
+    decoding: a verification commits its accepted proposals plus one token, and every sampling
+    chunk leaves k new proposals."""
+    if acceptance is None:
+        return RunnerOutput(
+            tuple(
+                SampledTokens(c.request_id, (FAKE_TOKEN_ID,))
+                for c in scheduler_output.chunks
+                if c.sample
+            )
         )
-    )
+    proposals = (FAKE_TOKEN_ID,) * acceptance.spec.num_speculative_tokens
+    out = []
+    for c in scheduler_output.chunks:
+        if c.sample:
+            accepted = acceptance.num_accepted(c.num_spec_tokens) if c.num_spec_tokens else 0
+            tokens = (FAKE_TOKEN_ID,) * (accepted + 1)
+            out.append(SampledTokens(c.request_id, tokens, None, accepted, proposals))
+    return RunnerOutput(tuple(out))
 
 
 def simulate_continuous(
@@ -55,17 +69,23 @@ def simulate_continuous(
     enable_prefix_caching: bool = True,
     policy: str = "continuous",
     on_step: StepHook | None = None,
+    acceptance: Acceptance | None = None,
 ) -> SimRun:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     scheduler = Scheduler(scheduler_config, kv)
     timelines = [RequestTimeline(r) for r in requests]
     by_id = {t.request_id: t for t in timelines}
+    # A calibrated server profile says how long a request takes to reach the engine loop.
+    overhead_s = float(getattr(cost_model, "request_overhead_s", 0.0))
     pending = sorted(timelines, key=lambda t: (t.request.arrival_s, t.request.index))
     run = SimRun(policy, timelines, num_blocks=num_blocks)
     now = 0.0
     next_arrival = 0
     while next_arrival < len(pending) or scheduler.has_unfinished():
-        while next_arrival < len(pending) and pending[next_arrival].request.arrival_s <= now:
+        while (
+            next_arrival < len(pending)
+            and pending[next_arrival].request.arrival_s + overhead_s <= now
+        ):
             timeline = pending[next_arrival]
             next_arrival += 1
             sim = timeline.request
@@ -81,7 +101,7 @@ def simulate_continuous(
                     "and nothing running (a request larger than the cache?)"
                 )
             if next_arrival < len(pending):
-                now = max(now, pending[next_arrival].request.arrival_s)
+                now = max(now, pending[next_arrival].request.arrival_s + overhead_s)
             continue
         for new in out.new_requests:
             by_id[new.request_id].first_scheduled_s = now
@@ -92,7 +112,7 @@ def simulate_continuous(
         run.busy_s += step_s
         run.num_steps += 1
         run.peak_kv_usage = max(run.peak_kv_usage, kv.usage)
-        for update in scheduler.update(out, fake_runner_output(out)):
+        for update in scheduler.update(out, fake_runner_output(out, acceptance)):
             timeline = by_id[update.request_id]
             timeline.token_times_s.extend([now] * len(update.new_token_ids))
             if update.finish_reason is not None:

@@ -45,6 +45,10 @@ class NoisyCost:
         """The mean of the interpolated distribution (trapezoids between percentiles)."""
         return float(np.trapezoid(self._q, self._levels))
 
+    @property
+    def request_overhead_s(self) -> float:
+        return float(getattr(self.base, "request_overhead_s", 0.0))
+
     def draw(self) -> float:
         return float(np.interp(self._rng.random(), self._levels, self._q))
 

@@ -17,6 +17,7 @@ from kvserve.bench.summary import summarize
 from kvserve.config import ADMISSION_POLICIES, SchedulerConfig
 from kvserve.sim.cost import CostModel
 from kvserve.sim.loop import StepHook, simulate_continuous
+from kvserve.sim.speculative import Acceptance, SpecModel, SpeculativeCost
 from kvserve.sim.static import simulate_static
 from kvserve.sim.timeline import SimRun
 from kvserve.sim.workload import SimError, SimRequest
@@ -68,6 +69,8 @@ class EngineShape:
     enable_prefix_caching: bool = True
     static_batch_size: int | None = None  # None: max_num_seqs
     static_timeout_s: float = 1.0
+    speculative: SpecModel | None = None  # continuous policies only
+    seed: int = 0  # acceptance draws
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_seqs, self.chunk_tokens) < 1:
@@ -80,6 +83,7 @@ class EngineShape:
             max_num_batched_tokens=budget,
             max_model_len=self.max_model_len,
             admission=policy.admission or "on_demand",
+            num_lookahead_tokens=self.speculative.num_speculative_tokens if self.speculative else 0,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -94,6 +98,7 @@ class EngineShape:
             "enable_prefix_caching": self.enable_prefix_caching,
             "static_batch_size": self.static_batch_size or self.max_num_seqs,
             "static_timeout_s": self.static_timeout_s,
+            "speculative": self.speculative.describe() if self.speculative else None,
         }
 
 
@@ -118,6 +123,10 @@ def run_policy(
             shape.max_model_len,
             on_step,
         )
+    acceptance = None
+    if shape.speculative is not None:
+        acceptance = Acceptance(shape.speculative, shape.seed)
+        cost_model = SpeculativeCost(cost_model, shape.speculative)
     return simulate_continuous(
         requests,
         cost_model,
@@ -127,6 +136,7 @@ def run_policy(
         shape.enable_prefix_caching,
         policy.name,
         on_step,
+        acceptance,
     )
 
 

@@ -1,0 +1,134 @@
+"""Calibrating from a live server's own steps (`GET /debug/steps`), not from offline `step()` calls.
+
+The server's engine thread logs every iteration (kvserve.engine.step_log): applying queued
+commands (intake), `engine.step()` (schedule, forward, sample, detokenise) and handing outputs to
+the HTTP side (streaming). Their sum is the step's cost while serving: on a shared CPU it includes
+the HTTP thread's share of the interpreter and the cores, which an offline calibration misses
+(the simulator was 15-20% optimistic with it). The fit adds a per-new-request term (intake), keeps
+its residuals as step noise, and records the per-request time outside the loop
+(`request_overhead_s`: the client's TTFT less the server's, over a bench run) so that TTFT
+includes it (docs/simulator.md).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from kvserve.bench.records import RequestRecord
+from kvserve.sim.cost import DEFAULT_FEATURES, ChunkLoad, StepLoad, StepProfile
+from kvserve.sim.fit import fit_profile
+from kvserve.sim.workload import SimError
+
+SERVER_FEATURES = DEFAULT_FEATURES + ("num_new_requests",)
+
+
+def loads_and_costs(steps: Iterable[dict]) -> tuple[list[StepLoad], list[float]]:
+    """(what each non-empty step computed, its cost while serving in seconds). The cost is the
+    time from the iteration's start to the next one's, less the next one's idle sleep: all the
+    loop spent on this step, waits for the interpreter between its timed parts included; the
+    last logged step, without a successor, counts its timed parts only."""
+    rows = list(steps)
+    loads, costs = [], []
+    for row, nxt in zip(rows, (rows[1:] + [None]) if rows else [], strict=True):
+        if not row["chunks"]:
+            continue
+        timed = float(row["commands_s"] + row["step_s"] + row["deliver_s"])
+        cost = timed
+        if nxt is not None and nxt["index"] == row["index"] + 1:
+            cost = max(timed, nxt["t_start_s"] - row["t_start_s"] - nxt["waited_s"])
+        loads.append(StepLoad(tuple(ChunkLoad(int(n), int(c)) for n, c in row["chunks"])))
+        costs.append(cost)
+    return loads, costs
+
+
+def request_overhead_s(records: Iterable[RequestRecord]) -> float | None:
+    """Median of client TTFT - server TTFT over a bench run's completed requests: the time a
+    request spends outside the engine loop (HTTP in, SSE out, the client), None if unknown."""
+    gaps = []
+    for r in records:
+        server = (r.extra or {}).get("server_metrics") or {}
+        text = [e.t_s for e in r.events if e.num_chars > 0]
+        if r.outcome != "ok" or r.t_send_s is None or not text or server.get("ttft_s") is None:
+            continue
+        gaps.append((text[0] - r.t_send_s) - float(server["ttft_s"]))
+    return statistics.median(gaps) if gaps else None
+
+
+def fit_server_profile(
+    doc: dict[str, Any],
+    overhead_s: float | None = None,
+    features: tuple[str, ...] = SERVER_FEATURES,
+) -> StepProfile:
+    """A step profile from a `/debug/steps` answer (and the request overhead, when measured)."""
+    loads, costs = loads_and_costs(doc.get("steps", []))
+    if len(loads) < 4 * len(features):
+        raise SimError(
+            f"the server logged {len(loads)} non-empty steps: load it first (e.g. a short "
+            "kvserve bench serve run), then calibrate"
+        )
+    meta = {
+        "engine": doc.get("engine", {}),
+        "source": "server /debug/steps (commands + step + deliver per iteration)",
+        "request_overhead_s": overhead_s or 0.0,
+    }
+    return fit_profile(loads, costs, features, meta=meta)
+
+
+def fetch_steps(base_url: str, since: int = 0, timeout_s: float = 60.0) -> dict[str, Any]:
+    import httpx
+
+    url = base_url.rstrip("/").removesuffix("/v1") + "/debug/steps"
+    try:
+        resp = httpx.get(url, params={"since": since}, timeout=timeout_s, trust_env=False)
+    except httpx.HTTPError as exc:
+        raise SimError(f"cannot reach {url}: {exc}") from exc
+    if resp.status_code != 200:
+        raise SimError(f"{url}: HTTP {resp.status_code} (a kvserve server exposes /debug/steps)")
+    return resp.json()
+
+
+def load_steps(source: str, since: int = 0) -> dict[str, Any]:
+    """A `/debug/steps` document from a server URL or a saved JSON file."""
+    if source.startswith(("http://", "https://")):
+        return fetch_steps(source, since)
+    try:
+        doc = json.loads(Path(source).read_text())
+    except (OSError, ValueError) as exc:
+        raise SimError(f"cannot read steps {source}: {exc}") from exc
+    doc["steps"] = [s for s in doc.get("steps", []) if s.get("index", 0) >= since]
+    return doc
+
+
+def calibrate_server_main(args: Any) -> str:
+    """`kvserve simulate --calibrate-server URL|FILE`: fit, judge against the bound, save like
+    `--calibrate`; returns the profile path."""
+    import sys
+
+    from kvserve.bench.records import read_jsonl
+    from kvserve.sim.fit import FitBound, judge_fit
+
+    out = sys.stderr if args.json else sys.stdout
+    doc = load_steps(args.calibrate_server, args.steps_since)
+    overhead = None
+    if args.calibrate_run:
+        overhead = request_overhead_s(read_jsonl(Path(args.calibrate_run) / "requests.jsonl"))
+    profile = fit_server_profile(doc, overhead)
+    fit = profile.meta["fit"]
+    bound = FitBound(args.max_fit_error, args.max_fit_p90_error)
+    coef = ", ".join(f"{f}={c:.3g}" for f, c in zip(profile.features, profile.coef_s, strict=True))
+    print(
+        f"server fit over {fit['num_steps']} steps: median |rel err| "
+        f"{fit['median_abs_rel_error']:.1%}, p90 {fit['p90_abs_rel_error']:.1%}; request "
+        f"overhead {profile.request_overhead_s * 1e3:.1f} ms; seconds per unit: {coef}",
+        file=out,
+    )
+    bad = judge_fit(profile, bound, args.accept_poor_fit)
+    path = profile.save(args.save)
+    if bad:
+        print(f"WARNING: POOR FIT ({'; '.join(bad)}), saved anyway to {path}", file=sys.stderr)
+    print(f"saved to {path}", file=out)
+    return str(path)

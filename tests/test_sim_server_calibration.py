@@ -1,0 +1,123 @@
+"""Calibration from a live server's own steps: the engine loop logs every iteration, the server
+serves the log on /debug/steps, and the simulator fits it (with the request overhead)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from kvserve.bench.records import RequestRecord, StreamEvent
+from kvserve.sim.cost import ChunkLoad, StepLoad, feature_vector
+from kvserve.sim.server_steps import (
+    SERVER_FEATURES,
+    fit_server_profile,
+    loads_and_costs,
+    request_overhead_s,
+)
+from kvserve.sim.workload import SimError
+
+# const, num_tokens, num_seqs, decode_context_tokens, prompt_attention_pairs, num_new_requests
+TRUTH = (2e-3, 1e-5, 1e-3, 1e-7, 1e-8, 5e-3)
+
+
+def synthetic_log(num: int = 200) -> dict:
+    """Steps of a known cost (TRUTH over SERVER_FEATURES), split over the three phases of an
+    iteration; some steps take a new request's prompt, some a later chunk of one."""
+    steps, t, slept = [], 100.0, 0.0
+    for i in range(num):
+        chunks = [[1, 50 + 7 * i + 13 * j] for j in range(1 + i % 8)]
+        if i % 3 == 0:
+            chunks.append([5 + i % 17, 0])  # a new request
+        elif i % 3 == 1:
+            chunks.append([4 + i % 11, 32])  # a later chunk of a prompt
+        load = StepLoad(tuple(ChunkLoad(n, c) for n, c in chunks))
+        cost = float(np.dot(TRUTH, feature_vector(load, SERVER_FEATURES)))
+        # a third of the cost is spent between the timed parts (the interpreter held elsewhere)
+        steps.append(
+            {"index": i, "t_start_s": t, "waited_s": slept, "commands_s": 0.1 * cost,
+             "step_s": 0.5 * cost, "deliver_s": 0.1 * cost, "chunks": chunks}
+        )  # fmt: skip
+        slept = 0.5 if i % 10 == 9 else 0.0  # idle now and then: slept before the next one
+        t += cost + slept
+    steps.append({"index": num, "t_start_s": t, "waited_s": slept, "commands_s": 0, "step_s": 0,
+                  "deliver_s": 0, "chunks": []})  # fmt: skip
+    return {"engine": {"num_blocks": 99, "block_size": 16}, "steps": steps}
+
+
+def test_a_step_costs_the_time_to_the_next_iteration_less_its_idle_sleep():
+    loads, costs = loads_and_costs(synthetic_log(3)["steps"])
+    assert len(loads) == 3
+    assert loads[0] == StepLoad((ChunkLoad(1, 50), ChunkLoad(5, 0)))
+    assert costs[0] == pytest.approx(
+        float(np.dot(TRUTH, feature_vector(loads[0], SERVER_FEATURES)))
+    )
+
+
+def test_the_server_fit_recovers_the_intake_term_and_keeps_the_engine_limits():
+    profile = fit_server_profile(synthetic_log(), overhead_s=0.012)
+    coef = dict(zip(profile.features, profile.coef_s, strict=True))
+    assert profile.features == SERVER_FEATURES
+    assert profile.coef_s == pytest.approx(TRUTH, rel=1e-4)
+    assert coef["num_new_requests"] == pytest.approx(5e-3, rel=1e-4)
+    assert profile.meta["engine"]["num_blocks"] == 99
+    assert profile.request_overhead_s == 0.012
+    with pytest.raises(SimError, match="load it first"):
+        fit_server_profile({"steps": []})
+
+
+def test_request_overhead_is_the_client_server_ttft_gap():
+    def rec(i, client_ttft, server_ttft):
+        return RequestRecord(
+            f"r{i}", i, "measured", "ok", 0.0, 1.0, 2.0, 4,
+            events=(StreamEvent(1.0 + client_ttft, 2, 1),),
+            extra={"server_metrics": {"ttft_s": server_ttft}},
+        )  # fmt: skip
+
+    records = [rec(0, 0.10, 0.09), rec(1, 0.20, 0.17), rec(2, 0.30, 0.29)]
+    assert request_overhead_s(records) == pytest.approx(0.01)
+
+
+def test_overhead_delays_simulated_ttft_by_exactly_itself():
+    from kvserve.sim.cost import StepProfile
+    from kvserve.sim.study import EngineShape, Policy, evaluate
+    from kvserve.sim.workload import SimRequest
+
+    shape = EngineShape(num_blocks=500, max_model_len=512, max_num_seqs=4, chunk_tokens=64)
+    requests = (SimRequest(0, 0.0, 10, 5), SimRequest(1, 1.0, 10, 5))
+    base = StepProfile(("const",), (0.01,))
+    slow = StepProfile(("const",), (0.01,), {"request_overhead_s": 0.05})
+    a, _ = evaluate(Policy.parse("on_demand-chunked"), shape, base, requests, None)
+    b, _ = evaluate(Policy.parse("on_demand-chunked"), shape, slow, requests, None)
+    ta, tb = a["summary"]["latency_s"]["ttft"], b["summary"]["latency_s"]["ttft"]
+    assert tb["p50"] == pytest.approx(ta["p50"] + 0.05)
+
+
+def test_a_live_server_logs_its_steps_and_the_cli_fits_them(gpt2_model_dir, tmp_path, capsys):
+    from kvserve.cli import main
+    from tests.server_utils import running_server
+
+    with running_server(gpt2_model_dir, "--max-model-len", "256") as (base_url, _):
+        start = httpx.get(f"{base_url}/debug/steps", params={"since": 10**9}).json()
+        assert start["steps"] == [] and start["engine"]["max_model_len"] == 256
+        with httpx.Client(base_url=base_url, timeout=60) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            for i in range(8):
+                body = {"model": model, "prompt": [5 + i] * (10 + 7 * i), "max_tokens": 6,
+                        "ignore_eos": True}  # fmt: skip
+                assert http.post("/v1/completions", json=body).status_code == 200
+        doc = httpx.get(f"{base_url}/debug/steps", params={"since": start["num_recorded"]}).json()
+    rows = [r for r in doc["steps"] if r["chunks"]]
+    assert len(rows) >= 8 * 6  # one step per output token at least
+    assert all(r["step_s"] > 0 and r["commands_s"] >= 0 and r["deliver_s"] >= 0 for r in rows)
+    assert sum(n for r in rows for n, _ in r["chunks"]) >= sum(10 + 7 * i for i in range(8))
+    saved = tmp_path / "steps.json"
+    saved.write_text(json.dumps(doc))
+    profile = tmp_path / "p.json"
+    args = ["simulate", "--calibrate-server", str(saved), "--save", str(profile)]
+    assert main(args + ["--accept-poor-fit"]) == 0
+    fit = json.loads(profile.read_text())
+    assert fit["fit"]["num_steps"] == len(rows) and fit["engine"]["max_model_len"] == 256
+    assert "server fit over" in capsys.readouterr().out
