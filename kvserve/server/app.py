@@ -37,6 +37,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
 )
 from kvserve.server.serving import OpenAIServing, ServingOptions
+from kvserve.server.web import include_web
 
 logger = logging.getLogger("kvserve.server")
 
@@ -112,8 +113,10 @@ def build_app(
         if state.engine is not None:
             state.engine.shutdown()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
+    # /docs is served by kvserve.server.web from packaged assets; FastAPI's own pages load a CDN.
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvserve = state
+    include_web(app)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(KVServeError, engine_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
