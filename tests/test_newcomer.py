@@ -3,6 +3,7 @@ tool fitting a workload into the server's context, and grouped failure reasons."
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -150,3 +151,24 @@ def test_failures_are_counted_by_reason_with_numbers_folded():
         },
         {"reason": "timeout: no complete answer within N s", "count": 1},
     ]
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+def test_progress_draws_on_a_terminal_only():
+    from kvserve.cli.progress import progress
+
+    pipe, tty = _Stream(False), _Stream(True)
+    assert list(progress(range(3), 3, "eval", stream=pipe)) == [0, 1, 2]
+    assert pipe.getvalue() == ""
+    assert list(progress(range(4), 4, "eval", stream=tty)) == [0, 1, 2, 3]
+    lines = tty.getvalue().split("\r")
+    assert lines[-1].startswith("eval [" + "#" * 30 + "] 4/4") and lines[-1].endswith("\n")
+    assert "] 2/4" in lines[2]
