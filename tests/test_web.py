@@ -162,7 +162,7 @@ def test_dashboard_numbers_follow_the_server_under_load(page, server_url, artifa
     # under load: requests are seen running, and the KV cache is in use
     page.wait_for_function("Number(document.getElementById('running').textContent) >= 1")
     page.wait_for_function("document.getElementById('kv-usage').textContent !== '0.0%'")
-    _screenshot(page, artifacts, "dashboard.png")
+    _screenshot(page, artifacts, "dashboard-under-load.png")
     for t in threads:
         t.join()
     assert results == [max_tokens] * num_requests
@@ -180,6 +180,7 @@ def test_dashboard_numbers_follow_the_server_under_load(page, server_url, artifa
     itl_count = _number(page, "#row-inter_token_latency .count")
     assert itl_count == num_requests * (max_tokens - 1)
     assert _number(page, "#tok-rate") > 0
+    _screenshot(page, artifacts, "dashboard.png")
 
 
 def test_docs_render_from_packaged_swagger_assets(page, server_url):

@@ -126,6 +126,8 @@ function drawLines(canvas, series, colors, windowS) {
   const hgt = (canvas.height = canvas.clientHeight * devicePixelRatio);
   ctx.clearRect(0, 0, w, hgt);
   const tEnd = snapshots[snapshots.length - 1].t;
+  // the x axis spans the history the page has (at least 10 s), up to the window
+  const spanS = Math.min(windowS, Math.max(10, tEnd - snapshots[0].t));
   const max = Math.max(1, ...series.flat().map((p) => p[1]));
   ctx.fillStyle = "#66707c";
   ctx.font = `${11 * devicePixelRatio}px sans-serif`;
@@ -135,7 +137,7 @@ function drawLines(canvas, series, colors, windowS) {
     ctx.lineWidth = 2 * devicePixelRatio;
     ctx.beginPath();
     points.forEach(([t, v], j) => {
-      const x = w * (1 - (tEnd - t) / windowS);
+      const x = w * (1 - (tEnd - t) / spanS);
       const y = hgt - 4 - (hgt - 20) * (v / max);
       j ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
     });
