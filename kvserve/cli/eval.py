@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     ppl.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens")
     ppl.add_argument("--unigram-train", default=None, help="fit a unigram baseline on this file")
     ppl.add_argument("--json", default=None, help="write the result as JSON to this file")
-    ppl.add_argument("--device", default="cpu")
+    ppl.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ppl.set_defaults(func=run_perplexity)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
