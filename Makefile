@@ -6,7 +6,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
 
-.PHONY: install serve test lint bench clean
+.PHONY: install chromium serve test lint bench clean
 
 $(BIN)/kvserve: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,14 @@ install: $(BIN)/kvserve
 serve: install
 	$(BIN)/kvserve serve $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install
+# The browser tests drive Debian's chromium; install it once when missing (idempotent), else they skip.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
+	  echo "make: chromium is not installed (apt-get install chromium); the browser tests will skip"
+
+test: install chromium
 	$(BIN)/python -m pytest -q tests
 
 lint: install

@@ -131,7 +131,7 @@ L, D, N_KV, D_H, F, V = 2, 64, 2, 16, 128, 256  # tests/checkpoints.py's llama
 
 
 def _hand_roofline(batch: int, prompt: int, output: int, bw: float, peak: float):
-    """Spec section 4 by hand for the fp32 tiny Llama (untied head)."""
+    """docs/planning.md by hand for the fp32 tiny Llama (untied head)."""
     per_block = 2 * D * D + 2 * D * N_KV * D_H + 3 * D * F + 2 * D
     n_matmul = L * per_block + D + V * D  # N minus the untied input embedding
     weight_bytes = 4 * (L * per_block + D + 2 * V * D)

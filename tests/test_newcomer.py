@@ -3,6 +3,7 @@ tool fitting a workload into the server's context, and grouped failure reasons."
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -76,17 +77,28 @@ def test_generate_labels_each_of_several_prompts_and_takes_builtin_names():
     assert "--- [1] prompt: 'The king'" in result.stdout
 
 
+def _subparser(parser, name: str):
+    return next(
+        a for a in parser._actions if a.dest in ("command", "bench_command", "eval_command")
+    ).choices[name]
+
+
 def test_help_shows_defaults_and_every_flag_has_help():
     from kvserve.cli import build_parser
 
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices
-    for name in ("serve", "generate"):
-        for action in sub[name]._actions:
+    bench = _subparser(_subparser(parser, "bench"), "serve")
+    perplexity = _subparser(_subparser(parser, "eval"), "perplexity")
+    commands = {"serve": _subparser(parser, "serve"), "generate": _subparser(parser, "generate"),
+                "bench serve": bench, "eval perplexity": perplexity}  # fmt: skip
+    for name, sub in commands.items():
+        for action in sub._actions:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
-    text = sub["serve"].format_help()
+    text = " ".join(commands["serve"].format_help().split())
     for default in ("(default: 127.0.0.1)", "(default: 8000)", "(default: auto)", "(default: 64)"):
         assert default in text
+    bench_text = " ".join(bench.format_help().split())
+    assert "(default: 512)" in bench_text and "(default: 600.0)" in bench_text
 
 
 def test_grammar_compiler_errors_lose_timestamp_path_and_check_clause():
@@ -150,3 +162,24 @@ def test_failures_are_counted_by_reason_with_numbers_folded():
         },
         {"reason": "timeout: no complete answer within N s", "count": 1},
     ]
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self) -> bool:
+        return self._tty
+
+
+def test_progress_draws_on_a_terminal_only():
+    from kvserve.cli.progress import progress
+
+    pipe, tty = _Stream(False), _Stream(True)
+    assert list(progress(range(3), 3, "eval", stream=pipe)) == [0, 1, 2]
+    assert pipe.getvalue() == ""
+    assert list(progress(range(4), 4, "eval", stream=tty)) == [0, 1, 2, 3]
+    lines = tty.getvalue().split("\r")
+    assert lines[-1].startswith("eval [" + "#" * 30 + "] 4/4") and lines[-1].endswith("\n")
+    assert "] 2/4" in lines[2]

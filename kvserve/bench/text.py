@@ -1,8 +1,8 @@
 """Synthetic prompt text as a stream of small pieces (roughly one token each), seeded.
 
 `code` is repetitive, templated Python: easy to predict, so speculative decoding (n-gram or draft)
-accepts much of it. `prose` is words drawn independently from a list: hard to predict. Spec section
-2 asks every speculative-decoding number to state which one it used.
+accepts much of it. `prose` is words drawn independently from a list: hard to predict. docs/load-tests.md
+asks every speculative-decoding number to state which one it used.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from kvserve.cli.generate import HelpFormatter
+
 SERVE_EPILOG = """\
 examples:
   kvserve bench serve --base-url http://127.0.0.1:8000 --num-requests 200 --request-rate 4 \\
@@ -54,17 +56,22 @@ def _add_serve(sub) -> None:
         "serve",
         help="load-test an OpenAI-compatible server over HTTP",
         epilog=SERVE_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("target")
     g.add_argument(
         "--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is fine)"
     )
     g.add_argument("--model", default=None, help="model name (default: the first in /v1/models)")
-    g.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    g.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/v1/chat/completions (the chat template wraps each prompt) or /v1/completions",
+    )
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request budget in seconds")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     g.add_argument("--extra-body", default="{}", help="JSON object merged into every request body")
     g.add_argument(
         "--per-chunk-usage",
@@ -73,7 +80,12 @@ def _add_serve(sub) -> None:
         help="ask for usage in every chunk (vLLM continuous_usage_stats) to count tokens per chunk",
     )
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=("random", "sharegpt", "shared-prefix"), default="random")
+    g.add_argument(
+        "--workload",
+        choices=("random", "sharegpt", "shared-prefix"),
+        default="random",
+        help="synthetic prompts, a ShareGPT file, or prompts sharing --num-prefixes prefixes",
+    )
     g.add_argument(
         "--input-len", default="512", help="prompt tokens (shared-prefix: suffix tokens)"
     )
@@ -122,7 +134,7 @@ def _add_serve(sub) -> None:
     g.add_argument("--num-requests", type=int, default=None, help="measured requests")
     g.add_argument("--duration", type=float, default=None, help="seconds of measured arrivals")
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests (labelled, excluded)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of lengths, texts and arrivals")
     g = p.add_argument_group("objectives and searches")
     g.add_argument("--slo", action="append", default=[], help="named objective set (see below)")
     g.add_argument(
@@ -143,12 +155,14 @@ def _add_serve(sub) -> None:
     g.add_argument(
         "--find-capacity", action="store_true", help="search the highest rate meeting --slo"
     )
-    g.add_argument("--capacity-start", type=_rate, default=1.0)
-    g.add_argument("--capacity-max", type=_rate, default=256.0)
+    g.add_argument(
+        "--capacity-start", type=_rate, default=1.0, help="first rate of the search, req/s"
+    )
+    g.add_argument("--capacity-max", type=_rate, default=256.0, help="highest rate tried, req/s")
     g.add_argument(
         "--capacity-tol", type=float, default=0.1, help="relative width to stop bisecting"
     )
-    g.add_argument("--capacity-max-trials", type=int, default=12)
+    g.add_argument("--capacity-max-trials", type=int, default=12, help="most runs the search makes")
     g.add_argument(
         "--reset-prefix-cache",
         action="store_true",
@@ -167,7 +181,12 @@ def _add_serve(sub) -> None:
     g.add_argument(
         "--save-outputs", action="store_true", help="also write outputs.jsonl (the texts)"
     )
-    g.add_argument("--plots", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument(
+        "--plots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="embed plots in report.html (matplotlib)",
+    )
     g.add_argument(
         "--retokenize",
         action=argparse.BooleanOptionalAction,

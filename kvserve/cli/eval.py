@@ -32,7 +32,7 @@ def register(subparsers) -> None:
     ppl.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens")
     ppl.add_argument("--unigram-train", default=None, help="fit a unigram baseline on this file")
     ppl.add_argument("--json", default=None, help="write the result as JSON to this file")
-    ppl.add_argument("--device", default="cpu")
+    ppl.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ppl.set_defaults(func=run_perplexity)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
@@ -41,6 +41,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
+    from kvserve.cli.progress import progress
     from kvserve.engine.llm import LLM
     from kvserve.evaluation import (
         fixed_windows,
@@ -66,7 +67,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     windows = fixed_windows(ids, args.window)
     start = time.perf_counter()
     total_nll, num_scored = 0.0, 0
-    for window in windows:
+    for window in progress(windows, len(windows), "perplexity"):
         logits = llm.engine.score(list(window))  # [T, V] through the paged cache
         targets = torch.tensor(window[1:])
         total_nll += F.cross_entropy(logits[:-1], targets, reduction="sum").item()

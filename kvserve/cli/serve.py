@@ -159,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
 
     def load() -> LLMEngine:
+        print(f"kvserve: loading {serving.served_model_name!r} from {model_dir} ...", flush=True)
         engine = LLMEngine(config)
         print(startup_summary(engine, serving.served_model_name, url), flush=True)
         return engine

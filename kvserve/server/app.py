@@ -45,6 +45,7 @@ from kvserve.server.protocol import (
 )
 from kvserve.server.serving import OpenAIServing, ServingOptions
 from kvserve.server.workers import offload
+from kvserve.server.web import include_web
 
 logger = logging.getLogger("kvserve.server")
 
@@ -185,8 +186,10 @@ def build_app(
         if state.engine is not None:
             state.engine.shutdown()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
+    # /docs is served by kvserve.server.web from packaged assets; FastAPI's own pages load a CDN.
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.kvserve = state
+    include_web(app)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(KVServeError, engine_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)

@@ -141,7 +141,7 @@ def run_policy(
 
 
 def usd_per_million_output(usd_per_hour: float | None, output_tokens_per_s: float | None) -> dict:
-    """Spec section 4's cost per million output tokens at the *simulated* throughput of the run
+    """docs/planning.md's cost per million output tokens at the *simulated* throughput of the run
     (its own utilisation: idle time between arrivals is paid for too)."""
     if usd_per_hour is None or not output_tokens_per_s:
         return {"usd_per_hour": usd_per_hour, "usd_per_million_output": None}
