@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.engine.args import build_engine_config
-    from kvserve.engine.async_engine import FaultInjection
+    from kvserve.engine.faults import FaultInjection
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.models import default_model_dir
     from kvserve.server.app import build_app
