@@ -3,8 +3,7 @@ requests arrive (a 10 MB prompt, a 7 MB prompt under the body limit, a 400-deep 
 stop strings, 16 stop strings at the documented limit), beside the stream's median gap.
 
 A "victim" thread keeps one streaming completion running back to back; a gap is the time between two
-consecutive chunks it receives (across a stream boundary too, so a victim request stuck before its first
-chunk counts). For each trigger the victim's chunks are recorded from the moment the trigger is sent until
+consecutive chunks it receives (see `Victim.gaps`). For each trigger the victim's chunks are recorded from the moment the trigger is sent until
 its answer arrives (plus a short tail); the trigger's status and latency are reported too.
 
     PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/stall.py --label after \
@@ -50,12 +49,24 @@ def triggers() -> list[tuple[str, bytes]]:
         "json_schema_depth_400": {
             "prompt": "x",
             "max_tokens": 4,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}},
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "d", "schema": schema},
+            },
         },
         "n_64": {"prompt": "Once upon a time", "max_tokens": 16, "n": 64, "ignore_eos": True},
-        "stop_100x1000": {"prompt": "Tell me", "max_tokens": 64, "stop": long_stops,
-                          "ignore_eos": True},  # fmt: skip
-        "stop_16x255": {"prompt": "Tell me", "max_tokens": 64, "stop": ok_stops, "ignore_eos": True},
+        "stop_100x1000": {
+            "prompt": "Tell me",
+            "max_tokens": 64,
+            "stop": long_stops,
+            "ignore_eos": True,
+        },  # fmt: skip
+        "stop_16x255": {
+            "prompt": "Tell me",
+            "max_tokens": 64,
+            "stop": ok_stops,
+            "ignore_eos": True,
+        },
     }
     return [(name, json.dumps(body).encode()) for name, body in bodies.items()]
 
@@ -83,10 +94,17 @@ class Victim(threading.Thread):
                             break
 
     def gaps(self, start: float, end: float) -> list[float]:
-        # Across a stream boundary too: a victim request stuck before its first chunk is a stall as well
-        # (the boundary adds one request's set-up, which the baseline median includes the same way).
-        chunks = [c for c in self.chunks if start <= c[1] <= end]
-        return [b[1] - a[1] for a, b in zip(chunks, chunks[1:], strict=False)]
+        """Gaps between the victim's chunks from the last one before `start` to `end` (a stall still
+        going on at `end` counts up to `end`). Across a stream boundary too: a victim request stuck
+        before its first chunk is a stall as well (the baseline includes boundaries the same way)."""
+        times = [t for _, t in self.chunks]
+        before = [t for t in times if t < start]
+        inside = [t for t in times if start <= t <= end]
+        points = before[-1:] + inside
+        gaps = [b - a for a, b in zip(points, points[1:], strict=False)]
+        if points:
+            gaps.append(end - points[-1])
+        return gaps
 
 
 def main() -> None:
@@ -142,9 +160,8 @@ def main() -> None:
                 "body_bytes": len(body),
                 "status": status,
                 "trigger_latency_s": round(answered - sent, 3),
-                "victim_chunks": len(gaps) + 1 if gaps else 0,
+                "victim_chunks": len(victim.gaps(sent, time.perf_counter())) - 1,
                 "worst_gap_s": round(max(gaps), 4) if gaps else None,
-                "median_gap_s": round(statistics.median(gaps), 4) if gaps else None,
             }
             print(json.dumps(row), flush=True)
             results.append(row)

@@ -11,7 +11,8 @@ import pytest
 
 from kvserve import SamplingParams
 from kvserve.engine.args import build_engine_config
-from kvserve.engine.async_engine import AsyncEngine, FaultInjection, RequestFailedError
+from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
+from kvserve.engine.faults import FaultInjection
 from kvserve.engine.llm_engine import LLMEngine
 
 FAULT_SEED = 99
@@ -43,7 +44,10 @@ def test_culprit_among_newcomers_of_one_step_fails_alone(config, caplog):
     assert inside.wait(30)
 
     async def main():
-        streams = [engine.add(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        streams = [
+            engine.add(f"r{i}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        ]
         gate.set()  # all four are applied in one go and admitted in the same step
         return await asyncio.gather(*(_collect(s) for s in streams), return_exceptions=True)
 

@@ -126,3 +126,39 @@ def test_metaspace_streaming_keeps_word_spaces(metaspace_tokenizer):
     deltas = [detok.update([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
     assert "".join(deltas) == " " + tok.decode(ids)  # a continuation after the prompt starts a word
     assert all("\ufffd" not in d for d in deltas)
+
+
+def _reference_holdback(text: str, stops) -> int:
+    """The definition, by brute force: the longest suffix of text that is a proper prefix of a stop."""
+    return max(
+        (n for s in stops for n in range(1, len(s)) if len(text) >= n and text.endswith(s[:n])),
+        default=0,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=6), min_size=1, max_size=5),
+)
+def test_holdback_and_stop_search_match_their_definitions(text, stops):
+    """The windowed regex search equals the brute-force definitions of hold-back and first stop."""
+
+    class Chars:  # a "tokenizer" whose token ids are characters: text arrives one character a token
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    detok = IncrementalDetokenizer(Chars(), (), SamplingParams(stop=stops))
+    released = ""
+    for i, ch in enumerate(text):
+        released += detok.update([ord(ch)], finished=False)
+        if detok.stopped:
+            break
+        assert len(detok.text) - len(released) == _reference_holdback(text[: i + 1], stops)
+    # Streaming stops at the first stop string to complete, cut at its (earliest) start.
+    ends = [i for i in range(1, len(text) + 1) if any(s in text[:i] for s in stops)]
+    if not ends:
+        assert not detok.stopped and detok.text == text
+    else:
+        seen = text[: ends[0]]
+        assert detok.stopped and detok.text == text[: min(seen.find(s) for s in stops if s in seen)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import httpx
 import openai
@@ -31,6 +32,8 @@ def server(gpt2_model_dir, tmp_path_factory):
         "64MiB",
         "--max-model-len",
         "512",
+        "--inject-fault",
+        "delay:0.005",  # at least 5 ms a step: the disconnect tests cannot lose a race with the engine
         log_path=log,
     ) as (base_url, _):
         yield base_url
@@ -342,12 +345,16 @@ def test_server_reports_queue_time_and_resets_prefix_cache(server):
 
 def test_non_streaming_client_disconnect_aborts(server):
     before = metric_values(server)
-    body = {"model": MODEL, "prompt": "A very long story:", "max_tokens": 450, "ignore_eos": True,
-            "n": 4}  # fmt: skip
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{server}/v1/completions", json=body, timeout=0.5
-        )  # gives up, closes the socket
+    body = json.dumps({"model": MODEL, "prompt": "A very long story:", "max_tokens": 450,
+                       "ignore_eos": True, "n": 4})  # fmt: skip
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        # 4 x 450 tokens at >= 5 ms a step cannot finish before the socket closes
+        assert wait_until(lambda: httpx.get(f"{server}/ready").json()["num_running"] >= 1)
     state = wait_until(
         lambda: (d := httpx.get(f"{server}/debug/engine").json())["num_requests"] == 0 and d,
         timeout_s=10,

@@ -13,7 +13,9 @@ from tests.server_utils import running_server, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 
-FAULT_SEED = 1234  # --inject-fault request:1234: the runner fails while preparing a request with this seed
+FAULT_SEED = (
+    1234  # --inject-fault request:1234: the runner fails while preparing a request with this seed
+)
 MAX_BYTES = 200_000
 ARGS = ("--kv-cache-memory", "16MiB", "--max-model-len", "256", "--max-num-seqs", "4",
         "--inject-fault", f"request:{FAULT_SEED},delay:0.01", "--max-request-bytes", str(MAX_BYTES),
@@ -82,9 +84,7 @@ def test_a_request_failing_in_the_engine_fails_alone(server):
         with http.stream("POST", f"{url}/v1/completions", json=body) as neighbour:
             lines = neighbour.iter_lines()
             next(lines)
-            failed = http.post(
-                f"{url}/v1/completions", json=NORMAL | {"seed": FAULT_SEED, "n": 3}
-            )
+            failed = http.post(f"{url}/v1/completions", json=NORMAL | {"seed": FAULT_SEED, "n": 3})
             error = assert_openai_error(failed, 500, fragment="request id req-")
             assert error["type"] == "internal_error"
             rest = [line for line in lines if line.startswith("data: ")]

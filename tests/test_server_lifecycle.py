@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvserve.engine.args import build_engine_config
-from kvserve.engine.async_engine import FaultInjection
+from kvserve.engine.faults import FaultInjection
 from kvserve.engine.llm_engine import LLMEngine
 from tests.server_utils import free_port, running_server, sse_events, wait_until
 

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.core.errors import InvalidRequestError
     from kvserve.engine.args import build_engine_config
-    from kvserve.engine.async_engine import FaultInjection
+    from kvserve.engine.faults import FaultInjection
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.models import builtin_name, resolve_model
     from kvserve.server.app import build_app

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from kvserve.core.errors import KVServeError
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.engine.faults import DeadEngine, FaultInjection, inject_runner_fault
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.step_log import StepLog
@@ -59,41 +60,6 @@ class RequestFailedError(KVServeError):
     """An internal error while preparing or running this request only; the engine goes on (HTTP 500)."""
 
 
-@dataclass(frozen=True)
-class FaultInjection:
-    """Test-only faults, keyed by a request's seed: `request_seed` makes the runner fail while preparing
-    that request (inside a step: attributable); `engine_seed` makes the loop itself fail after the step
-    that follows its arrival (not attributable: the engine dies)."""
-
-    request_seed: int | None = None
-    engine_seed: int | None = None
-    step_delay_s: float = (
-        0.0  # sleep after every step: a slow engine, for deterministic timing tests
-    )
-
-    @classmethod
-    def parse(cls, spec: str | None) -> FaultInjection | None:
-        """`request:SEED`, `engine:SEED`, `delay:SECONDS`, comma-separated."""
-        if not spec:
-            return None
-        fields: dict[str, float] = {}
-        for part in spec.split(","):
-            kind, _, value = part.partition(":")
-            try:
-                if kind == "delay":
-                    fields["step_delay_s"] = float(value)
-                elif kind in ("request", "engine"):
-                    fields[f"{kind}_seed"] = int(value)
-                else:
-                    raise ValueError
-            except ValueError:
-                raise ValueError(
-                    f"fault injection must be request:SEED, engine:SEED or delay:SECONDS; "
-                    f"got {part!r}"
-                ) from None
-        return cls(**fields)
-
-
 class AsyncEngine:
     def __init__(
         self,
@@ -124,7 +90,7 @@ class AsyncEngine:
         self._faults = faults
         self._fault_armed = False
         if faults is not None and faults.request_seed is not None:
-            self._inject_runner_fault(faults.request_seed)
+            inject_runner_fault(engine.runner, faults.request_seed)
         self.stats = self._collect_stats()
         self.step_log = StepLog()  # per-iteration timings (simulator calibration)
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
@@ -437,20 +403,9 @@ class AsyncEngine:
             self._deliver_all([(request_id, dead) for request_id in list(self._queues)])
             while (command := self._next_command()) is not None:
                 if command[0] == "call":  # maintenance calls waiting for the thread get the error
-                    command[1](_DeadEngine(self.dead_reason))
+                    command[1](DeadEngine(EngineDeadError(self.dead_reason)))
             if self.on_dead is not None:
                 self.on_dead(self.dead_reason)
-
-    def _inject_runner_fault(self, seed: int) -> None:
-        runner = self.engine.runner
-        add_request = runner.add_request
-
-        def failing_add_request(new):
-            if new.sampling_params.seed == seed:
-                raise RuntimeError("injected fault while preparing a request")
-            return add_request(new)
-
-        runner.add_request = failing_add_request
 
     def _log_step(self, slept_s: float, t0: float, t1: float, t2: float, t3: float) -> None:
         last = self.engine.last_scheduler_output
@@ -517,16 +472,6 @@ class RequestStream:
         if self._open:
             self._open = False
             self._engine._forget(self.request_id, abort=True)
-
-
-class _DeadEngine:
-    """Stands in for the engine in maintenance calls that arrive after it died: any use raises."""
-
-    def __init__(self, reason: str) -> None:
-        self._reason = reason
-
-    def __getattr__(self, name: str):
-        raise EngineDeadError(self._reason)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

@@ -5,9 +5,16 @@ it does not end in U+FFFD, so a multi-byte character split across tokens is neve
 starts with the last few prompt tokens so that tokenizers which drop a leading space on the first token of a
 decode (SentencePiece) still produce the right spacing. Stop strings are never emitted: text that could be the
 start of a stop string is held back until it is resolved.
+
+Stop strings are matched by one compiled alternation over a window of the last `max stop length` characters
+(`regex`'s partial matching finds the longest suffix that could still become a stop string), so a token
+costs O(max stop length) character steps however long the text is; the server bounds the number and length
+of stop strings (docs/server.md, "Limits").
 """
 
 from __future__ import annotations
+
+import regex
 
 from kvserve.core.sampling_params import SamplingParams
 
@@ -22,6 +29,11 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
+        self._max_stop_len = params.max_stop_len
+        # Leftmost match first; at one position the earlier-listed stop string wins.
+        self._stops = (
+            regex.compile("|".join(regex.escape(s) for s in self.stop)) if self.stop else None
+        )
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -64,25 +76,20 @@ class IncrementalDetokenizer:
         return delta
 
     def _truncate_at_stop(self, old_len: int) -> bool:
-        # A stop string may straddle the old text and the new: search from len(stop) - 1 before.
-        best, found = -1, None
-        for stop in self.stop:
-            index = self.text.find(stop, max(0, old_len - len(stop) + 1))
-            if index != -1 and (best == -1 or index < best):
-                best, found = index, stop
-        if found is None:
+        # A stop string may straddle the old text and the new: search from max stop length - 1 before
+        # (an occurrence wholly inside the old text would have been found already).
+        match = self._stops.search(self.text, max(0, old_len - self._max_stop_len + 1))
+        if match is None:
             return False
-        self.text = self.text[:best]
+        self.text = self.text[: match.start()]
         self.stopped = True
-        self.stop_string = found
+        self.stop_string = match.group()
         return True
 
     def _holdback(self) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        if self._stops is None or not self.text:
+            return 0
+        start = max(0, len(self.text) - self._max_stop_len + 1)
+        match = self._stops.search(self.text, start, partial=True)
+        return len(self.text) - match.start() if match is not None and match.partial else 0

@@ -21,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.async_engine import AsyncEngine, FaultInjection
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.faults import FaultInjection
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.server import access_log
 from kvserve.server.errors import (

@@ -37,25 +37,27 @@ class StreamOptions(BaseModel):
 
 class _SamplingRequest(BaseModel):
     model_config = _STRICT
+    # Ranges are documented in the schema (json_schema_extra) and enforced by SamplingParams, whose
+    # messages name the accepted range (a 400 with `param`).
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=INT64_MAX)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": INT64_MAX})
+    temperature: float | None = Field(None, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    seed: int | None = Field(None, json_schema_extra={"minimum": SEED_MIN, "maximum": SEED_MAX})
+    presence_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": -2, "maximum": 2})
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # extensions
-    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
+    top_k: int | None = Field(None, json_schema_extra={"minimum": -1, "maximum": INT64_MAX})
+    min_p: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 1})
+    repetition_penalty: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0})
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    min_tokens: int = Field(0, json_schema_extra={"minimum": 0, "maximum": INT64_MAX})
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
@@ -163,8 +165,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1, "maximum": INT64_MAX})
+    max_completion_tokens: int | None = Field(
+        None, json_schema_extra={"minimum": 1, "maximum": INT64_MAX}
+    )
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
@@ -201,8 +205,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    max_tokens: int | None = Field(16, json_schema_extra={"minimum": 1, "maximum": INT64_MAX})
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
     # Not served (it needs prompt logprobs); the schema says so rather than refusing a valid request.
     echo: Literal[False] = Field(False, description="not supported: must be false")
 
