@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from kvserve.cli.generate import add_engine_arguments, engine_options
+from kvserve.server.tool_parsers import TOOL_PARSERS
 
 
 def register(subparsers) -> None:
@@ -42,6 +43,12 @@ def register(subparsers) -> None:
         help="abort a request after this many seconds",
     )
     parser.add_argument("--chat-template", default=None, help="Jinja chat template file to use")
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="find tool calls in the output of tool_choice auto requests (docs/tools.md)",
+    )
     parser.add_argument(
         "--log-content",
         action="store_true",
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         chat_template=chat_template,
         log_content=args.log_content,
+        tool_call_parser=args.tool_call_parser,
     )
     app = build_app(
         lambda: LLMEngine(config), serving, api_keys=tuple(args.api_key), engine_options=options

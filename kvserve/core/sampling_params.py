@@ -11,7 +11,7 @@ from kvserve.core.errors import InvalidRequestError
 _GREEDY_EPS = 1e-5
 
 
-STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kvserve.core.errors import InvalidRequestError, KVServeError
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.server import tools
 from kvserve.server.errors import APIError, from_engine_error
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -29,6 +30,7 @@ class ServingOptions:
     request_timeout_s: float | None = None
     chat_template: str | None = None
     log_content: bool = False
+    tool_call_parser: str | None = None  # docs/tools.md: finds calls for tool_choice auto
 
 
 class OpenAIServing:
@@ -74,6 +76,7 @@ class OpenAIServing:
                 chat_template=template,
                 add_generation_prompt=request.add_generation_prompt,
                 tokenize=False,
+                **tools.template_kwargs(request.tool_plan(), template),
                 **(request.chat_template_kwargs or {}),
             )
         except InvalidRequestError:
@@ -89,10 +92,14 @@ class OpenAIServing:
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
-        params = request.to_sampling_params()
+        plan = request.tool_plan()
+        parser = tools.output_parser(plan, self.options.tool_call_parser)
+        params = tools.constrain(request.to_sampling_params(), plan, parser)
         text = self.render_chat(request)
         ids = self.encode(text, add_special_tokens=False)
-        return self._job("chat", request, params, [ids], [text])
+        job = self._job("chat", request, params, [ids], [text])
+        job.tool_plan, job.tool_parser = plan, parser
+        return job
 
     def completion_job(self, request: CompletionRequest) -> Job:
         self.check_model(request.model)
