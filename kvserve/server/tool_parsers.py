@@ -201,7 +201,7 @@ class HermesToolParser(ToolParser):
                 return scan
             self._add_segment(scan, text[pos:begin], final)
             body_start = begin + len(self.start)
-            close = text.find(self.end, body_start)
+            close = self._close(text, body_start)
             body = text[body_start : close if close != -1 else len(text)]
             if close == -1 and not final:
                 body = body[: len(body) - holdback(body, self.end)]
@@ -210,6 +210,20 @@ class HermesToolParser(ToolParser):
             if close == -1:
                 return scan
             pos = close + len(self.end)
+
+    def _close(self, text: str, body_start: int) -> int:
+        """Where the call's end tag starts (-1: not yet); a JSON body is skipped whole, so an end tag
+        inside a string argument does not end the call."""
+        obj = len(text) - len(text[body_start:].lstrip())
+        if obj < len(text) and text[obj] == "{":
+            end = value_end(text, obj)
+            if end is None:
+                return -1
+            after = len(text) - len(text[end:].lstrip())
+            if self.end.startswith(text[after:]) and not text.startswith(self.end, after):
+                return -1  # the end tag is still arriving
+            return text.find(self.end, after)
+        return text.find(self.end, body_start)
 
 
 class _JSONSequenceParser(ToolParser):
