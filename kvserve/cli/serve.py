@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvserve.cli.generate import MODEL_HELP, HelpFormatter, add_engine_arguments, engine_options
 from kvserve.server.limits import RequestLimits
+from kvserve.server.tool_parsers import TOOL_PARSERS
 
 _EXIT_MARGIN_S = 2.0  # after the grace period: time for the cut streams' error events to go out
 
@@ -93,6 +94,12 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--chat-template", default=None, help="Jinja chat template file to use")
     parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="find tool calls in the output of tool_choice auto requests (docs/tools.md)",
+    )
+    parser.add_argument(
         "--log-content",
         action="store_true",
         help="log prompt and output text (off: sizes and timings)",
@@ -155,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         chat_template=chat_template,
         log_content=args.log_content,
         limits=limits,
+        tool_call_parser=args.tool_call_parser,
     )
     url = f"http://{args.host}:{args.port}"
 

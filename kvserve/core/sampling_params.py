@@ -11,7 +11,7 @@ from kvserve.core.errors import InvalidRequestError
 _GREEDY_EPS = 1e-5
 
 
-STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 
 # The ranges the consumers accept (docs/server.md, "Limits"): seeds go to torch.Generator.manual_seed, which
 # takes [-2^63, 2^64 - 1] (sample i of n uses seed + i, so the last one must fit too); integer knobs that

@@ -45,8 +45,8 @@ from kvserve.server.protocol import (
     TokenizeRequest,
 )
 from kvserve.server.serving import OpenAIServing, ServingOptions
-from kvserve.server.workers import offload
 from kvserve.server.web import include_web
+from kvserve.server.workers import offload
 
 logger = logging.getLogger("kvserve.server")
 

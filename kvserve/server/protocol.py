@@ -22,6 +22,7 @@ from kvserve.core.sampling_params import (
     SamplingParams,
     StructuredOutput,
 )
+from kvserve.server.tools import ToolPlan, plan_tools, template_message
 
 _STRICT = ConfigDict(extra="allow", strict=True)
 
@@ -161,6 +162,9 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant messages (docs/tools.md)
+    tool_call_id: str | None = None  # tool messages
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -173,6 +177,12 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_plan(self) -> ToolPlan | None:
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -187,7 +197,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def rendered_messages(self) -> list[dict[str, Any]]:
         messages = []
-        for message in self.messages:
+        for index, message in enumerate(self.messages):
             content = message.content
             if isinstance(content, list):  # OpenAI content parts: keep the text ones
                 parts = []
@@ -199,7 +209,7 @@ class ChatCompletionRequest(_SamplingRequest):
                         )
                     parts.append(part.get("text", ""))
                 content = "".join(parts)
-            messages.append({"role": message.role, "content": content or ""})
+            messages.append(template_message(message, content or "", index))
         return messages
 
 

@@ -11,6 +11,7 @@ from functools import lru_cache
 from kvserve.core.outputs import TokenLogprob
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.server import tools
 from kvserve.server.logprob_text import TokenBytes, TokenTexts, chat_logprobs, completion_logprobs
 
 
@@ -38,6 +39,14 @@ class Job:
 
     # per choice: the logprob token-text state (streamed chunks continue where the last one ended)
     token_texts: dict[int, TokenTexts] = field(default_factory=dict)
+    tool_plan: tools.ToolPlan | None = None  # chat with tools: calls are parsed from the output
+    tool_parser: tools.ToolParser | None = None
+    tool_streams: dict[int, tools.ToolStream] = field(default_factory=dict)  # per choice
+
+    def tool_stream(self, index: int) -> tools.ToolStream:
+        if index not in self.tool_streams:
+            self.tool_streams[index] = tools.ToolStream(self.tool_plan, self.tool_parser)
+        return self.tool_streams[index]
 
     def interrupt(self, error: BaseException) -> None:
         """End the job with `error` (time budget or grace period over): raised where it reads outputs."""
@@ -80,9 +89,12 @@ class ResponseBuilder:
     def delta_choice(self, job: Job, index: int, c: CompletionOutput) -> dict:
         logprobs = self.logprobs(job, index, c.delta_logprobs) if c.delta_logprobs else None
         if job.kind == "chat":
+            delta = {"content": c.delta_text}
+            if job.tool_parser is not None:
+                delta = job.tool_stream(index).delta(c.delta_text, final=False)
             return {
                 "index": index,
-                "delta": {"content": c.delta_text},
+                "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": None,
             }
@@ -96,6 +108,10 @@ class ResponseBuilder:
                 "logprobs": None,
                 "finish_reason": c.finish_reason,
             }
+            if job.tool_parser is not None:
+                stream = job.tool_stream(index)
+                choice["delta"] = stream.delta("", final=True)
+                choice["finish_reason"] = stream.finish_reason(c.finish_reason)
         else:
             choice = {
                 "index": index,
@@ -109,12 +125,15 @@ class ResponseBuilder:
         index = prompt_index * job.params.n + c.index
         logprobs = self.logprobs(job, index, c.logprobs) if c.logprobs is not None else None
         if job.kind == "chat":
+            message, reason = {"role": "assistant", "content": c.text}, c.finish_reason
+            if job.tool_parser is not None:
+                message, reason = tools.message(job.tool_plan, job.tool_parser, c.text, reason)
             return with_structured(
                 {
                     "index": index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": reason,
                 },
                 c,
             )

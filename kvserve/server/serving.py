@@ -20,6 +20,7 @@ from kvserve.core.errors import InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.server import tools
 from kvserve.server.errors import APIError, from_engine_error, internal_error
 from kvserve.server.limits import RequestLimits
 from kvserve.server.metering import Metering, outcome_of
@@ -39,6 +40,7 @@ class ServingOptions:
     chat_template: str | None = None
     log_content: bool = False
     limits: RequestLimits = RequestLimits()
+    tool_call_parser: str | None = None  # docs/tools.md: finds calls for tool_choice auto
 
 
 def _shutdown_error() -> APIError:
@@ -102,6 +104,7 @@ class OpenAIServing:
                 chat_template=template,
                 add_generation_prompt=request.add_generation_prompt,
                 tokenize=False,
+                **tools.template_kwargs(request.tool_plan(), template),
                 **(request.chat_template_kwargs or {}),
             )
         except InvalidRequestError:
@@ -143,11 +146,15 @@ class OpenAIServing:
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         """Run in the worker pool: template, tokenisation, validation (grammar compilation)."""
         self.check_model(request.model)
-        params = request.to_sampling_params()
+        plan = request.tool_plan()
+        parser = tools.output_parser(plan, self.options.tool_call_parser)
+        params = tools.constrain(request.to_sampling_params(), plan, parser)
         self.check_limits(params, 1)
         text = self.render_chat(request)
         ids = self.encode(text, add_special_tokens=False)
-        return self._job("chat", request, params, [ids], [text])
+        job = self._job("chat", request, params, [ids], [text])
+        job.tool_plan, job.tool_parser = plan, parser
+        return job
 
     def completion_job(self, request: CompletionRequest) -> Job:
         """Run in the worker pool: tokenisation, validation (grammar compilation)."""

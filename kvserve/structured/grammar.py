@@ -104,6 +104,8 @@ class GrammarCache:
             return self.compiler.compile_regex(spec)
         if kind == "grammar":
             return self.compiler.compile_grammar(spec)
+        if kind == "structural_tag":  # xgrammar's format JSON (forced tool calls, docs/tools.md)
+            return self.compiler.compile_structural_tag(spec)
         if kind == "choice":
             choices = json.loads(spec)
             alternatives = " | ".join(json.dumps(choice) for choice in choices)
@@ -115,7 +117,8 @@ class GrammarCache:
 
     @staticmethod
     def bans_control_tokens(structured: StructuredOutput) -> bool:
-        return structured.kind in ("json_schema", "json_object")
+        # Forced tool calls are JSON between fixed strings without control characters.
+        return structured.kind in ("json_schema", "json_object", "structural_tag")
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(num_rows, self.vocab_size)

@@ -1,0 +1,108 @@
+"""Tool-call parsers on hand-written outputs: one call, several calls, text before a call, malformed JSON
+left as content; streamed one character at a time, the deltas concatenate to the non-streamed result."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvserve.server.tool_parsers import ToolCall, get_tool_parser, value_end
+from kvserve.server.tools import ToolPlan, ToolStream
+
+WEATHER = ToolCall("get_weather", '{"city": "Paris", "days": [1, {"x": "}</tool_call>"}]}')
+TIME = ToolCall("get_time", '{"zone": "UTC"}')
+
+CASES = {
+    "hermes": {
+        "one": (f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER.arguments}}}\n</tool_call>',
+                None, [WEATHER]),
+        "several": (f'<tool_call>{{"name": "get_weather", "arguments": {WEATHER.arguments}}}</tool_call>\n'
+                    f'<tool_call>{{"name": "get_time", "arguments": {TIME.arguments}}}</tool_call>',
+                    None, [WEATHER, TIME]),
+        "text_before": (f'Let me look. <tool_call>{{"name": "get_time", "arguments": '
+                        f"{TIME.arguments}}}</tool_call>", "Let me look. ", [TIME]),
+        "malformed": ('Hi <tool_call>{"name": "get_time", "arguments": {"zone": }</tool_call>',
+                      'Hi <tool_call>{"name": "get_time", "arguments": {"zone": }</tool_call>', []),
+        "plain": ("No calls here, only <b>text</b>.", "No calls here, only <b>text</b>.", []),
+    },
+    "llama3_json": {
+        "one": (f'{{"name": "get_weather", "parameters": {WEATHER.arguments}}}', None, [WEATHER]),
+        "several": (f'<|python_tag|>{{"name": "get_weather", "parameters": {WEATHER.arguments}}}; '
+                    f'{{"name": "get_time", "parameters": {TIME.arguments}}}', None, [WEATHER, TIME]),
+        "text_before": (f'Sure. {{"name": "get_time", "parameters": {TIME.arguments}}}', "Sure. ",
+                        [TIME]),
+        "malformed": ('{"name": "get_time", "parameters": {"zone": "UTC"}',
+                      '{"name": "get_time", "parameters": {"zone": "UTC"}', []),
+        "plain": ("A set {1, 2} is not a call.", "A set {1, 2} is not a call.", []),
+    },
+    "mistral": {
+        "one": (f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {WEATHER.arguments}}}]', None,
+                [WEATHER]),
+        "several": (f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {WEATHER.arguments}}}, '
+                    f'{{"name": "get_time", "arguments": {TIME.arguments}}}]', None, [WEATHER, TIME]),
+        "text_before": (f'Checking. [TOOL_CALLS]get_time[ARGS]{TIME.arguments}', "Checking. ", [TIME]),
+        "malformed": ('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone" "UTC"}}]',
+                      '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone" "UTC"}}]', []),
+        "plain": ("Use [brackets] freely.", "Use [brackets] freely.", []),
+    },
+}  # fmt: skip
+PARAMS = [(fmt, case) for fmt, cases in CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize("fmt, case", PARAMS)
+def test_parse(fmt, case):
+    text, content, calls = CASES[fmt][case]
+    assert get_tool_parser(fmt).parse(text) == (content, calls)
+    for call in calls:
+        assert isinstance(json.loads(call.arguments), dict)
+
+
+def stream(fmt: str, text: str, step: int = 1) -> tuple[str, list[tuple[str, str]], list[dict]]:
+    s = ToolStream(ToolPlan((), "auto"), get_tool_parser(fmt))
+    deltas = [s.delta(text[i : i + step], final=False) for i in range(0, len(text), step)]
+    deltas.append(s.delta("", final=True))
+    content, calls = "", {}
+    for d in deltas:
+        content += d.get("content", "")
+        for c in d.get("tool_calls", []):
+            entry = calls.setdefault(c["index"], ["", ""])
+            if "id" in c:
+                assert c["id"].startswith("call_") and c["type"] == "function" and not entry[0]
+                entry[0] = c["function"]["name"]
+            entry[1] += c["function"]["arguments"]
+    assert s.finish_reason("stop") == ("tool_calls" if calls else "stop")
+    return content, [tuple(calls[i]) for i in sorted(calls)], deltas
+
+
+@pytest.mark.parametrize("fmt, case", [p for p in PARAMS if p[1] != "malformed"])
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_streamed_deltas_concatenate_to_the_parse(fmt, case, step):
+    text, content, calls = CASES[fmt][case]
+    streamed_content, streamed_calls, _ = stream(fmt, text, step)
+    assert streamed_content == (content or "")
+    assert streamed_calls == [(c.name, c.arguments) for c in calls]
+
+
+def test_arguments_stream_in_fragments_before_the_call_closes():
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {WEATHER.arguments}}}</tool_call>'
+    _, _, deltas = stream("hermes", text)
+    fragments = [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])]
+    assert len([f for f in fragments if f]) > 10  # not one blob at the end
+    first = next(c for d in deltas for c in d.get("tool_calls", []))
+    assert first["index"] == 0 and first["function"]["name"] == "get_weather"
+
+
+def test_malformed_call_announced_while_streaming_stays_a_call():
+    text = '<tool_call>{"name": "get_time", "arguments": {"zone": }</tool_call>'
+    content, calls, _ = stream("hermes", text)
+    assert content == "" and calls == [("get_time", '{"zone": }')]
+
+
+@pytest.mark.parametrize(
+    "text, start, end",
+    [('{"a": "}"} tail', 0, 10), ('x [1, [2]]', 2, 10), ('"s\\"q" ', 0, 6), ("12, 3", 0, 2),
+     ('{"a": ', 0, None), ("12", 0, None)],
+)  # fmt: skip
+def test_value_end(text, start, end):
+    assert value_end(text, start) == end
