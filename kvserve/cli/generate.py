@@ -25,6 +25,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true")
     group.add_argument("--admission", default="on_demand", choices=["on_demand", "reserve"])
     group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--quantization",
+        default=None,
+        help="quantise weights at load (round to nearest): int8, int4-g128, w8a8, "
+        "linear=int4-g64,head=int8, ... (docs/quantization.md)",
+    )
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-model", default=None, help="draft model directory (same tokenizer)"
@@ -63,6 +69,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        quantization=args.quantization,
     )
 
 
