@@ -8,7 +8,7 @@ import time
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("eval", help="evaluate a model (perplexity)")
+    parser = subparsers.add_parser("eval", help="evaluate a model (perplexity, compare)")
     sub = parser.add_subparsers(dest="eval_command", metavar="EVAL")
     ppl = sub.add_parser(
         "perplexity",
@@ -34,6 +34,37 @@ def register(subparsers) -> None:
     ppl.add_argument("--json", default=None, help="write the result as JSON to this file")
     ppl.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ppl.set_defaults(func=run_perplexity)
+    cmp = sub.add_parser(
+        "compare",
+        help="a candidate (e.g. quantised) model against its reference: ppl, KL, top-1, greedy",
+        description="Perplexity of both, KL(p_ref || p_cand) per position (mean, p99), top-1 "
+        "agreement and the first greedy difference per prompt, on the same windows "
+        "(docs/quantization.md). The report names both models' artifact hashes.",
+    )
+    cmp.add_argument("reference", help="reference model directory")
+    cmp.add_argument(
+        "candidate",
+        help="candidate model directory (a quantised artifact, or "
+        "the reference itself with --candidate-quantization)",
+    )
+    cmp.add_argument("--data", required=True, help=".jsonl with a 'text' field, or a text file")
+    cmp.add_argument(
+        "--candidate-quantization", default=None, help="quantise the candidate at load"
+    )
+    cmp.add_argument("--window", type=int, default=256)
+    cmp.add_argument("--max-tokens", type=int, default=None)
+    cmp.add_argument("--num-prompts", type=int, default=8, help="greedy-agreement prompts")
+    cmp.add_argument("--greedy-tokens", type=int, default=32)
+    cmp.add_argument("--max-kl-mean", type=float, default=None, help="pass bound on mean KL")
+    cmp.add_argument("--min-top1", type=float, default=None, help="pass bound on top-1 agreement")
+    cmp.add_argument("--max-ppl-ratio", type=float, default=None, help="pass bound on ppl ratio")
+    cmp.add_argument("--json", default=None, help="write the report to this file")
+    cmp.add_argument(
+        "--record",
+        action="store_true",
+        help="also write the report into the candidate directory (/manifest shows its hash)",
+    )
+    cmp.set_defaults(func=run_compare)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
@@ -99,3 +130,39 @@ def run_perplexity(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from kvserve.core.errors import KVServeError
+    from kvserve.quant.compare import EVALUATION_NAME, Thresholds, compare
+
+    try:
+        report = compare(
+            args.reference,
+            args.candidate,
+            args.data,
+            cand_quantization=args.candidate_quantization,
+            window=args.window,
+            max_tokens=args.max_tokens,
+            num_prompts=args.num_prompts,
+            greedy_tokens=args.greedy_tokens,
+            thresholds=Thresholds(args.max_kl_mean, args.min_top1, args.max_ppl_ratio),
+        )
+    except KVServeError as exc:
+        print(f"error: {exc}")
+        return 2
+    text = json.dumps(report, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    if args.record:
+        from pathlib import Path
+
+        (Path(args.candidate) / EVALUATION_NAME).write_text(text + "\n")
+    print(
+        f"ppl {report['ppl_reference']:.3f} -> {report['ppl_candidate']:.3f}; KL mean "
+        f"{report['kl_mean']:.5f} p99 {report['kl_p99']:.5f}; top-1 {report['top1_agreement']:.3f}; "
+        f"greedy identical {report['greedy']['identical_share']:.2f}; passed {report['passed']}; "
+        f"candidate {report['candidate']['sha256'][:16]}"
+    )
+    return 0 if report["passed"] in (None, True) else 1

@@ -62,6 +62,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "up front (docs/scheduling.md)",
     )
     group.add_argument("--seed", type=int, default=0, help="engine random seed")
+    group.add_argument(
+        "--quantization",
+        default=None,
+        help="quantise weights at load (round to nearest): int8, int4-g128, w8a8, "
+        "linear=int4-g64,head=int8, ... (docs/quantization.md)",
+    )
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-model",
@@ -107,6 +113,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        quantization=args.quantization,
     )
 
 

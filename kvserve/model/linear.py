@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kvserve.model.qlinear import QuantEmbedding, QuantLinear
+from kvserve.quant.convert import concat_rows
 from kvserve.quant.rtn import quantize
 from kvserve.quant.scheme import TensorScheme, WeightScheme
 
@@ -109,15 +110,24 @@ def make_linear(
     return linear
 
 
-def quantize_linears(module: nn.Module, scheme: TensorScheme, device: torch.device | str) -> int:
-    """Replace every nn.Linear below `module` by a QuantLinear of its weights; returns how many."""
+def quantize_linears(
+    module: nn.Module,
+    scheme: TensorScheme,
+    device: torch.device | str,
+    splits: dict[str, tuple[int, ...]] | None = None,
+) -> int:
+    """Replace every nn.Linear below `module` by a QuantLinear of its weights; returns how many.
+    `splits` gives the row blocks of fused projections (qkv_proj: q, k, v): each block is quantised
+    as the checkpoint tensor it came from (it matters for one scale per tensor)."""
     count = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, make_linear(child.weight, child.bias, scheme, device))
+            rows = (splits or {}).get(name, (child.weight.shape[0],))
+            parts = [quantize(w, scheme) for w in child.weight.split(list(rows))]
+            setattr(module, name, QuantLinear(concat_rows(parts), child.bias, device))
             count += 1
         else:
-            count += quantize_linears(child, scheme, device)
+            count += quantize_linears(child, scheme, device, splits)
     return count
 
 
@@ -128,7 +138,13 @@ def apply_weight_scheme(model: nn.Module, scheme: WeightScheme) -> None:
     `use_cpu_weights`."""
     device = model.embed_tokens.weight.device
     if (linear := scheme.for_class("linear")) is not None:
-        quantize_linears(model.layers, linear, device)
+        cfg = model.config
+        kv_rows = cfg.num_kv_heads * cfg.head_dim
+        splits = {
+            "qkv_proj": (cfg.num_heads * cfg.head_dim, kv_rows, kv_rows),
+            "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size),
+        }
+        quantize_linears(model.layers, linear, device, splits)
     tied = model.lm_head is None
     head = scheme.for_class("head") or (scheme.for_class("embed") if tied else None)
     if head is not None:

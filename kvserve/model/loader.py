@@ -13,9 +13,11 @@ from kvserve.config import ModelConfig
 from kvserve.core.errors import ModelLoadError
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.linear import apply_weight_scheme
-from kvserve.model.qlinear import kernel_summary
+from kvserve.model.qlinear import QuantLinear, kernel_summary
 from kvserve.model.registry import get_arch
-from kvserve.quant.scheme import parse_weight_scheme
+from kvserve.quant.convert import artifact_tensors, concat_rows
+from kvserve.quant.rtn import QuantizedTensor
+from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
 
 # Our fused parameter <- the checkpoint's tensors, concatenated along the output dimension.
 _FUSED = {
@@ -88,6 +90,12 @@ def load_model(
     with torch.device("meta"):
         model = DecoderLM(config, arch, max_positions)
     checkpoint = read_checkpoint(model_dir)
+    artifact = artifact_tensors(model_dir, checkpoint)  # compressed-tensors: codes, kept apart
+    if artifact is not None and quantization is not None:
+        raise QuantizationError(
+            f"{model_dir} is already quantised (quantization_config in config.json): drop "
+            f"--quantization {quantization}"
+        )
     state: dict[str, torch.Tensor] = {}
     missing: list[str] = []
     used: set[str] = set()
@@ -123,6 +131,9 @@ def load_model(
     model.load_state_dict(state, strict=True, assign=True)
     # Buffers (rotary cos/sin) were on meta: rebuild them for real.
     model.rotary.build(device)
+    if artifact:
+        install_artifact_linears(model, artifact, device)
+        log_kernels(model, str(model_dir))
     if quantization is not None:
         scheme = parse_weight_scheme(quantization)
         if scheme.is_quantized:
@@ -154,3 +165,27 @@ def log_kernels(model: DecoderLM, scheme_name: str) -> None:
             sum(slow.values()),
             sorted(slow),
         )
+
+
+def install_artifact_linears(
+    model: DecoderLM, artifact: dict[str, QuantizedTensor], device: str
+) -> None:
+    """Replace each linear whose checkpoint tensors are quantised by a QuantLinear of those codes
+    (q, k, v and gate, up fused as the float loader fuses them)."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        sources = [_hf_name(n) for n in _checkpoint_names(f"{name}.weight")]
+        present = [s in artifact for s in sources]
+        if not any(present):
+            continue
+        if not all(present):
+            raise ModelLoadError(f"{name}: some of {sources} are quantised and some are not")
+        qt = concat_rows([artifact[s] for s in sources])
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer = QuantLinear(qt, module.bias, device)
+        if name == "lm_head":
+            model.cpu_head, model.lm_head = layer, None
+        else:
+            setattr(parent, attr, layer)

@@ -92,22 +92,24 @@ class QuantLinear(nn.Module):
             self.w, self.scales, self.bpg = packed["w"], packed["scales"], packed["bpg"]
             self.zeros = packed.get("zeros")
             self.weight_deq = None
+            if qt.scheme.bits == 8:
+                self._op = torch.ops.kvq.q8_linear.default
+                self._args = (self.w, self.scales, self.bpg, self.bias, self.act_mode)
+            else:
+                self._op = torch.ops.kvq.q4_linear.default
+                self._args = (self.w, self.scales, self.zeros, self.bpg, self.bias, self.act_mode)
         else:
             self.kernel = "dequantized-fp32" if device.type == "cpu" else f"dequantized-{device}"
             self.weight_deq = qt.dequantize().to(device)  # [out, in]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float().contiguous()  # [M, K]
-        if self.weight_deq is not None:
-            y = F.linear(round_activations(x2, self.scheme.act), self.weight_deq, self.bias)
-        elif self.scheme.bits == 8:
-            y = torch.ops.kvq.q8_linear(x2, self.w, self.scales, self.bpg, self.bias, self.act_mode)
-        else:
-            y = torch.ops.kvq.q4_linear(
-                x2, self.w, self.scales, self.zeros, self.bpg, self.bias, self.act_mode
-            )
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        # x [..., in] -> [..., out]; the op takes any strides and float dtype (one call: decode runs
+        # ~120 of these per token, so Python work here costs as much as the matmul)
+        if self.weight_deq is None:
+            return self._op(x, *self._args)
+        x2 = x.reshape(-1, self.in_features).float()
+        y = F.linear(round_activations(x2, self.scheme.act), self.weight_deq, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.scheme.name}, {self.kernel}"

@@ -75,5 +75,6 @@ def kernel_isa() -> str:
 
 def set_max_isa(name: str) -> None:
     """Cap the kernels' instruction set ("avx2" or "scalar"): tests run the fallback this way."""
+    kernels_available()
     level = {v: k for k, v in ISA_NAMES.items()}[name]
     torch.ops.kvq.set_max_isa(level)

@@ -53,7 +53,7 @@ def build_manifest(
             hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None
         ),
         "dtype": dtype,
-        "quantization": None,
+        "quantization": quantization_manifest(model_dir, engine_options.get("quantization")),
         "kv_cache_dtype": dtype,
         "engine_options": engine_options,
     }
@@ -65,3 +65,27 @@ def manifest_hash(manifest: dict) -> str:
 
 def fingerprint(manifest_sha256: str) -> str:
     return "fp_" + manifest_sha256[:16]
+
+
+def quantization_manifest(model_dir: Path, at_load: str | None) -> dict | None:
+    """The served quantisation scheme: the artifact's (config.json quantization_config) or the one
+    applied at load, the kernels' instruction set, and the recorded evaluation of these files."""
+    config_path = model_dir / "config.json"
+    qconfig = (
+        json.loads(config_path.read_text()).get("quantization_config")
+        if config_path.is_file()
+        else None
+    )
+    if qconfig is None and at_load is None:
+        return None
+    from kvserve.quant.compare import recorded_evaluation
+    from kvserve.quant.kernels import kernel_isa
+
+    ours = (qconfig or {}).get("kvserve", {})
+    return {
+        "scheme": at_load or ours.get("scheme") or qconfig.get("format"),
+        "source": "rtn at load" if at_load else "checkpoint",
+        "method": "rtn" if at_load else ours.get("method"),
+        "kernel_isa": kernel_isa(),  # "scalar" or "unavailable": a slower stand-in runs
+        "evaluation": recorded_evaluation(model_dir),
+    }
