@@ -180,7 +180,7 @@ class TensorParallelComm:
         return 2 * self.model.num_layers + 1 if self.tensor_parallel > 1 else 0
 
     def layer_bytes_per_token(self) -> float:
-        """Bytes one rank sends per token and layer: 2 x 2 (N-1)/N x d x b (spec 8b)."""
+        """Bytes one rank sends per token and layer: 2 x 2 (N-1)/N x d x b (docs/parallel.md)."""
         message = self.model.hidden_size * self.activation_bytes
         return 2 * allreduce_bytes_per_rank(self.tensor_parallel, message)
 
