@@ -33,7 +33,7 @@ def server(gpt2_model_dir, tmp_path_factory):
         "--max-model-len",
         "512",
         "--inject-fault",
-        "delay:0.005",  # at least 5 ms a step: the disconnect tests cannot lose a race with the engine
+        "delay:0.005",  # >= 5 ms a step: the disconnect tests never lose a race with the engine
         log_path=log,
     ) as (base_url, _):
         yield base_url

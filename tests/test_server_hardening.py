@@ -232,3 +232,24 @@ def test_disconnected_non_streaming_request_is_logged_and_query_strings_are_not(
     assert '"stream": false' in record
     assert "hunter2-secret" not in text and "GET /health?[query omitted]" in text
     assert_still_serving(url)
+
+
+def test_unexpected_exception_is_a_json_500_with_a_request_id(caplog):
+    """A bug in a route (simulated by one that raises) answers JSON, never text/plain, and logs the
+    traceback under the same request id."""
+    from fastapi.testclient import TestClient
+
+    from kvserve.server.app import build_app
+    from kvserve.server.serving import ServingOptions
+
+    app = build_app(lambda: None, ServingOptions(served_model_name="m"))
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("secret internal detail")
+
+    client = TestClient(app, raise_server_exceptions=False)  # no lifespan: no model is loaded
+    error = assert_openai_error(client.get("/boom"), 500, fragment="request id req-")
+    assert error["type"] == "internal_error" and "secret internal detail" not in error["message"]
+    request_id = error["message"].rsplit("request id ", 1)[1].rstrip(")")
+    assert request_id in caplog.text and "secret internal detail" in caplog.text
