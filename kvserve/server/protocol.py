@@ -1,6 +1,7 @@
 """OpenAI request schemas (pydantic) and their mapping to `SamplingParams`.
 
-Unknown fields are accepted and ignored, as OpenAI clients send vendor extensions through `extra_body`.
+Every field is implemented or refused: an OpenAI field kvserve does not implement, or a field nobody
+defines, is a 400 naming it (`openai_fields`, docs/tools.md), never silently dropped.
 Extensions beyond OpenAI's parameters follow vLLM's names so clients can switch: top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens, cache_salt.
 """
@@ -18,6 +19,8 @@ from kvserve.server.tools import ToolPlan, plan_tools, template_message
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown options are 400s (openai_fields)
+
     include_usage: bool = False
     continuous_usage_stats: bool = (
         False  # vLLM's: usage in every chunk, so clients can count tokens
@@ -38,7 +41,8 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # recorded in the request log, like safety_identifier
+    safety_identifier: str | None = None
     # extensions
     top_k: int | None = None
     min_p: float = 0.0

@@ -17,6 +17,7 @@ from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.server import tools
 from kvserve.server.errors import APIError, from_engine_error
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.openai_fields import check_fields
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.responses import Job, ResponseBuilder, server_metrics
 
@@ -92,6 +93,7 @@ class OpenAIServing:
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self.check_model(request.model)
+        check_fields(request, "chat")
         plan = request.tool_plan()
         parser = tools.output_parser(plan, self.options.tool_call_parser)
         params = tools.constrain(request.to_sampling_params(), plan, parser)
@@ -103,6 +105,7 @@ class OpenAIServing:
 
     def completion_job(self, request: CompletionRequest) -> Job:
         self.check_model(request.model)
+        check_fields(request, "completion")
         params = request.to_sampling_params()
         ids, texts = [], []
         for prompt in request.prompts():
@@ -138,6 +141,7 @@ class OpenAIServing:
             include_usage=request.include_usage,
             continuous_usage=request.continuous_usage,
             cache_salt=request.cache_salt,
+            user=request.safety_identifier or request.user,
         )
 
     # --- running ----------------------------------------------------------------------------------------
@@ -302,6 +306,8 @@ class OpenAIServing:
         ttfts = [
             c.metrics.ttft_s for c in completions if c.metrics and c.metrics.ttft_s is not None
         ]
+        if job.user is not None:
+            record["user"] = job.user
         if ttfts:
             record["ttft_s"] = round(min(ttfts), 4)
         if self.options.log_content:
