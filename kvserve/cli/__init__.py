@@ -14,7 +14,17 @@ import sys
 from kvserve import __version__
 
 # name -> module under kvserve.cli; a module that is not there yet is skipped.
-COMMANDS = ("generate", "serve", "bench", "plan", "simulate", "eval", "train_demo", "check", "quantize")
+COMMANDS = (
+    "generate",
+    "serve",
+    "bench",
+    "plan",
+    "simulate",
+    "eval",
+    "train_demo",
+    "check",
+    "quantize",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -173,7 +173,8 @@ class DecoderLM(nn.Module):
         """CPU layout (model/linear.py): every projection, and the head, run from a weight laid out for
         the CPU kernel. A tied head keeps its own copy beside the embedding table it shares."""
         use_cpu_linears(self.layers)
-        if self.embed_tokens.weight.dtype == torch.float32 and cpu_kernels.kernel_available():
+        # the norms are never quantised: their dtype is the model's activation dtype
+        if self.norm.weight.dtype == torch.float32 and cpu_kernels.kernel_available():
             for module in self.modules():
                 if isinstance(module, (RMSNorm, Attention, MLP)):
                     module.cpu_kernels = True

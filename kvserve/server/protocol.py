@@ -1,6 +1,7 @@
 """OpenAI request schemas (pydantic) and their mapping to `SamplingParams`.
 
-Unknown fields are accepted and ignored, as OpenAI clients send vendor extensions through `extra_body`.
+Every field is implemented or refused: an OpenAI field kvserve does not implement, or a field nobody
+defines, is a 400 naming it (`openai_fields`, docs/tools.md), never silently dropped.
 Known fields are strict: `"stream": "yes"`, `"top_p": true` or `"n": 2.0` are 400s, not coerced. The
 schema's numeric bounds are the ranges the engine accepts (docs/server.md, "Limits").
 Extensions beyond OpenAI's parameters follow vLLM's names so clients can switch: top_k, min_p,
@@ -28,7 +29,7 @@ _STRICT = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = _STRICT  # extras allowed through pydantic, then refused by name (openai_fields)
 
     include_usage: bool = False
     continuous_usage_stats: bool = (
@@ -52,7 +53,8 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # recorded in the request log, like safety_identifier
+    safety_identifier: str | None = None
     # extensions
     top_k: int | None = Field(None, json_schema_extra={"minimum": -1, "maximum": INT64_MAX})
     min_p: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 1})

@@ -29,6 +29,7 @@ class Job:
     continuous_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
     cache_salt: str | None = None
+    user: str | None = None  # the request's user / safety_identifier, for the request log
     arrival_time: float = field(default_factory=time.monotonic)
     finished_choices: set[int] = field(default_factory=set)  # streamed finish chunks
     key_id: str | None = None  # the caller's API key id (metering)

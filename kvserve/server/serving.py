@@ -25,6 +25,7 @@ from kvserve.server.errors import APIError, from_engine_error, internal_error
 from kvserve.server.limits import RequestLimits
 from kvserve.server.metering import Metering, outcome_of
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.openai_fields import check_fields
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.responses import Job, ResponseBuilder, server_metrics
 from kvserve.server.workers import offload
@@ -146,6 +147,7 @@ class OpenAIServing:
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         """Run in the worker pool: template, tokenisation, validation (grammar compilation)."""
         self.check_model(request.model)
+        check_fields(request, "chat")
         plan = request.tool_plan()
         parser = tools.output_parser(plan, self.options.tool_call_parser)
         params = tools.constrain(request.to_sampling_params(), plan, parser)
@@ -159,6 +161,7 @@ class OpenAIServing:
     def completion_job(self, request: CompletionRequest) -> Job:
         """Run in the worker pool: tokenisation, validation (grammar compilation)."""
         self.check_model(request.model)
+        check_fields(request, "completion")
         params = request.to_sampling_params()
         prompts = request.prompts()
         self.check_limits(params, len(prompts))
@@ -186,6 +189,7 @@ class OpenAIServing:
             include_usage=request.include_usage,
             continuous_usage=request.continuous_usage,
             cache_salt=request.cache_salt,
+            user=request.safety_identifier or request.user,
         )
 
     async def prepare(self, builder, request, key_id: str | None = None) -> Job:
@@ -423,6 +427,8 @@ class OpenAIServing:
         ttfts = [
             c.metrics.ttft_s for c in completions if c.metrics and c.metrics.ttft_s is not None
         ]
+        if job.user is not None:
+            record["user"] = job.user
         if ttfts:
             record["ttft_s"] = round(min(ttfts), 4)
         if self.options.log_content:

@@ -1,0 +1,69 @@
+"""No OpenAI parameter is silently ignored (docs/tools.md): a request field kvserve does not implement is
+a 400 that names it, and so is a field nobody defines.
+
+The request models declare every field kvserve implements (OpenAI's and vLLM's extensions); anything else
+arrives as a pydantic extra and is checked here. A null value counts as absent, as OpenAI treats it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.core.errors import InvalidRequestError
+
+# OpenAI fields with no implementation here, and why (the 400's message).
+_NOT_SUPPORTED = {
+    "audio": "audio output is not supported (text only)",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this server runs no reasoning model; reasoning_effort is not supported",
+    "verbosity": "verbosity is not supported",
+    "metadata": "kvserve stores no completions, so metadata has nothing to attach to",
+    "prompt_cache_key": "prefix caching is automatic; prompt_cache_key is not supported "
+    "(cache_salt isolates a tenant's cache)",
+    "functions": "`functions` is deprecated and not supported: send `tools`",
+    "function_call": "`function_call` is deprecated and not supported: send `tool_choice`",
+    "suffix": "suffix (insertion) is not supported",
+}
+# OpenAI fields whose default behaviour is what kvserve does: these values are accepted.
+_ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
+    "store": (False,),  # nothing is stored
+    "service_tier": ("auto", "default"),  # one tier
+    "modalities": (["text"],),
+}
+_STREAM_ACCEPTED: dict[str, tuple[Any, ...]] = {"include_obfuscation": (False,)}
+
+
+def check_fields(request, kind: str) -> None:
+    """Raise a 400 for the first field of `request` (chat or completion) that kvserve would ignore."""
+    _check_extras(request.model_extra or {}, "")
+    options = getattr(request, "stream_options", None)
+    if options is not None:
+        _check_extras(options.model_extra or {}, "stream_options.", _STREAM_ACCEPTED)
+    if kind == "completion":
+        best_of = (request.model_extra or {}).get("best_of")
+        if best_of is not None and best_of != request.n:
+            raise InvalidRequestError(
+                "best_of other than n is not supported (it would rank samples by log probability)",
+                "best_of",
+            )
+
+
+def _check_extras(
+    extras: dict[str, Any], prefix: str, accepted: dict[str, tuple[Any, ...]] = _ACCEPTED_VALUES
+) -> None:
+    for name, value in extras.items():
+        param = prefix + name
+        if value is None or (prefix == "" and name == "best_of"):
+            continue
+        if name in accepted:
+            if value in accepted[name]:
+                continue
+            raise InvalidRequestError(
+                f"{param}={value!r} is not supported (accepted: "
+                f"{', '.join(repr(v) for v in accepted[name])})",
+                param,
+            )
+        if prefix == "" and name in _NOT_SUPPORTED:
+            raise InvalidRequestError(f"{param}: {_NOT_SUPPORTED[name]}", param)
+        raise InvalidRequestError(f"unknown parameter {param!r}", param)

@@ -1,0 +1,97 @@
+"""No silent drops: each OpenAI request field kvserve does not implement, and each unknown field, is a 400
+naming it; tools need a template that renders them; the accepted no-op values pass."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server_utils import running_server
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.fixture(scope="module")
+def server(gpt2_model_dir):
+    # The fixture's plain template cannot render tools, and no --tool-call-parser is set.
+    with running_server(gpt2_model_dir, "--max-model-len", "256", "--kv-cache-memory", "32MiB") as (
+        url,
+        _,
+    ):
+        yield url
+
+
+CHAT_UNSUPPORTED = {
+    "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"},
+    "web_search_options": {},
+    "reasoning_effort": "low",
+    "verbosity": "low",
+    "metadata": {"k": "v"},
+    "prompt_cache_key": "k",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "store": True,
+    "service_tier": "flex",
+    "modalities": ["text", "audio"],
+    "stream_options.include_obfuscation": True,
+    "top_a": 0.5,  # nobody's parameter
+}
+COMPLETION_UNSUPPORTED = {"suffix": "end", "best_of": 3, "echo": True, "mirostat": 2}
+
+
+def body_for(param: str, value, base: dict) -> dict:
+    if param.startswith("stream_options."):
+        return base | {"stream": True, "stream_options": {param.split(".", 1)[1]: value}}
+    return base | {param: value}
+
+
+@pytest.mark.parametrize("param", sorted(CHAT_UNSUPPORTED))
+def test_unsupported_chat_field_is_400_naming_it(server, param):
+    body = body_for(param, CHAT_UNSUPPORTED[param], {"messages": MESSAGES, "max_tokens": 2})
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param.split(".")[-1] in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("param", sorted(COMPLETION_UNSUPPORTED))
+def test_unsupported_completion_field_is_400_naming_it(server, param):
+    body = {"prompt": "Hi", "max_tokens": 2, param: COMPLETION_UNSUPPORTED[param]}
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_accepted_defaults_and_nulls_pass(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=2, store=False, service_tier="auto",
+        modalities=["text"], user="u-1", safety_identifier="s-1",
+        extra_body={"audio": None, "top_k": 5},
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    done = client.completions.create(model=model, prompt="Hi", max_tokens=2, n=2, best_of=2)
+    assert len(done.choices) == 2
+
+
+def test_tools_need_a_template_that_renders_them(server):
+    body = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 2}
+    required = httpx.post(f"{server}/v1/chat/completions", json=body | {"tool_choice": "required"})
+    assert required.status_code == 400
+    assert required.json()["error"]["param"] == "tools"
+    assert "cannot render tools" in required.json()["error"]["message"]
+    # auto (the default with tools) needs a parser: without one it would never find a call
+    auto = httpx.post(f"{server}/v1/chat/completions", json=body)
+    assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"
+    assert "--tool-call-parser" in auto.json()["error"]["message"]
+    # none needs neither: the tools are not rendered and the answer is content
+    none = httpx.post(f"{server}/v1/chat/completions", json=body | {"tool_choice": "none"})
+    assert none.status_code == 200, none.text
+    assert "tool_calls" not in none.json()["choices"][0]["message"]
