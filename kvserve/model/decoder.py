@@ -162,6 +162,13 @@ class DecoderLM(nn.Module):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
         return self.norm.add_norm(hidden, residual)[0]
 
+    def use_cpu_kernels(self, enabled: bool) -> None:
+        """Run the small ops between the linears as fused C kernels (fp32 on CPU, when they build)."""
+        enabled = enabled and cpu_kernels.kernel_available()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.cpu_kernels = enabled
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden_size] -> [S, vocab_size], fp32 for the sampler
         if self.cpu_head is not None:
@@ -173,10 +180,7 @@ class DecoderLM(nn.Module):
         """CPU layout (model/linear.py): every projection, and the head, run from a weight laid out for
         the CPU kernel. A tied head keeps its own copy beside the embedding table it shares."""
         use_cpu_linears(self.layers)
-        if self.embed_tokens.weight.dtype == torch.float32 and cpu_kernels.kernel_available():
-            for module in self.modules():
-                if isinstance(module, (RMSNorm, Attention, MLP)):
-                    module.cpu_kernels = True
+        self.use_cpu_kernels(self.embed_tokens.weight.dtype == torch.float32)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.cpu_head = cpu_linear(weight)
         self.lm_head = None  # an untied head lives on only as cpu_head
