@@ -23,6 +23,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="memory for the KV cache, e.g. 512MiB, 2GiB, or bytes (default 512MiB)",
     )
     group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+        help="KV cache storage: the model's dtype, or 8-bit codes + fp16 scales per token and head",
+    )  # fmt: skip
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch"])
     group.add_argument("--admission", default="on_demand", choices=["on_demand", "reserve"])
     group.add_argument("--seed", type=int, default=0)
     spec = parser.add_argument_group("speculative decoding")
@@ -63,6 +68,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
     )
 
 
