@@ -50,9 +50,25 @@ def kvserve_point(llm, batch: int, prompt_len: int, new_tokens: int) -> dict:
     }
 
 
-def llama_bench(binary: str, gguf: str, threads: int, prompt_len: int, new_tokens: int) -> dict:
+def kvserve_long_prefill(llm, prompt_len: int) -> float:
+    """Cold prefill tok/s of one `prompt_len`-token prompt (the prefix cache reset first)."""
+    import torch
+
+    from kvserve import SamplingParams
+
+    gen = torch.Generator().manual_seed(prompt_len)
+    prompt = torch.randint(3, llm.engine.config.model.vocab_size, (prompt_len,), generator=gen)
+    llm.engine.kv_manager.pool.reset_prefix_cache()
+    output = llm.generate([prompt.tolist()], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    metrics = output.outputs[0].metrics
+    return prompt_len / (metrics.first_token_time - metrics.first_scheduled_time)
+
+
+def llama_bench(
+    binary: str, gguf: str, threads: int, prompt_len: int, new_tokens: int, repeats: int = 3
+) -> dict:
     cmd = [binary, "-m", gguf, "-p", str(prompt_len), "-n", str(new_tokens), "-t", str(threads),
-           "-r", "3", "-o", "json"]  # fmt: skip
+           "-r", str(repeats), "-o", "json"]  # fmt: skip
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     out = {"command": " ".join(cmd)}
     for row in rows:
@@ -89,6 +105,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument(
+        "--long-prompt", type=int, default=3000, help="cold prefill point (0: skip)"
+    )
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out", default="benchmarks/results/peer_llamacpp.json")
     args = parser.parse_args()
 
@@ -97,7 +117,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from kvserve import LLM
 
-    llm = LLM(args.hf_dir, max_num_seqs=64, kv_cache_memory_bytes=512 * 1024**2)
+    options = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
+    llm = LLM(args.hf_dir, max_num_seqs=64, kv_cache_memory_bytes=512 * 1024**2, **options)
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
         ours = kvserve_point(llm, batch, args.prompt_len, args.new_tokens)
@@ -116,11 +137,20 @@ def main() -> None:
             f"{theirs['decode_tok_s']:8.1f} tok/s (x{row['decode_ratio']:.2f}); prefill kvserve "
             f"{ours['prefill_tok_s']:8.1f}, llama.cpp {theirs['prefill_tok_s']:8.1f} tok/s"
         )
+    long_prefill = None
+    if args.long_prompt:
+        ours = kvserve_long_prefill(llm, args.long_prompt)
+        theirs = llama_bench(args.llama_bench, args.gguf, args.threads, args.long_prompt, 0, 1)
+        long_prefill = {"prompt_len": args.long_prompt, "kvserve_tok_s": ours,
+                        "llama.cpp_tok_s": theirs["prefill_tok_s"], "ratio": ours / theirs["prefill_tok_s"],
+                        "llama.cpp_command": theirs["command"]}  # fmt: skip
+        print(f"pp{args.long_prompt}: kvserve {ours:8.1f} tok/s, llama.cpp "
+              f"{theirs['prefill_tok_s']:8.1f} tok/s (x{long_prefill['ratio']:.2f})")  # fmt: skip
     report = {
         "benchmark": "peer_llamacpp", "hf_dir": args.hf_dir, "gguf": args.gguf,
         "dtype": "float32 weights both sides; KV fp32 (llama-bench: f16)", "threads": args.threads,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "rows": rows,
+        "kv_cache_dtype": args.kv_cache_dtype, "rows": rows, "long_prefill": long_prefill,
     }  # fmt: skip
     write_report(args.out, report)
 

@@ -244,7 +244,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     speculative: SpeculativeConfig | None = None
-    attention_backend: str = "auto"  # ATTENTION_BACKENDS; auto: the in-place kernel on CPU
+    # ATTENTION_BACKENDS. auto: on CPU with fp32 weights, the C kernels (in-place decode attention and the
+    # fused layer ops); torch: torch ops only (the reference path, any device and dtype).
+    attention_backend: str = "auto"
     quantization: str | None = None  # weight scheme (docs/quantization.md), rounded at load
 
     def __post_init__(self) -> None:

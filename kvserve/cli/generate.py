@@ -68,6 +68,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="quantise weights at load (round to nearest): int8, int4-g128, w8a8, "
         "linear=int4-g64,head=int8, ... (docs/quantization.md)",
     )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "int8", "fp8"],
+        help="KV cache storage: the model's dtype, or 8-bit codes + fp16 scales per token and head",
+    )
+    group.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "cpu", "torch"],
+        help="auto: the in-place C kernels on CPU with fp32 weights; torch: torch ops only",
+    )
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-model",
@@ -114,6 +126,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        attention_backend=args.attention_backend,
     )
 
 

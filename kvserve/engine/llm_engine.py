@@ -45,6 +45,9 @@ class _Parent:
     cache_salt: str | None
     arrival_time: float
     samples: list[_Sample] = field(default_factory=list)
+    # One list shared by every snapshot: the prompt never changes, so a step's host work does not grow
+    # with its length.
+    prompt_token_list: list[int] = field(default_factory=list)
     pending: list[Request] = field(default_factory=list)  # samples waiting for sample 0's prefill
 
     @property
@@ -175,6 +178,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             cache_salt=cache_salt,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            prompt_token_list=list(prompt_token_ids),
         )
         requests = []
         for index in range(params.n):
@@ -327,7 +331,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
-            prompt_token_ids=list(parent.prompt_token_ids),
+            prompt_token_ids=parent.prompt_token_list,
             outputs=outputs,
             finished=parent.finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),

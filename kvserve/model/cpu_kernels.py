@@ -127,6 +127,8 @@ def add_rms_norm(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual)."""
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
     num_rows, dim = x.shape
     out = torch.empty_like(x)
     residual_out = x if residual is None else torch.empty_like(x)
@@ -144,6 +146,8 @@ def rotary_(
     num_rotated_heads: int,  # q heads then k heads
     head_dim: int,
 ) -> None:
+    if qkv.stride(1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError("rotary_ needs rows of contiguous values and contiguous cos/sin")
     load_kernel().rotary(
         qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
         num_rotated_heads, head_dim, torch.get_num_threads(),
@@ -166,6 +170,7 @@ def write_kv(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2 I] fp32 contiguous (gate first) -> silu(gate) * up [T, I]."""
+    gate_up = gate_up.contiguous()
     num_rows, width = gate_up.shape
     out = gate_up.new_empty(num_rows, width // 2)
     load_kernel().silu_mul(

@@ -162,6 +162,13 @@ class DecoderLM(nn.Module):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
         return self.norm.add_norm(hidden, residual)[0]
 
+    def use_cpu_kernels(self, enabled: bool) -> None:
+        """Run the small ops between the linears as fused C kernels (fp32 on CPU, when they build)."""
+        enabled = enabled and cpu_kernels.kernel_available()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.cpu_kernels = enabled
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden_size] -> [S, vocab_size], fp32 for the sampler
         if self.cpu_head is not None:
@@ -174,10 +181,7 @@ class DecoderLM(nn.Module):
         the CPU kernel. A tied head keeps its own copy beside the embedding table it shares."""
         use_cpu_linears(self.layers)
         # the norms are never quantised: their dtype is the model's activation dtype
-        if self.norm.weight.dtype == torch.float32 and cpu_kernels.kernel_available():
-            for module in self.modules():
-                if isinstance(module, (RMSNorm, Attention, MLP)):
-                    module.cpu_kernels = True
+        self.use_cpu_kernels(self.norm.weight.dtype == torch.float32)
         if self.cpu_head is None:  # a quantised head (model/linear.py) is already there
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.cpu_head = cpu_linear(weight)

@@ -60,6 +60,7 @@ def build_sampling_batch(
         min_p=column([p.min_p for p in params]),
         generators=[s.generator for s in states],
         num_logprobs=[p.logprobs for p in params],
+        host_all_greedy=all(p.greedy for p in params),
     )
     bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
     if bias:

@@ -40,6 +40,8 @@ class DraftModel:
             device=config.device,
         )
         self.attention = attention
+        if config.attention_backend == "torch":
+            self.model.use_cpu_kernels(False)
         self.kv_tensors, self.kv_caches = allocate_kv_cache(
             self.model, num_blocks, self.block_size, TORCH_DTYPES[config.dtype], self.device,
             config.cache.kv_cache_dtype,

@@ -62,6 +62,8 @@ class ModelRunner:
         )
         dtype = TORCH_DTYPES[config.dtype]
         self.attention = get_attention_backend(config.attention_backend, self.device, dtype)
+        if config.attention_backend == "torch":  # the pure-torch reference path throughout
+            self.model.use_cpu_kernels(False)
         self.vocab_size = config.model.vocab_size
         self.kv_tensors, self.kv_caches = allocate_kv_cache(
             self.model, num_blocks, self.block_size, dtype, self.device,

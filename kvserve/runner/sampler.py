@@ -38,9 +38,13 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None = None  # [S, V] token appears in the prompt
     # Grammar masks: called on the processed logits, masks (in place) the rows that carry a grammar.
     constrain: Callable[[torch.Tensor], object] | None = None
+    # Known on the host when the runner builds the batch (no device sync); None: read the tensor.
+    host_all_greedy: bool | None = None
 
     @property
     def all_greedy(self) -> bool:
+        if self.host_all_greedy is not None:
+            return self.host_all_greedy
         return bool((self.temperature == 0).all())
 
 

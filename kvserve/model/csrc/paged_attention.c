@@ -25,6 +25,7 @@
 #include <string.h>
 
 #define SPLIT_TOKENS 256
+#define PARALLEL_MIN_VALUES 65536
 #define MAX_GROUP 32
 #define MAX_HEAD_DIM 256
 
@@ -106,15 +107,19 @@ int paged_decode_attention(const float *q, const void *k, const void *v, const u
     const int G = num_heads / num_kv_heads, D = head_dim;
     if (G > MAX_GROUP || D > MAX_HEAD_DIM || num_heads % num_kv_heads) return -1;
     int max_splits = 1;
+    int64_t total_tokens = 0;
     for (int b = 0; b < batch; b++) {
         int n = (context_lens[b] + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
         max_splits = n > max_splits ? n : max_splits;
+        total_tokens += context_lens[b];
     }
+    /* Small work stays on this thread: waking the others costs more than it saves. */
+    const int parallel = total_tokens * num_kv_heads * D >= PARALLEL_MIN_VALUES;
     const int64_t num_items = (int64_t)batch * num_kv_heads * max_splits;
     /* per item and q head of its group: m, l, acc[D] */
     float *parts = malloc(sizeof(float) * num_items * G * (D + 2));
     if (parts == NULL) return -2;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (parallel)
     for (int64_t item = 0; item < num_items; item++) {
         int split = item % max_splits, h = (item / max_splits) % num_kv_heads;
         int b = item / ((int64_t)max_splits * num_kv_heads);
