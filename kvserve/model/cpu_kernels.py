@@ -30,6 +30,21 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
 
 
+def _cpu_identity() -> bytes:
+    """What `-march=native` compiles for: the CPU's feature flags. A cached build made on another CPU
+    (a home directory carried to a new machine) may use instructions this one lacks, so the flags are
+    part of the cache key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.encode()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor().encode() + platform.machine().encode()
+
+
 def _cache_dir() -> Path:
     return Path.home() / ".cache" / "kvserve" / "kernels"
 
@@ -44,7 +59,8 @@ def load_kernel() -> ctypes.CDLL | None:
         )
         return None
     source = b"".join(p.read_bytes() for p in _SOURCES)
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    key = source + " ".join((compiler, *_FLAGS)).encode() + _cpu_identity()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     path = _cache_dir() / f"kvserve_cpu-{digest}.so"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,11 @@ def build_manifest(
         ),
         "dtype": dtype,
         "quantization": quantization_manifest(model_dir, engine_options.get("quantization")),
-        "kv_cache_dtype": dtype,
+        "kv_cache_dtype": (
+            dtype
+            if engine_options.get("kv_cache_dtype", "auto") == "auto"
+            else engine_options["kv_cache_dtype"]
+        ),
         "engine_options": engine_options,
     }
 
