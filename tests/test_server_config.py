@@ -56,3 +56,16 @@ def test_chat_template_flag_and_log_content(no_template_dir, tmp_path):
         rendered = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json()
         assert rendered["prompt"] == f"user: {SECRET_PROMPT}\nA:"
     assert SECRET_PROMPT in log.read_text()  # content logging was asked for explicitly
+
+
+def test_manifest_reports_the_kv_cache_dtype_not_the_model_dtype(tmp_path):
+    from kvserve.server.manifest import build_manifest, manifest_hash
+    from tests.checkpoints import build_checkpoint
+
+    build_checkpoint(tmp_path / "m")
+    common = dict(served_model_name="m", dtype="float32", chat_template=None)
+    auto = build_manifest(tmp_path / "m", engine_options={}, **common)
+    int8 = build_manifest(tmp_path / "m", engine_options={"kv_cache_dtype": "int8"}, **common)
+    assert auto["kv_cache_dtype"] == "float32"
+    assert int8["kv_cache_dtype"] == "int8"
+    assert manifest_hash(auto) != manifest_hash(int8)
