@@ -193,7 +193,10 @@ def calibrated_quantize(
     from kvserve.quant.convert import quantized_formats
 
     stats = collect_stats(Path(model_dir), token_ids)
-    checkpoint = {k: v.clone() for k, v in checkpoint.items()}
+    dtypes = {k: v.dtype for k, v in checkpoint.items()}
+    checkpoint = {
+        k: v.float() if v.is_floating_point() else v.clone() for k, v in checkpoint.items()
+    }
     formats = quantized_formats(checkpoint, scheme)
     linear = scheme.for_class("linear")
     layers = sorted({n.rsplit(".", 3)[0] for n in formats if n.startswith("model.layers.")})
@@ -223,4 +226,6 @@ def calibrated_quantize(
             quantized[name] = gptq(checkpoint[name], stats[module].hessian, fmt)
         else:
             quantized[name] = quantize(checkpoint[name], fmt)
+    # tensors left in float go back to the checkpoint's dtype (bf16 norms: the fold then rounds)
+    checkpoint = {k: v.to(dtypes[k]) for k, v in checkpoint.items()}
     return quantized, checkpoint, extra
