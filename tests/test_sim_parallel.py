@@ -223,3 +223,24 @@ def test_cli_text_and_errors(capsys):
     assert rc == 2 and "must divide" in err
     rc, _, err = run_cli(COMMON + ["--parallel", "2x2", "--policy", "static"], capsys)
     assert rc == 2 and "continuous" in err
+
+
+def test_capacity_search_on_one_replica_is_the_studys():
+    from kvserve.bench.slo import ObjectiveSet
+    from kvserve.sim.parallel import search_capacity_data_parallel
+    from kvserve.sim.study import search_capacity
+
+    shape = EngineShape(num_blocks=60, max_model_len=128, block_size=BLOCK, max_num_seqs=4)
+    policy = Policy.parse("on_demand-chunked")
+    slo = (ObjectiveSet.parse("p99_ttft=40ms"),)
+
+    def source(rate: float) -> tuple[SimRequest, ...]:
+        return workload_requests(n=24, rate=rate)
+
+    search = dict(start_rps=4.0, max_rps=512.0, rel_tol=0.1, max_trials=12)
+    ours = search_capacity_data_parallel(policy, source, shape, smol_cost(), 1, slo, **search)
+    theirs = search_capacity(policy, source, shape, smol_cost(), slo, **search)
+    assert ours == theirs
+    assert ours["trials"] and any(t["passed"] for t in ours["trials"])
+    with pytest.raises(SimError, match="objective set"):
+        search_capacity_data_parallel(policy, source, shape, smol_cost(), 2, (), **search)

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvserve.bench.capacity import Trial, find_capacity
 from kvserve.bench.slo import ObjectiveSet
 from kvserve.bench.summary import summarize
 from kvserve.config import SchedulerConfig
@@ -37,8 +36,7 @@ from kvserve.sim.setup import Deployment, roofline_deployment
 from kvserve.sim.study import (
     EngineShape,
     Policy,
-    brief,
-    trial_passes,
+    capacity_search,
     usd_per_million_output,
 )
 from kvserve.sim.timeline import (
@@ -378,12 +376,9 @@ def search_capacity_data_parallel(
     usd_per_hour: float | None = None,
 ) -> dict:
     """`kvserve.sim.study.search_capacity` over M replicas (the same search and pass rule)."""
-    if not objective_sets:
-        raise SimError("--find-capacity needs at least one --slo objective set")
-    results: dict[float, dict] = {}
 
-    def trial(rate: float) -> Trial:
-        result, _ = evaluate_data_parallel(
+    def run(rate: float) -> dict:
+        return evaluate_data_parallel(
             policy,
             shape,
             cost_model,
@@ -394,12 +389,8 @@ def search_capacity_data_parallel(
             shared_prefixes,
             objective_sets,
             usd_per_hour,
-        )
-        results[rate] = result
-        return Trial(rate, trial_passes(result, min_attainment), brief(result))
+        )[0]
 
-    found = find_capacity(trial, start_rps, max_rps, rel_tol, max_trials)
-    out = {"policy": policy.name} | found.to_json()
-    at_capacity = results.get(found.capacity_rps) if found.capacity_rps else None
-    out["at_capacity"] = brief(at_capacity) if at_capacity else None
-    return out
+    return capacity_search(
+        policy.name, run, objective_sets, min_attainment, start_rps, max_rps, rel_tol, max_trials
+    )

@@ -226,19 +226,39 @@ def search_capacity(
 ) -> dict:
     """The highest arrival rate at which every objective set passes (the bench's conservative
     bracket-and-bisect search), and the simulated cost per million output tokens there."""
+
+    def run(rate: float) -> dict:
+        return evaluate(
+            policy, shape, cost_model, source(rate), rate, objective_sets, usd_per_hour
+        )[0]
+
+    return capacity_search(
+        policy.name, run, objective_sets, min_attainment, start_rps, max_rps, rel_tol, max_trials
+    )
+
+
+def capacity_search(
+    policy_name: str,
+    run: Callable[[float], dict],
+    objective_sets: tuple[ObjectiveSet, ...],
+    min_attainment: float,
+    start_rps: float,
+    max_rps: float,
+    rel_tol: float,
+    max_trials: int,
+) -> dict:
+    """`find_capacity` over `run(rate)` (a simulated run's result): a rate passes when every
+    objective set's attainment is at least `min_attainment`."""
     if not objective_sets:
         raise SimError("--find-capacity needs at least one --slo objective set")
     results: dict[float, dict] = {}
 
     def trial(rate: float) -> Trial:
-        result, _ = evaluate(
-            policy, shape, cost_model, source(rate), rate, objective_sets, usd_per_hour
-        )
-        results[rate] = result
+        result = results[rate] = run(rate)
         return Trial(rate, trial_passes(result, min_attainment), brief(result))
 
     found = find_capacity(trial, start_rps, max_rps, rel_tol, max_trials)
-    out = {"policy": policy.name} | found.to_json()
+    out = {"policy": policy_name} | found.to_json()
     at_capacity = results.get(found.capacity_rps) if found.capacity_rps else None
     out["at_capacity"] = brief(at_capacity) if at_capacity else None
     return out
