@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.paths import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
@@ -46,7 +48,7 @@ def _cpu_identity() -> bytes:
 
 
 def _cache_dir() -> Path:
-    return Path.home() / ".cache" / "kvserve" / "kernels"
+    return cache_dir("kernels")
 
 
 @functools.cache

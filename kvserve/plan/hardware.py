@@ -7,11 +7,11 @@ for the `--compare` table; pass your own with `--price-per-hour` or `--device-co
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvserve.paths import cache_dir
 from kvserve.plan.model import PlanError
 
 
@@ -163,15 +163,8 @@ THIS_MACHINE = "this-machine"
 
 
 def profiles_dir() -> Path:
-    """Where measured profiles live. The one place kvserve reads KVSERVE_CACHE_DIR / XDG_CACHE_HOME
-    for this: $KVSERVE_CACHE_DIR/profiles, else $XDG_CACHE_HOME/kvserve/profiles, else
-    ~/.cache/kvserve/profiles."""
-    root = os.environ.get("KVSERVE_CACHE_DIR")
-    if root:
-        return Path(root).expanduser() / "profiles"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "kvserve" / "profiles"
+    """Where measured profiles live (kvserve/paths.py)."""
+    return cache_dir("profiles")
 
 
 def default_profile_path() -> Path:

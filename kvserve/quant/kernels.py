@@ -1,7 +1,7 @@
 """The integer GEMM extension (csrc/qgemm.cpp): built once per machine, then loaded from a cache.
 
 The C++ source is compiled with torch's own headers on first use (gcc and ninja, ~1 min on 2 cores)
-into $KVSERVE_CACHE_DIR/ext/<torch version>-<source hash>, else ~/.cache/kvserve/ext/...; later
+into cache_dir("ext")/<torch version>-<source hash> (kvserve/paths.py); later
 processes load the built library. It picks its AVX2 path or a scalar one by the CPU's capabilities at
 run time. When it cannot be built (no compiler), `kernels_available()` is False and quantised linears
 fall back to a dequantised fp32 weight, which is logged and reported as such.
@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
+
+from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +25,9 @@ ISA_NAMES = {2: "avx2", 0: "scalar"}
 
 
 def extension_dir() -> Path:
-    """Where the built extension is cached (the one place this module reads the environment)."""
-    root = os.environ.get("KVSERVE_CACHE_DIR")
-    if root:
-        base = Path(root).expanduser()
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        base = (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvserve"
+    """Where the built extension is cached (kvserve/paths.py), per torch version and source."""
     digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    return base / "ext" / f"torch{torch.__version__}-{digest}"
+    return cache_dir("ext") / f"torch{torch.__version__}-{digest}"
 
 
 @functools.cache
