@@ -134,12 +134,14 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
 def run_compare(args: argparse.Namespace) -> int:
     from kvserve.core.errors import KVServeError
+    from kvserve.models import resolve_model
     from kvserve.quant.compare import EVALUATION_NAME, Thresholds, compare
 
     try:
+        reference, candidate = resolve_model(args.reference), resolve_model(args.candidate)
         report = compare(
-            args.reference,
-            args.candidate,
+            reference,
+            candidate,
             args.data,
             cand_quantization=args.candidate_quantization,
             window=args.window,
@@ -156,9 +158,7 @@ def run_compare(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text + "\n")
     if args.record:
-        from pathlib import Path
-
-        (Path(args.candidate) / EVALUATION_NAME).write_text(text + "\n")
+        (candidate / EVALUATION_NAME).write_text(text + "\n")
     print(
         f"ppl {report['ppl_reference']:.3f} -> {report['ppl_candidate']:.3f}; KL mean "
         f"{report['kl_mean']:.5f} p99 {report['kl_p99']:.5f}; top-1 {report['top1_agreement']:.3f}; "

@@ -16,7 +16,9 @@ def register(subparsers) -> None:
         help="quantise a checkpoint's weights (compressed-tensors layout)",
         description=__doc__.splitlines()[0],
     )
-    parser.add_argument("model", help="float Hugging Face model directory")
+    parser.add_argument(
+        "model", help="float Hugging Face model directory or built-in name (kvserve-demo)"
+    )
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument(
         "--weights", required=True, help="format: int8, int4-g128, int4-g128-zp, w8a8, ..."
@@ -32,11 +34,12 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.core.errors import KVServeError
+    from kvserve.models import resolve_model
     from kvserve.quant.methods import quantize_checkpoint
 
     try:
         report = quantize_checkpoint(
-            args.model,
+            resolve_model(args.model),
             args.out,
             weights=args.weights,
             method=args.method,
