@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.bench.slo import ObjectiveSet
-from kvserve.bench.summary import summarize
 from kvserve.config import SchedulerConfig
 from kvserve.kv.hashing import ROOT_HASH, hash_block
 from kvserve.kv.manager import KVCacheManager
@@ -37,7 +36,7 @@ from kvserve.sim.study import (
     EngineShape,
     Policy,
     capacity_search,
-    usd_per_million_output,
+    run_result,
 )
 from kvserve.sim.timeline import (
     EOS_TOKEN_ID,
@@ -345,17 +344,9 @@ def evaluate_data_parallel(
         shared_prefixes=shared_prefixes,
         policy=policy.name,
     )
-    summary = summarize(result.run.records(), objective_sets=objective_sets, nominal_rate=rate)
-    for key in ("client", "token_count_checks", "tokens_per_chunk"):
-        summary.pop(key, None)
-    throughput = summary.get("throughput", {}).get("output_tokens_per_s")
-    out = {
-        "policy": policy.name,
-        "nominal_rate_rps": rate,
-        "summary": summary,
-        "sim": result.stats(),
-        "cost": usd_per_million_output(usd_per_hour, throughput),
-    }
+    # the pooled records (result.run) summarised; each replica's statistics from result.stats()
+    out = run_result(policy, result.run, rate, objective_sets, usd_per_hour)
+    out["sim"] = result.stats()
     return out, result
 
 

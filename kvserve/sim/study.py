@@ -166,18 +166,29 @@ def evaluate(
 ) -> tuple[dict, SimRun]:
     """One policy at one rate: the bench summary of the simulated records plus simulator stats."""
     run = run_policy(policy, shape, cost_model, requests)
+    return run_result(policy, run, rate, objective_sets, usd_per_hour), run
+
+
+def run_result(
+    policy: Policy,
+    run,
+    rate: float | None,
+    objective_sets: tuple[ObjectiveSet, ...],
+    usd_per_hour: float | None,
+) -> dict:
+    """A simulated run (anything with `records()` and `stats()`) as the bench summary of its records,
+    the simulator's statistics and the cost per million output tokens."""
     summary = summarize(run.records(), objective_sets=objective_sets, nominal_rate=rate)
     for key in _CLIENT_ONLY:
         summary.pop(key, None)
     throughput = summary.get("throughput", {}).get("output_tokens_per_s")
-    result = {
+    return {
         "policy": policy.name,
         "nominal_rate_rps": rate,
         "summary": summary,
         "sim": run.stats(),
         "cost": usd_per_million_output(usd_per_hour, throughput),
     }
-    return result, run
 
 
 RequestSource = Callable[[float], tuple[SimRequest, ...]]
