@@ -26,6 +26,9 @@
 
 #define DECODE_MAX_ROWS 4
 #define QBLOCK 32
+#ifndef Q_COLS_ONE_ROW
+#define Q_COLS_ONE_ROW 4 /* weight columns per tile at one row */
+#endif
 
 enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2 };
 
@@ -234,13 +237,13 @@ INL void q8_tile(const Linear *L, const Acts *a, float *y, int n0, const int R, 
     const int nb = L->kp / QBLOCK, G = L->groups, per_channel = G == 1;
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *w = L->w;
-    __m256 acc[DECODE_MAX_ROWS][2];
-    __m256i iacc[DECODE_MAX_ROWS][2];
+    __m256 acc[DECODE_MAX_ROWS][4];
+    __m256i iacc[DECODE_MAX_ROWS][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps(), iacc[r][c] = _mm256_setzero_si256();
     for (int b = 0; b < nb; b++) {
-        __m256i wv[2], aw[2];
-        __m256 sv[2];
+        __m256i wv[4], aw[4];
+        __m256 sv[4];
         for (int c = 0; c < C; c++) {
             wv[c] = _mm256_loadu_si256((const __m256i *)(w + (int64_t)(n0 + c) * L->kp + b * QBLOCK));
             aw[c] = _mm256_sign_epi8(wv[c], wv[c]);
@@ -276,12 +279,12 @@ INL void q4_tile(const Linear *L, const Acts *a, float *y, int n0, const int R, 
     const int nb = L->kp / QBLOCK, G = L->groups, per_channel = G == 1;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
     const uint8_t *w = L->w;
-    __m256 acc[DECODE_MAX_ROWS][2];
+    __m256 acc[DECODE_MAX_ROWS][4];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        __m256i wv[2];
-        __m256 sv[2];
+        __m256i wv[4];
+        __m256 sv[4];
         for (int c = 0; c < C; c++) {
             const __m128i raw =
                 _mm_loadu_si128((const __m128i *)(w + (int64_t)(n0 + c) * (L->kp / 2) + b * 16));
@@ -314,24 +317,24 @@ INL void q4_tile(const Linear *L, const Acts *a, float *y, int n0, const int R, 
 static void q_avx2(const Linear *L, const Acts *a, int M, float *y, int n0, int n1) {
     const int int_acc = L->kind == LIN_Q8 && L->act_mode != 0 && L->groups == 1;
     int n = n0;
-#define Q_COLS(R)                                                                        \
+#define Q_COLS(R, C)                                                                     \
     if (L->kind == LIN_Q8) {                                                             \
         if (int_acc) {                                                                   \
-            for (; n + 2 <= n1; n += 2) q8_tile(L, a, y, n, R, 2, 1);                    \
+            for (; n + (C) <= n1; n += (C)) q8_tile(L, a, y, n, R, C, 1);                \
             for (; n < n1; n++) q8_tile(L, a, y, n, R, 1, 1);                            \
         } else {                                                                         \
-            for (; n + 2 <= n1; n += 2) q8_tile(L, a, y, n, R, 2, 0);                    \
+            for (; n + (C) <= n1; n += (C)) q8_tile(L, a, y, n, R, C, 0);                \
             for (; n < n1; n++) q8_tile(L, a, y, n, R, 1, 0);                            \
         }                                                                                \
     } else {                                                                             \
-        for (; n + 2 <= n1; n += 2) q4_tile(L, a, y, n, R, 2);                           \
+        for (; n + (C) <= n1; n += (C)) q4_tile(L, a, y, n, R, C);                       \
         for (; n < n1; n++) q4_tile(L, a, y, n, R, 1);                                   \
     }
     switch (M) {
-    case 1: Q_COLS(1) break;
-    case 2: Q_COLS(2) break;
-    case 3: Q_COLS(3) break;
-    default: Q_COLS(4) break;
+    case 1: Q_COLS(1, Q_COLS_ONE_ROW) break;
+    case 2: Q_COLS(2, 2) break;
+    case 3: Q_COLS(3, 2) break;
+    default: Q_COLS(4, 2) break;
     }
 #undef Q_COLS
 }
