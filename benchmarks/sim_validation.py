@@ -331,7 +331,12 @@ def calibrate_on_server(args, base_url: str, out: Path, profile: Path) -> None:
 
 def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: Path, out: Path):
     run_dir = out / f"bench_rate_{rate}"
+    since = httpx.get(f"{base_url}/debug/steps", params={"since": 10**12}).json()["num_recorded"]
     measured = bench(base_url, rate, run_dir, workload)
+    # the steps the server ran for this rate: what the simulated steps are checked against
+    (out / f"server_steps_rate_{rate}.json").write_text(
+        json.dumps(httpx.get(f"{base_url}/debug/steps", params={"since": since}).json())
+    )
     a_priori = simulate(
         profile, workload + ["--request-rate", rate], out / f"sim_a_priori_{rate}.json"
     )

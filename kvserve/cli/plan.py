@@ -119,6 +119,12 @@ def register(subparsers: Any) -> None:
     )
     g.add_argument("--device", default="cpu", help="torch device to measure (cpu)")
     g.add_argument(
+        "--measure-formats",
+        default="fp32,int8,int4-g32",
+        metavar="FMTS",
+        help="weight formats whose engine linear kernels to time (CPU; 'none' to skip)",
+    )
+    g.add_argument(
         "--dtype",
         choices=("fp32", "bf16", "fp16"),
         help="dtype to measure (fp32 on cpu, bf16 on an accelerator)",
@@ -211,7 +217,13 @@ def _measure(args: argparse.Namespace) -> Any:
     print(f"measuring {args.device} in {cfg.dtype} (about a minute at most)...", file=out)
 
     def show(p: Any) -> None:
+        if p.kind.startswith("dispatch"):
+            what = "host cost per layer" if p.kind == "dispatch" else "host cost per forward"
+            print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
+            return
         what = "GEMV" if p.kind == "gemv" else f"GEMM {p.num_columns:>5} columns"
+        if p.kind.startswith("linear:"):
+            what = f"{p.kind} {p.num_columns:>3} rows"
         print(
             f"  {what:<20} {fmt_s(p.median_s):>10}  {fmt_flops(p.flops_per_s):>15}  "
             f"{fmt_bw(p.bytes_per_s):>12}  intensity {p.intensity_flops_per_byte:.3g}",
@@ -219,6 +231,18 @@ def _measure(args: argparse.Namespace) -> Any:
         )
 
     profile = measure_roofline(cfg, progress=show)
+    if args.device == "cpu" and args.measure_formats != "none":
+        # the engine's own kernels and host cost (docs/planning.md, a measured engine profile)
+        from kvserve.measure_engine import measure_engine
+
+        formats = tuple(f for f in args.measure_formats.split(",") if f)
+        points = measure_engine(cfg, formats, progress=show)
+        profile = replace(
+            profile,
+            points=profile.points + tuple(points),
+            source=profile.source + "; engine linears (" + ", ".join(formats) + ") and host "
+            "cost per layer (kvserve.measure_engine)",
+        )
     path = save_profile(profile, args.save)
     print(
         f"bandwidth {fmt_bw(profile.bandwidth_bytes_per_s)}, "
