@@ -7,8 +7,8 @@ which no cost model can predict. So each rate reports, beside the a priori and r
 
 - `speed`: the mean measured / predicted cost of the steps the server ran during that run
   (kvserve.sim.server_steps.machine_speed), per step class too;
-- `replay_at_run_speed`: the replay with the profile scaled by that one number: the simulator's
-  error once the machine's speed at the time is known (every latency still comes out of the
+- `replay_at_run_speed`: the replay with the profile scaled by that one number, each metric the
+  mean over the noise seeds: the simulator's error once the machine's speed at the time is known (every latency still comes out of the
   simulated scheduler, queueing and step noise; nothing else is taken from the run);
 - `seed_band`: min and max of each metric over `--noise-seeds` replays at run speed that differ
   only in the noise seed: how much one run of this many requests moves a p99 by chance.
@@ -29,6 +29,18 @@ def speed_corrected(profile: Path, steps: Path, out: Path) -> tuple[dict, Path]:
     factor = speed["mean_measured_over_predicted"]
     base.scaled(factor, f"the server's steps during {steps.name}").save(out)
     return speed, out
+
+
+def seed_mean(summaries: list[dict], metrics, dig) -> dict:
+    """A summary-shaped dict holding each metric's mean over the seeds (the prediction)."""
+    out: dict = {}
+    for _, path in metrics:
+        vals = [v for v in (dig(s, path) for s in summaries) if isinstance(v, int | float)]
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = sum(vals) / len(vals) if vals else None
+    return out
 
 
 def seed_band(summaries: list[dict], metrics, dig) -> dict:

@@ -134,7 +134,8 @@ def main() -> int:
             f.split("=")[1] for w in args.weights.split(";") if w != "fp32"
             for f in (w.split(",") if "=" in w else [f"linear={w}"])
         }))  # fmt: skip
-        kvserve("plan", "--measure", "--measure-formats", formats, "--save", str(profile_path))
+        kvserve("plan", "--measure", "--measure-formats", formats, "--measure-model", args.model,
+                "--save", str(profile_path))  # fmt: skip
     profile = get_profile(str(profile_path))
     spec = load_model(args.model)
     contexts = [int(c) for c in args.contexts.split(",")]

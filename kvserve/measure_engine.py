@@ -3,10 +3,14 @@
 
 - **linear:FMT** (FMT = fp32, int8, int4-g32, ...): the engine's own linear module
   (`kvserve.model.linear.make_linear`: oneDNN-packed fp32, the integer kernels for quantised
-  formats) over a weight much larger than the last-level cache, at 1 .. 32 batch rows; bytes/s
-  counts the planner's bytes of that matrix in FMT (codes + fp16 scales) once per call. The planner streams a step's
-  linear weights at the measured rate of its batch size instead of the GEMV bandwidth: small-batch
-  GEMM kernels do not reach it (on the 2-core EPYC fp32 at 16 rows: ~70%).
+  formats) at 1 .. 32 batch rows, over a weight much larger than the last-level cache, or over
+  a model's own block matrices (`--measure-model`: small matrices stream slower than one large
+  one, by 20-45% here); bytes/s counts the planner's bytes of the matrices in FMT (codes + fp16
+  scales). The planner streams a step's weights at the measured rate of its batch size instead
+  of the GEMV bandwidth: small-batch kernels do not reach it.
+- **attention**: the engine's decode attention over several layers' paged fp32 caches at
+  contexts 128 and 2048: the extra cache bytes over the extra time (the KV cache's read rate;
+  ~5-8 GB/s here against a 22 GB/s GEMV).
 - **dispatch**: the engine's decoder (`kvserve.model.decoder.DecoderLM`, CPU kernels on, paged
   cache, the step's attention metadata) at a tiny width, where the arithmetic is negligible, with
   1 and 1 + `dispatch_layers` layers: the slope is the host cost of one layer (Python, op dispatch,
@@ -28,30 +32,53 @@ LINEAR_ROWS = (1, 2, 4, 8, 16, 32)
 DISPATCH_ROWS = (1, 4, 16)
 
 
+def linear_shapes(cfg: MeasureConfig, model=None) -> list[tuple[int, int]]:
+    """[(out, in)] of the matrices one linear point streams: one weight much larger than the
+    last-level cache, or a model's block linears, one set per layer (as its decode step streams
+    them: q/k/v fused, o, gate/up fused, down; kvserve.plan.ModelSpec)."""
+    if model is None:
+        return [(cfg.gemv_rows, cfg.gemv_cols)]
+    d, f = model.hidden_size, model.intermediate_size
+    layer = [(model.q_dim + 2 * model.kv_dim, d), (d, model.q_dim), (2 * f, d), (d, f)]
+    return layer * model.num_layers
+
+
 def measure_linear(
-    cfg: MeasureConfig, fmt: str, deadline: float, rows: tuple[int, ...] = LINEAR_ROWS
+    cfg: MeasureConfig,
+    fmt: str,
+    deadline: float,
+    rows: tuple[int, ...] = LINEAR_ROWS,
+    model=None,
 ) -> list[MeasuredPoint]:
-    """The engine's linear module for weight format `fmt` at each batch row count."""
+    """The engine's linear modules for weight format `fmt` over `linear_shapes`, at each batch
+    row count: one sample calls every matrix once, in order."""
     from kvserve.model.linear import make_linear
     from kvserve.plan.formats import parse_tensor_format
     from kvserve.plan.model import TensorShape
     from kvserve.quant.scheme import parse_tensor_scheme
 
-    out_f, in_f = cfg.gemv_rows, cfg.gemv_cols
-    weight = torch.randn(out_f, in_f) * in_f**-0.5  # [out, in]
     scheme = None if fmt == "fp32" else parse_tensor_scheme(fmt)
-    module = make_linear(weight, None, scheme, cfg.device)
-    # the planner's bytes for this matrix in this format (codes + fp16 scales), so that the plan's
-    # weight bytes over this rate is the measured time (the kernel's own layout may differ)
-    num_bytes = parse_tensor_format(fmt).num_bytes(TensorShape("w", "linear", out_f, in_f))
-    del weight
+    tensor_format = parse_tensor_format(fmt)
+    modules, num_bytes, flops_per_row = [], 0.0, 0
+    for out_f, in_f in linear_shapes(cfg, model):
+        weight = torch.randn(out_f, in_f) * in_f**-0.5  # [out, in]
+        modules.append((make_linear(weight, None, scheme, cfg.device), in_f))
+        # the planner's bytes of this matrix in this format (codes + fp16 scales), so that the
+        # plan's weight bytes over this rate is the measured time (kernels' layouts may differ)
+        num_bytes += tensor_format.num_bytes(TensorShape("w", "linear", out_f, in_f))
+        flops_per_row += 2 * out_f * in_f
     points = []
     for n in rows:
         if time.perf_counter() > deadline:
             break
-        x = torch.randn(n, in_f)  # [rows, in]
-        median_s = time_median_s(lambda x=x: module(x), cfg)
-        flops = 2 * out_f * in_f * n
+        xs = [(m, torch.randn(n, in_f)) for m, in_f in modules]  # [rows, in] each
+
+        def call(xs=xs) -> None:
+            for m, x in xs:
+                m(x)
+
+        median_s = time_median_s(call, cfg)
+        flops = flops_per_row * n
         points.append(
             MeasuredPoint(
                 f"linear:{fmt}",
@@ -62,6 +89,52 @@ def measure_linear(
                 median_s,
             )  # fmt: skip
         )
+    return points
+
+
+def measure_attention(
+    cfg: MeasureConfig,
+    rows: tuple[int, ...] = DISPATCH_ROWS,
+    num_kv_heads: int = 4,
+    head_dim: int = 64,
+) -> list[MeasuredPoint]:
+    """The engine's decode attention (the backend `auto` picks: the in-place CPU kernel for
+    fp32) at the two `cfg.attention_contexts`, over as many layers' paged caches as make about
+    `cfg.attention_cache_bytes` (so that they stream from memory, as a model's do): bytes/s =
+    the extra cache bytes the longer context reads over the extra time, per batch size."""
+    from kvserve.model.attention import build_attention_metadata, get_attention_backend
+    from kvserve.model.kv_cache import allocate_layers
+
+    cpu = torch.device("cpu")
+    backend = get_attention_backend("auto", cpu, torch.float32)
+    block_size, num_heads = 16, 2 * num_kv_heads
+    short, long = cfg.attention_contexts
+    per_seq = long // block_size + 1
+    points = []
+    for n in rows:
+        per_layer = n * per_seq * block_size * 2 * num_kv_heads * head_dim * 4
+        num_layers = int(min(64, max(1, cfg.attention_cache_bytes // per_layer)))
+        _, caches = allocate_layers(
+            num_layers, n * per_seq + 1, block_size, num_kv_heads, head_dim, torch.float32,
+            "auto", cpu,
+        )  # fmt: skip
+        for c in caches:
+            c.k.normal_()
+            c.v.normal_()
+        q = torch.randn(n, num_heads, head_dim)  # [B, heads, head_dim]
+        times = []
+        for context in (short, long):
+            blocks = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
+            meta = build_attention_metadata([(context - 1, 1, b) for b in blocks], block_size, cpu)
+
+            def call(meta=meta, caches=caches, q=q) -> None:
+                for c in caches:
+                    backend(q, c, meta, head_dim**-0.5)
+
+            times.append(time_median_s(call, cfg))
+        extra_bytes = n * (long - short) * 2 * num_kv_heads * head_dim * 4 * num_layers
+        rate = extra_bytes / max(times[1] - times[0], 1e-9)
+        points.append(MeasuredPoint("attention", n, 0.0, rate, 0.0, times[1]))
     return points
 
 
@@ -126,19 +199,21 @@ def measure_dispatch(
 def measure_engine(
     cfg: MeasureConfig,
     formats: tuple[str, ...] = ("fp32",),
-    budget_s: float = 40.0,
+    budget_s: float = 60.0,
     progress: Callable[[MeasuredPoint], None] | None = None,
+    model=None,
 ) -> list[MeasuredPoint]:
-    """The dispatch points and each format's linear points (CPU only: the engine's CPU layouts)."""
+    """The dispatch and attention points and each format's linear points (CPU only: the engine's
+    CPU layouts); the linears over `model`'s own matrices when given (a kvserve.plan.ModelSpec)."""
     deadline = time.perf_counter() + budget_s
     points: list[MeasuredPoint] = []
     with torch.inference_mode():
-        for p in measure_dispatch(cfg):
+        for p in measure_dispatch(cfg) + measure_attention(cfg):
             points.append(p)
             if progress:
                 progress(p)
         for fmt in formats:
-            for p in measure_linear(cfg, fmt, deadline):
+            for p in measure_linear(cfg, fmt, deadline, model=model):
                 points.append(p)
                 if progress:
                     progress(p)

@@ -96,10 +96,12 @@ def test_measure_engine_times_the_engines_own_modules():
     from kvserve.measure import MeasureConfig
     from kvserve.measure_engine import measure_engine
 
-    cfg = MeasureConfig(gemv_rows=128, gemv_cols=64, warmup=1, min_samples=2, min_time_s=0.0)
+    cfg = MeasureConfig(gemv_rows=128, gemv_cols=64, warmup=1, min_samples=2, min_time_s=0.0,
+                        attention_contexts=(16, 64), attention_cache_bytes=1e6)  # fmt: skip
     points = measure_engine(cfg, ("fp32", "int8"), budget_s=30.0)
     kinds = {p.kind for p in points}
-    assert kinds == {"dispatch", "dispatch-fixed", "linear:fp32", "linear:int8"}
+    assert kinds == {"dispatch", "dispatch-fixed", "attention", "linear:fp32", "linear:int8"}
+    assert all(p.bytes_per_s > 0 for p in points if p.kind == "attention")
     fp32 = [p for p in points if p.kind == "linear:fp32"]
     assert [p.num_columns for p in fp32] == [1, 2, 4, 8, 16, 32]
     # bytes/s x seconds = the matrix's fp32 bytes; int8 counts codes + one fp16 scale per row
@@ -107,3 +109,25 @@ def test_measure_engine_times_the_engines_own_modules():
     int8 = next(p for p in points if p.kind == "linear:int8")
     assert int8.bytes_per_s * int8.median_s == pytest.approx(128 * 64 + 2 * 128)
     assert all(p.median_s >= 0 for p in points if p.kind.startswith("dispatch"))
+
+
+def test_linears_over_a_models_own_matrices_count_the_planners_bytes():
+    from kvserve.measure import MeasureConfig
+    from kvserve.measure_engine import linear_shapes, measure_linear
+
+    cfg = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0)
+    shapes = linear_shapes(cfg, TIED)
+    # per layer: q/k/v fused (64 + 2 x 32) x 64, o 64 x 64, gate/up 256 x 64, down 64 x 128
+    assert shapes == [(128, 64), (64, 64), (256, 64), (64, 128)] * 2
+    (p,) = measure_linear(cfg, "fp32", deadline=float("inf"), rows=(2,), model=TIED)
+    assert p.bytes_per_s * p.median_s == pytest.approx(4 * sum(o * i for o, i in shapes))
+
+
+def test_the_kv_term_reads_at_the_measured_attention_rate():
+    fmt = parse_weight_format("fp32")
+    k = arith.kv_bytes_per_token(TIED, 4)
+    hw = profile(MEASURED + (point("attention", 1, 2e8), point("attention", 4, 4e8)))
+    cost = EngineCost.from_profile(TIED, fmt, k, hw)
+    assert cost.terms_s(1, 1000)["kv"] == pytest.approx(k * 1000 / 2e8)
+    assert cost.terms_s(4, 1000)["kv"] == pytest.approx(4 * k * 1000 / 4e8)
+    assert "decode attention" in cost.sources()["kv"]

@@ -8,12 +8,13 @@ linear module per weight format and batch size, and its own decoder at a tiny wi
 cost per layer and per forward); with those points the planner's step is
 
     step(B, t) = sum over weight categories of bytes / rate_fmt(B)     (linears and head)
-               + B k t / BW                                         (the KV cache, at GEMV rate)
+               + B k t / rate_attention(B)                          (the KV cache)
                + L x layer_dispatch(B) + forward_fixed(B)             (host cost)
 
 floored by the FLOPs at the measured peak. Rates and host costs are interpolated in log2(B)
 between the measured batch sizes and held constant beyond them. A format without linear points
-streams at the GEMV bandwidth (the plan says so in `sources`).
+streams at the GEMV bandwidth, and the cache without attention points too (the plan says which
+number each term uses in `sources`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class EngineCost:
     linear_rates: dict[str, tuple[tuple[int, float], ...]]  # format -> (rows, bytes/s)
     layer_dispatch_s: tuple[tuple[int, float], ...]  # (rows, seconds per layer)
     forward_fixed_s: tuple[tuple[int, float], ...]  # (rows, seconds per forward)
+    attention_rates: tuple[tuple[int, float], ...] = ()  # (rows, KV bytes/s); () = GEMV
 
     @classmethod
     def from_profile(
@@ -65,7 +67,7 @@ class EngineCost:
     ) -> EngineCost | None:
         """None when the profile has no dispatch points (a datasheet or an older measurement)."""
         rates: dict[str, list[tuple[int, float]]] = {}
-        dispatch, fixed = [], []
+        dispatch, fixed, attention = [], [], []
         for p in hardware.points:
             if p.kind.startswith("linear:"):
                 rates.setdefault(p.kind.removeprefix("linear:"), []).append(
@@ -75,6 +77,8 @@ class EngineCost:
                 dispatch.append((p.num_columns, p.median_s))
             elif p.kind == "dispatch-fixed":
                 fixed.append((p.num_columns, p.median_s))
+            elif p.kind == "attention":
+                attention.append((p.num_columns, p.bytes_per_s))
         if not dispatch or not fixed:
             return None
         by_format: dict[str, float] = {}
@@ -90,6 +94,7 @@ class EngineCost:
             {k: tuple(v) for k, v in rates.items()},
             tuple(dispatch),
             tuple(fixed),
+            tuple(attention),
         )
 
     def terms_s(self, batch: float, mean_context: float) -> dict[str, float]:
@@ -100,7 +105,12 @@ class EngineCost:
             weights += num_bytes / (
                 _interp_log2(rate, batch) if rate else self.bandwidth_bytes_per_s
             )
-        kv = batch * self.kv_bytes_per_token * mean_context / self.bandwidth_bytes_per_s
+        kv_rate = (
+            _interp_log2(self.attention_rates, batch)
+            if self.attention_rates
+            else self.bandwidth_bytes_per_s
+        )
+        kv = batch * self.kv_bytes_per_token * mean_context / kv_rate
         dispatch = self.model.num_layers * _interp_log2(self.layer_dispatch_s, batch)
         dispatch += _interp_log2(self.forward_fixed_s, batch)
         flops = arith.decode_step_flops(self.model, batch, mean_context)
@@ -132,6 +142,10 @@ class EngineCost:
                 if name in self.linear_rates
                 else "GEMV bandwidth (no linear points for this format)"
             )
-        out["kv"] = "GEMV bandwidth"
+        out["kv"] = (
+            "the engine's decode attention, measured per batch size"
+            if self.attention_rates
+            else "GEMV bandwidth"
+        )
         out["dispatch"] = "the engine's decoder at a tiny width, per layer and per forward"
         return out
