@@ -6,8 +6,10 @@
   formats) at 1 .. 32 batch rows, over a weight much larger than the last-level cache, or over
   a model's own block matrices (`--measure-model`: small matrices stream slower than one large
   one, by 20-45% here); bytes/s counts the planner's bytes of the matrices in FMT (codes + fp16
-  scales). The planner streams a step's weights at the measured rate of its batch size instead
-  of the GEMV bandwidth: small-batch kernels do not reach it.
+  scales) over the streaming time: the calls' time less the same calls on 64 x 64 matrices (the
+  per-call host cost, counted by `dispatch`). The planner streams a step's weights at the
+  measured rate of its batch size instead of the GEMV bandwidth: small-batch kernels do not
+  reach it.
 - **attention**: the engine's decode attention over several layers' paged fp32 caches at
   contexts 128 and 2048: the extra cache bytes over the extra time (the KV cache's read rate;
   ~5-8 GB/s here against a 22 GB/s GEMV).
@@ -59,10 +61,13 @@ def measure_linear(
 
     scheme = None if fmt == "fp32" else parse_tensor_scheme(fmt)
     tensor_format = parse_tensor_format(fmt)
-    modules, num_bytes, flops_per_row = [], 0.0, 0
+    modules, tiny, num_bytes, flops_per_row = [], [], 0.0, 0
     for out_f, in_f in linear_shapes(cfg, model):
         weight = torch.randn(out_f, in_f) * in_f**-0.5  # [out, in]
         modules.append((make_linear(weight, None, scheme, cfg.device), in_f))
+        # the same call on a 64 x 64 matrix: its per-call host cost, which the dispatch points
+        # already count (the tiny decoder's linears), is taken out of the streaming time
+        tiny.append((make_linear(torch.randn(64, 64) / 8, None, scheme, cfg.device), 64))
         # the planner's bytes of this matrix in this format (codes + fp16 scales), so that the
         # plan's weight bytes over this rate is the measured time (kernels' layouts may differ)
         num_bytes += tensor_format.num_bytes(TensorShape("w", "linear", out_f, in_f))
@@ -71,13 +76,19 @@ def measure_linear(
     for n in rows:
         if time.perf_counter() > deadline:
             break
-        xs = [(m, torch.randn(n, in_f)) for m, in_f in modules]  # [rows, in] each
 
-        def call(xs=xs) -> None:
-            for m, x in xs:
-                m(x)
+        def calls(mods: list, n: int = n) -> Callable[[], None]:
+            xs = [(m, torch.randn(n, in_f)) for m, in_f in mods]  # [rows, in] each
 
-        median_s = time_median_s(call, cfg)
+            def call() -> None:
+                for m, x in xs:
+                    m(x)
+
+            return call
+
+        total_s = time_median_s(calls(modules), cfg)
+        overhead_s = time_median_s(calls(tiny), cfg)
+        median_s = max(total_s - overhead_s, 0.05 * total_s)  # streaming time
         flops = flops_per_row * n
         points.append(
             MeasuredPoint(
