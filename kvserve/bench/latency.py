@@ -178,7 +178,7 @@ def _metadata(cfg: LatencyConfig, llm, opts: dict, hw, hw_reason: str) -> dict:
         "engine": {
             "dtype": config.dtype,
             "kv_cache_dtype": config.dtype,
-            "quantization": None,
+            "quantization": opts.get("quantization"),
             "device": device,
             "device_name": torch.cuda.get_device_name(device)
             if device.startswith("cuda")
@@ -362,6 +362,8 @@ def register(bench_subparsers) -> None:
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="off by default: repeated iterations would hit their own prompts")  # fmt: skip
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", default=None, metavar="SCHEME",
+                   help="weight quantisation at load, as `kvserve serve --quantization`")  # fmt: skip
     p.set_defaults(func=_main)
 
 
@@ -392,6 +394,7 @@ def _main(args: argparse.Namespace) -> int:
                 kv_cache_memory_bytes=args.kv_cache_memory,
                 enable_prefix_caching=args.prefix_caching,
                 seed=args.seed,
+                quantization=args.quantization,
             ),
             command=tuple(sys.argv),
         )
