@@ -91,10 +91,10 @@ def test_prefix_caching_chunked_prefill_and_preemption_unchanged(checkpoints):
     """A small token budget chunks the long prompts, a small cache preempts, the second call hits
     the prefix cache: the same tokens and logits as one rank under the same options."""
     model_dir = checkpoints["llama"][0]
-    options = dict(block_size=4, num_blocks=20, max_model_len=128, max_num_batched_tokens=8)
+    options = dict(block_size=4, num_blocks=14, max_model_len=128, max_num_batched_tokens=8)
     shared = PROMPTS[0][:16]
     second = [shared + [3, 4], shared + [9], PROMPTS[1] * 2, PROMPTS[2]]
-    params = GREEDY.with_updates(max_tokens=12)
+    params = GREEDY.with_updates(max_tokens=20)
     ref = LLM(str(model_dir), **options)
     with tp_llm(model_dir, **options) as tp:
         assert_equal_runs(tp, ref, [PROMPTS[0]], params, "first call")

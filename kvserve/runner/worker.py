@@ -15,6 +15,7 @@ import os
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -90,7 +91,7 @@ def load_rank_model(
 
         scheme = parse_weight_scheme(config.quantization)
         if scheme.is_quantized:
-            checkpoint = read_checkpoint(config.model_dir)
+            checkpoint = read_checkpoint(Path(config.model_dir))
             quantize_tensor_parallel(model, checkpoint, scheme, device)
     if torch.device(device).type == "cpu":
         model.use_cpu_weights()
