@@ -11,6 +11,7 @@ test starts its TP=2 engine and shuts it down before the next.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.core.errors import ModelLoadError
+from kvserve.core.sampling_params import StructuredOutput
 from kvserve.model.loader import read_checkpoint
 from kvserve.quant.scheme import QuantizationError
 from kvserve.runner.executor import WorkerFailedError
@@ -146,6 +148,16 @@ def test_speculative_decoding_unchanged(gpt2_model_dir, draft_dir, proposer):
         assert 0 < stats.num_accepted < stats.num_proposed, "both acceptance and rejection"
         # the target's KV per rank, measured: the one KV head is whole on both ranks
         assert tp.engine.runner.rank_kv_cache_bytes == [plain.engine.runner.kv_cache_bytes] * 2
+        # structured output (masks on rank 0) and seeded sampling (rank 0 samples) as at one rank
+        schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}}, "required": ["a"]}
+        structured = StructuredOutput("json_schema", json.dumps(schema))
+        mixed = [
+            SamplingParams(max_tokens=32, temperature=0, structured=structured),
+            SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True),
+        ]
+        got = tp.generate(["Output:", "Hello"], mixed)
+        assert tokens_of(got) == tokens_of(plain.generate(["Output:", "Hello"], mixed))
+        assert got[0].outputs[0].structured_complete
 
 
 def test_int8_weights_shard_with_their_scales(checkpoints):
@@ -195,6 +207,29 @@ def test_a_dead_worker_fails_the_engine_loudly(checkpoints):
         assert tp.engine.num_free_blocks() == OPTIONS["num_blocks"]  # aborted, blocks returned
     with tp_llm(model_dir, **OPTIONS) as again:
         assert again.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+
+
+def _engine_in_daemon(model_dir: str, queue) -> None:
+    with tp_llm(model_dir, **OPTIONS) as tp:
+        queue.put(tokens_of(tp.generate(PROMPTS[:1], GREEDY)))
+
+
+def test_an_engine_in_a_daemonic_process_starts_its_workers(checkpoints):
+    """An engine core process started with daemon=True (as the multi-process server starts it)
+    may still start its tensor-parallel workers."""
+    import multiprocessing
+
+    model_dir = checkpoints["llama"][0]
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_engine_in_daemon, args=(str(model_dir), queue), daemon=True)
+    process.start()
+    try:
+        tokens = queue.get(timeout=120)
+    finally:
+        process.join(30)
+    assert process.exitcode == 0
+    assert tokens == tokens_of(LLM(str(model_dir), **OPTIONS).generate(PROMPTS[:1], GREEDY))
 
 
 def test_cli_flag_reaches_the_config():

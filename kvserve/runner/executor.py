@@ -15,6 +15,7 @@ their own when the engine process is gone (their pipe closes).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -63,6 +64,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """Let a daemonic process (an engine core started with daemon=True) start the workers:
+    multiprocessing refuses children of daemons only so that they are not orphaned, and ours are
+    not (a worker exits when its pipe to the engine closes)."""
+    config = mp.current_process()._config  # noqa: SLF001 (multiprocessing keeps the flag here)
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            config["daemon"] = daemon
 
 
 def _rank_device(device: str, rank: int) -> str:
@@ -120,7 +136,8 @@ class TensorParallelRunner(ModelRunner):
                     name=f"kvserve-tp-rank{spec.rank}",
                     daemon=True,
                 )
-                process.start()
+                with _children_allowed():
+                    process.start()
                 child.close()
                 self._workers.append(process)
                 self._conns.append(parent)
