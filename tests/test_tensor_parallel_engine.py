@@ -148,12 +148,15 @@ def test_speculative_decoding_unchanged(gpt2_model_dir, draft_dir, proposer):
         assert 0 < stats.num_accepted < stats.num_proposed, "both acceptance and rejection"
         # the target's KV per rank, measured: the one KV head is whole on both ranks
         assert tp.engine.runner.rank_kv_cache_bytes == [plain.engine.runner.kv_cache_bytes] * 2
-        # structured output (masks on rank 0) and seeded sampling (rank 0 samples) as at one rank
+        # structured output (masks on rank 0) and seeded sampling (rank 0 samples; not speculated:
+        # stochastic verification keeps the distribution, not the draws) as at one rank
         schema = {"type": "object", "properties": {"a": {"enum": ["x", "yz"]}}, "required": ["a"]}
         structured = StructuredOutput("json_schema", json.dumps(schema))
         mixed = [
             SamplingParams(max_tokens=32, temperature=0, structured=structured),
-            SamplingParams(max_tokens=24, temperature=1.0, seed=7, ignore_eos=True),
+            SamplingParams(
+                max_tokens=24, temperature=1.0, seed=7, ignore_eos=True, speculate=False
+            ),
         ]
         got = tp.generate(["Output:", "Hello"], mixed)
         assert tokens_of(got) == tokens_of(plain.generate(["Output:", "Hello"], mixed))
