@@ -80,6 +80,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "cpu", "torch"],
         help="auto: the in-place C kernels on CPU with fp32 weights; torch: torch ops only",
     )
+    group.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N ranks (worker processes; gloo on CPU, NCCL on CUDA; "
+        "docs/parallel.md)",
+    )
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-model",
@@ -128,6 +135,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -51,6 +51,7 @@ def build_engine_config(
     kv_cache_dtype: str = "auto",
     attention_backend: str = "auto",
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> EngineConfig:
     model_dir = resolve_model(model_dir)
     model = ModelConfig.from_dir(model_dir)
@@ -108,6 +109,7 @@ def build_engine_config(
         speculative=speculative,
         attention_backend=attention_backend,
         quantization=quantization,
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
