@@ -32,7 +32,7 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("step", choices=STEPS)
+    p.add_argument("step", choices=STEPS, help="pipeline step (see above)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the step")
     p.set_defaults(func=run)
 
