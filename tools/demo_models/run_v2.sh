@@ -18,7 +18,7 @@ mkdir -p "$WORK"
 
 "$PY" -m tools.demo_models.train --model target --run-dir "$WORK/runs/target_v2" --init-from "$INIT" \
   --steps ${V2_STEPS:-380} --batch-size 8 --seq-len 512 --lr 2e-3 --warmup-steps 30 \
-  --mix code:3,prose:5 --ppl-every 100 --goal-vs kvserve/assets/demo/draft --goal-margin 0.15 \
+  --mix code:3,prose:5 --ppl-every ${V2_PPL_EVERY:-100} --goal-vs kvserve/assets/demo/draft --goal-margin 0.15 \
   --max-train-s ${V2_MAX_S:-3000} --checkpoint-every-s 300 "$@"
 "$PY" -m tools.demo_models.train --model target --run-dir "$WORK/runs/target_sft" \
   --init-from "$WORK/runs/target_v2/final" --steps ${SFT_STEPS:-70} --batch-size 8 --seq-len 512 \
