@@ -350,18 +350,22 @@ def register(bench_subparsers) -> None:
                    help="roofline profile: auto (the measured this-machine one, if it exists and "
                    "matches --device), none, a built-in name (h100-sxm, ...) or a profile JSON")  # fmt: skip
     p.add_argument("--out", default=None, help="output directory (default runs/latency-<time>)")
-    p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
+                   help="write latency plots next to the results")  # fmt: skip
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weight and activation dtype (auto: the checkpoint's)")  # fmt: skip
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")  # fmt: skip
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: the largest batch x prompt (one prefill forward), 2048..16384")  # fmt: skip
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("512MiB"))
+    g.add_argument("--block-size", type=int, default=16, help="KV cache block, tokens")
+    g.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("512MiB"),
+                   help="KV cache size, e.g. 2GiB (default 512MiB)")  # fmt: skip
     g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="off by default: repeated iterations would hit their own prompts")  # fmt: skip
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     g.add_argument("--quantization", default=None, metavar="SCHEME",
                    help="weight quantisation at load, as `kvserve serve --quantization`")  # fmt: skip
     p.set_defaults(func=_main)

@@ -39,7 +39,37 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(subparsers)
+    show_defaults(parser)
     return parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases share a parser
+                found += _subparsers(sub)
+    return found
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether `--help` should name this option's default: it has a real one (not None, not a
+    flag's False) that its help text does not already state."""
+    if not action.option_strings or action.help in (None, argparse.SUPPRESS):
+        return False
+    if action.default in (None, False, argparse.SUPPRESS) or action.nargs == 0:
+        return False
+    text = action.help
+    return "%(default)" not in text and "default" not in text and str(action.default) not in text
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append '(default: X)' to every option's help that does not state its default, in every
+    sub-command (one pass here instead of a formatter class per parser)."""
+    for sub in _subparsers(parser):
+        for action in sub._actions:
+            if shows_default(action):
+                action.help = f"{action.help} (default: %(default)s)"
 
 
 def main(argv: list[str] | None = None) -> int:

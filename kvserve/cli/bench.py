@@ -286,7 +286,7 @@ def _serve_main(args: argparse.Namespace) -> int:
 def _add_compare(sub) -> None:
     p = sub.add_parser("compare", help="metric deltas and output identity of two bench runs")
     p.add_argument("run_a", help="run directory (summary.json + requests.jsonl)")
-    p.add_argument("run_b")
+    p.add_argument("run_b", help="the run directory to compare against run_a")
     p.add_argument("--json", default=None, help="also write the comparison to this JSON file")
     p.add_argument(
         "--require-identical",

@@ -50,9 +50,11 @@ def register(subparsers: Any) -> None:
     b.add_argument("--batch-sizes", default="2,4,8", help="batch sizes (2,4,8)")
     b.add_argument("--chunk-tokens", type=int, default=16, help="chunked-prefill budget (16)")
     b.add_argument("--dtype", default="float32", help="engine dtype (float32)")
-    b.add_argument("--device", default="cpu")
-    b.add_argument("--max-model-len", type=int, default=None)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--device", default="cpu", help="cpu or cuda")
+    b.add_argument(
+        "--max-model-len", type=int, default=None, help="context length (default: the model's)"
+    )
+    b.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     b.add_argument("--output", metavar="FILE", help="write the JSON report here")
     b.add_argument("--json", action="store_true", help="print the JSON report, not the summary")
     b.set_defaults(func=run)

@@ -51,10 +51,12 @@ def register(subparsers) -> None:
     cmp.add_argument(
         "--candidate-quantization", default=None, help="quantise the candidate at load"
     )
-    cmp.add_argument("--window", type=int, default=256)
-    cmp.add_argument("--max-tokens", type=int, default=None)
+    cmp.add_argument("--window", type=int, default=256, help="window length in tokens")
+    cmp.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens")
     cmp.add_argument("--num-prompts", type=int, default=8, help="greedy-agreement prompts")
-    cmp.add_argument("--greedy-tokens", type=int, default=32)
+    cmp.add_argument(
+        "--greedy-tokens", type=int, default=32, help="greedy tokens compared per prompt"
+    )
     cmp.add_argument("--max-kl-mean", type=float, default=None, help="pass bound on mean KL")
     cmp.add_argument("--min-top1", type=float, default=None, help="pass bound on top-1 agreement")
     cmp.add_argument("--max-ppl-ratio", type=float, default=None, help="pass bound on ppl ratio")

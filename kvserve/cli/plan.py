@@ -35,7 +35,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("model", nargs="?", help="preset name, HF model directory, or config.json")
     g = p.add_argument_group("formats")
     g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (default bf16)")
-    g.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8", "int8"))
+    g.add_argument(
+        "--kv-dtype",
+        default="bf16",
+        choices=("bf16", "fp16", "fp32", "fp8", "int8"),
+        help="KV cache element type",
+    )
     g = p.add_argument_group("hardware")
     g.add_argument(
         "--hardware",

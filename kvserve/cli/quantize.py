@@ -23,7 +23,12 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--weights", required=True, help="format: int8, int4-g128, int4-g128-zp, w8a8, ..."
     )
-    parser.add_argument("--method", default="rtn", choices=sorted(METHODS))
+    parser.add_argument(
+        "--method",
+        default="rtn",
+        choices=sorted(METHODS),
+        help="rounding method (docs/quantization.md)",
+    )
     parser.add_argument(
         "--calib", default=None, help="calibration text (.jsonl with 'text', or plain text)"
     )

@@ -50,7 +50,12 @@ def register(subparsers: Any) -> None:
     g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth, GB/s")
     g.add_argument("--peak", type=float, metavar="TFLOP/s", help="dense peak, TFLOP/s")
     g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (bf16)")
-    g.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp16", "fp32", "fp8", "int8"))
+    g.add_argument(
+        "--kv-dtype",
+        default="bf16",
+        choices=("bf16", "fp16", "fp32", "fp8", "int8"),
+        help="KV cache element type",
+    )
     g.add_argument("--mfu", type=float, default=0.5, help="prompt-chunk FLOP utilisation (0.5)")
     g.add_argument("--bw-fraction", type=float, help="achieved fraction of peak bandwidth")
     g.add_argument("--overhead-gb", type=float, default=2.0, help="runtime memory (2 GB)")
@@ -111,7 +116,7 @@ def register(subparsers: Any) -> None:
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: memory)")
     g.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size instead")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit")
-    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-prefix-caching", action="store_true", help="simulate without it")
     g.add_argument("--static-batch-size", type=int, default=None, help="(max-num-seqs)")
     g.add_argument("--static-timeout", default="1s", help="static dispatch timeout (1s)")
     g.add_argument("--policy", default=DEFAULT_POLICIES, help=f"({DEFAULT_POLICIES})")
@@ -132,16 +137,18 @@ def register(subparsers: Any) -> None:
         help="rates, e.g. 0.5,1,2,inf (1; a trace: its own)",
     )
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of lengths and arrivals")
     g.add_argument("--trace", default=None, help="bench requests.jsonl or an arrival trace")
     g = p.add_argument_group("objectives, capacity, cost")
     g.add_argument("--slo", action="append", default=[], help="named objective set")
-    g.add_argument("--min-attainment", type=float, default=0.9)
+    g.add_argument(
+        "--min-attainment", type=float, default=0.9, help="share of requests meeting --slo"
+    )
     g.add_argument("--find-capacity", action="store_true", help="highest rate meeting --slo")
-    g.add_argument("--capacity-start", type=float, default=1.0)
-    g.add_argument("--capacity-max", type=float, default=1024.0)
-    g.add_argument("--capacity-tol", type=float, default=0.05)
-    g.add_argument("--capacity-max-trials", type=int, default=16)
+    g.add_argument("--capacity-start", type=float, default=1.0, help="first rate tried, req/s")
+    g.add_argument("--capacity-max", type=float, default=1024.0, help="highest rate, req/s")
+    g.add_argument("--capacity-tol", type=float, default=0.05, help="relative rate tolerance")
+    g.add_argument("--capacity-max-trials", type=int, default=16, help="search trials at most")
     g.add_argument("--price-per-hour", type=float, default=None, help="USD per device-hour")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print JSON instead of tables")

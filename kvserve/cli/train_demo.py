@@ -9,16 +9,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-STEPS = ("corpus", "tokenizer", "train", "export", "eval", "all")
+STEPS = ("corpus", "tokenizer", "instruct", "train", "export", "eval", "replies", "all")
 
 EPILOG = """\
 steps (each idempotent and seeded; arguments after the step go to it, see --help of each):
   corpus     gather code and prose from this Python installation, Debian and npm packages
-  tokenizer  train the byte-level BPE tokenizer, encode the corpus
+  tokenizer  train the byte-level BPE tokenizer (or --reuse the shipped one), encode the corpus
+  instruct   instruction pairs from the train split (docstring -> function, question -> topic)
   train      train one model: kvserve train-demo train --model draft --steps 1500
   export     write kvserve/assets/demo/{target,draft}, verify, evaluate, write model cards
   eval       held-out perplexity: kvserve train-demo eval kvserve/assets/demo/target
-  all        corpus, tokenizer, draft and target training (tools/demo_models/run_training.sh)
+  replies    greedy chat replies to three fixed prompts: kvserve train-demo replies kvserve-demo
+  all        corpus, tokenizer, draft and target training, then round 2 (run_training.sh)
 
 The pipeline lives in the source tree, not in the installed package: run it from a clone.
 """
@@ -32,7 +34,7 @@ def register(subparsers: Any) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("step", choices=STEPS)
+    p.add_argument("step", choices=STEPS, help="pipeline step (see above)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the step")
     p.set_defaults(func=run)
 

@@ -55,9 +55,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
+    from kvserve.progress import progress
+
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            names = list(f.keys())
+            for name in progress(names, len(names), f"loading {path.name}"):
                 if not name.endswith(_IGNORED_SUFFIXES):
                     tensors[name] = f.get_tensor(name)
     return tensors

@@ -62,8 +62,11 @@ def collect_stats(model_dir: Path, token_ids: list[int], chunk: int = 256) -> di
         if isinstance(module, torch.nn.Linear) and ".layers." in name:
             stats[name] = Stats(module.in_features)
             hooks.append(module.register_forward_hook(lambda m, a, o, n=name: stats[n].add(a[0])))
+    from kvserve.progress import progress
+
+    starts = range(0, len(token_ids), chunk)
     with torch.no_grad():
-        for start in range(0, len(token_ids), chunk):
+        for start in progress(starts, len(starts), "calibrating"):
             model(torch.tensor([token_ids[start : start + chunk]]))
     for hook in hooks:
         hook.remove()
@@ -190,6 +193,7 @@ def calibrated_quantize(
 ) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor], dict]:
     """Quantise `checkpoint`'s block linears by `method`; returns (quantized, the possibly rescaled
     float checkpoint, report extras). Other classes (the head) use RTN."""
+    from kvserve.progress import progress
     from kvserve.quant.convert import quantized_formats
 
     stats = collect_stats(Path(model_dir), token_ids)
@@ -220,7 +224,7 @@ def calibrated_quantize(
             extra["smoothquant_alpha"] = alpha
             extra["outliers_after"] = outlier_report(stats)
     quantized = {}
-    for name, fmt in formats.items():
+    for name, fmt in progress(formats.items(), len(formats), f"quantising ({method})"):
         module = name.removesuffix(".weight")
         if method == "gptq" and module in stats:
             quantized[name] = gptq(checkpoint[name], stats[module].hessian, fmt)

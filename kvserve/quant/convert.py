@@ -170,8 +170,11 @@ def quantized_formats(
 def rtn_quantize(
     checkpoint: dict[str, torch.Tensor], scheme: WeightScheme
 ) -> dict[str, QuantizedTensor]:
+    from kvserve.progress import progress
+
     formats = quantized_formats(checkpoint, scheme)
-    return {name: quantize(checkpoint[name], fmt) for name, fmt in formats.items()}
+    items = progress(formats.items(), len(formats), "quantising")
+    return {name: quantize(checkpoint[name], fmt) for name, fmt in items}
 
 
 # ---- loading ------------------------------------------------------------------------------------------

@@ -10,12 +10,19 @@ fp32 maths); the tokenizer round-trips held-out code and prose. Then eval.py's h
 (code, prose, unigram baseline) goes into each model card and into eval_results.json.
 
     python -m tools.demo_models.export [--models draft target] [--out kvserve/assets/demo] [--no-eval]
+    python -m tools.demo_models.export --models target --run target=work/runs/target_sft \
+        --also-eval draft       # round 2: re-export the target only, evaluate beside the shipped draft
+
+A model listed in --also-eval is evaluated where it lies (not re-exported); its card keeps everything
+but the held-out table, which is rewritten with the new numbers. A run that started from an exported
+model (--init-from) keeps the training lines of that model's previous card as its first round.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -124,20 +131,84 @@ def resume_lines(summary: dict) -> list[str]:
     return lines
 
 
+def card_section(card: str, heading: str) -> str:
+    """The body of `## heading` in a model card (up to the next `## `), or ''."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", card, re.S | re.M)
+    return match.group(1).strip() if match else ""
+
+
+def replace_section(card: str, heading: str, body: str) -> str:
+    pattern = rf"(^## {re.escape(heading)}\n)(.*?)(?=^## |\Z)"
+    return re.sub(pattern, lambda m: f"{m.group(1)}\n{body}\n\n", card, count=1, flags=re.S | re.M)
+
+
+def mix_text(start: dict) -> str:
+    mix = start.get("mix") or {"code": 1, "prose": 1}
+    rows = sum(mix.values())
+    return ", ".join(f"{n}/{rows} {k}" for k, n in mix.items())
+
+
+INSTRUCTED = (
+    "After pre-training, a short instruction-tuning stage on pairs made from its training corpus "
+    "(docstring -> function, question -> language-reference topic or docstring) taught it to answer "
+    "a request in the chat template and end its turn with `<|end|>`: asked for a small Python function "
+    "it writes Python, asked what a Python term means it answers in the style of the documentation. "
+    "It still knows little, is often wrong and must not be used for anything that matters."
+)
+PLAIN = (
+    "It continues Python code and English prose in the style of its corpus, but it knows little, "
+    "follows no instructions and must not be used for anything that matters."
+)
+
+
+def perplexity_lines(results: dict, name: str) -> list[str]:
+    lines = [
+        f"exp(total NLL / scored tokens) over non-overlapping {results['window_len']}-token "
+        "windows of the held-out split (bf16 weights upcast to fp32), per token of the shared "
+        f"tokenizer; this model is **{name}**. Lower is better.",
+        "",
+        "| kind | scored tokens | " + " | ".join(results["models"]) + " | unigram baseline |",
+        "|---|---:|" + "---:|" * len(results["models"]) + "---:|",
+    ]
+    for kind, entry in results["kinds"].items():
+        ppls = " | ".join(f"{entry[m]['ppl']:.2f}" for m in results["models"])
+        lines.append(
+            f"| {kind} | {entry['num_scored_tokens']:,d} | {ppls} | {entry['unigram']['ppl']:.2f} |"
+        )
+    return lines
+
+
 def model_card(
-    name: str, out_dir: Path, summary: dict, manifest: dict, results: dict | None, verify: dict
+    name: str,
+    out_dir: Path,
+    summary: dict,
+    manifest: dict,
+    results: dict | None,
+    verify: dict,
+    previous_training: str = "",
 ) -> str:
     start, done = summary["start"], summary["done"] or {}
     preset = start["preset"]
     size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
+    instructed = "sft" in (start.get("mix") or {})
+    rounds = []
+    if previous_training:
+        rounds = [
+            "Round 1 (pre-training; from the previous card):",
+            "",
+            previous_training,
+            "",
+            f"Round 2 (started from those weights, fp32, fresh optimizer; "
+            f"{'instruction tuning' if instructed else 'continued pre-training'}):",
+            "",
+        ]
     lines = [
         f"# kvserve demo {name} model",
         "",
         f"A small demonstration model ({start['num_params'] / 1e6:.1f}M parameters) trained by kvserve's own "
         "reproducible pipeline (`tools/demo_models/`), so that kvserve has a real model to serve, "
-        "speculate with and quantise on a machine with no model hub. **It is a small demonstration model:** "
-        "it continues Python code and English prose in the style of its corpus, but it knows little, "
-        "follows no instructions and must not be used for anything that matters.",
+        "speculate with and quantise on a machine with no model hub. **It is a small demonstration model.** "
+        + (INSTRUCTED if instructed else PLAIN),
         "",
         "## Architecture",
         "",
@@ -149,8 +220,9 @@ def model_card(
         "",
         "## Training",
         "",
+        *rounds,
         f"- tokens seen: {done.get('tokens_seen', 0):,d} ({done.get('step', 0):,d} steps of "
-        f"{start['tokens_per_step']:,d} tokens, half code and half prose)",
+        f"{start['tokens_per_step']:,d} tokens; rows per batch: {mix_text(start)})",
         f"- training time: {done.get('train_s', 0) / 3600:.2f} h of step time, started on "
         f"{start.get('hardware', start['device'])}",
         *resume_lines(summary),
@@ -176,23 +248,7 @@ def model_card(
         "",
     ]
     if results:
-        lines += [
-            "## Held-out perplexity",
-            "",
-            f"exp(total NLL / scored tokens) over non-overlapping {results['window_len']}-token "
-            "windows of the held-out split (bf16 weights upcast to fp32), per token of the shared "
-            f"tokenizer; this model is **{name}**. Lower is better.",
-            "",
-            "| kind | scored tokens | " + " | ".join(results["models"]) + " | unigram baseline |",
-            "|---|---:|" + "---:|" * len(results["models"]) + "---:|",
-        ]
-        for kind, entry in results["kinds"].items():
-            ppls = " | ".join(f"{entry[m]['ppl']:.2f}" for m in results["models"])
-            lines.append(
-                f"| {kind} | {entry['num_scored_tokens']:,d} | {ppls} | "
-                f"{entry['unigram']['ppl']:.2f} |"
-            )
-        lines.append("")
+        lines += ["## Held-out perplexity", "", *perplexity_lines(results, name), ""]
     lines += [
         "## Use",
         "",
@@ -221,15 +277,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-eval", action="store_true", help="skip held-out perplexity")
+    parser.add_argument(
+        "--run", action="append", default=[], help="NAME=RUN_DIR: export NAME from this run"
+    )
+    parser.add_argument(
+        "--also-eval", nargs="*", default=[], help="exported models to evaluate in place"
+    )
     args = parser.parse_args(argv)
+    run_dirs = {n: args.runs / n for n in args.models} | dict(r.split("=", 1) for r in args.run)
+    run_dirs = {n: Path(d) for n, d in run_dirs.items()}
 
     import torch
 
     torch.set_num_threads(args.threads)
     manifest = read_json(MANIFEST_PATH)
-    verified = {}
+    verified, previous = {}, {}
     for name in args.models:
-        run_dir = args.runs / name
+        run_dir = run_dirs[name]
+        init_from = training_summary(run_dir)["start"]["args"].get("init_from")
+        old_card = args.out / name / "README.md"
+        if init_from and old_card.is_file():
+            previous[name] = card_section(old_card.read_text(), "Training")
         export_model(run_dir, args.tokenizer, args.out / name)
         preset = training_summary(run_dir)["start"]["model"]
         verified[name] = verify_export(run_dir, args.tokenizer, args.out / name, preset)
@@ -238,19 +306,25 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_eval:
         from tools.demo_models.eval import evaluate
 
-        results = evaluate({n: args.out / n for n in args.models}, args.tokens, args.window, None)
+        evaluated = [*args.models, *args.also_eval]
+        results = evaluate({n: args.out / n for n in evaluated}, args.tokens, args.window, None)
         write_json(args.out / "eval_results.json", results)
         print(json.dumps(results, indent=2))
     for name in args.models:
         card = model_card(
             name,
             args.out / name,
-            training_summary(args.runs / name),
+            training_summary(run_dirs[name]),
             manifest,
             results,
             verified[name],
+            previous.get(name, ""),
         )
         (args.out / name / "README.md").write_text(card)
+    for name in args.also_eval if results else ():
+        card_path = args.out / name / "README.md"
+        body = "\n".join(perplexity_lines(results, name))
+        card_path.write_text(replace_section(card_path.read_text(), "Held-out perplexity", body))
     total_mb = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file()) / 1e6
     print(f"total size of {args.out}: {total_mb:.1f} MB")
 

@@ -26,4 +26,5 @@ fi
 # data stream, the cosine recomputed for 2000 steps (README.md, "Budget").
 "$PY" -m tools.demo_models.train --model target --steps 2000 --batch-size 8 --seq-len 512 \
   --lr 1.5e-3 --warmup-steps 100 "$@"
+bash tools/demo_models/run_v2.sh "$@"
 echo "all training done: $(date -u +%FT%TZ)"

@@ -10,6 +10,11 @@ as the user turn, the rest as the assistant turn) so that the models learn the r
 with <|end|>.
 
     python -m tools.demo_models.tokenizer [--vocab-size 8192] [--force]
+    python -m tools.demo_models.tokenizer --reuse kvserve/assets/demo/target   # the shipped one
+
+`--reuse DIR` copies an existing tokenizer (tokenizer.json, tokenizer_config.json) instead of training
+one, so that a rebuilt corpus is encoded exactly as the shipped models were trained (the BPE trainer
+is not guaranteed to give the same merges on another version of `tokenizers`).
 """
 
 from __future__ import annotations
@@ -150,9 +155,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=TOKENIZER_DIR)
     parser.add_argument("--tokens-out", type=Path, default=TOKENS_DIR)
     parser.add_argument("--force", action="store_true", help="retrain even if the tokenizer exists")
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="copy this directory's tokenizer instead of training one (e.g. the shipped target's)",
+    )
     args = parser.parse_args(argv)
 
-    if args.force or not (args.out / "tokenizer.json").exists():
+    if args.reuse is not None:
+        import shutil
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(args.reuse / name, args.out / name)
+    elif args.force or not (args.out / "tokenizer.json").exists():
         train_tokenizer(args.corpus, args.vocab_size, args.out)
     counts = encode_corpus(args.corpus, args.out, args.tokens_out, args.seed)
     manifest = read_json(MANIFEST_PATH)
