@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.async_engine import AsyncEngine
+from kvserve.engine.client import EngineClient
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.server import tools
 from kvserve.server.errors import APIError, from_engine_error, internal_error
@@ -56,7 +56,7 @@ def _shutdown_error() -> APIError:
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         options: ServingOptions,
         metrics: ServerMetrics,
         fingerprint: str,
@@ -86,12 +86,12 @@ class OpenAIServing:
                 "model_not_found",
             )
 
-    def _require_tokenizer(self) -> None:
+    def require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
 
     def render_chat(self, request: ChatCompletionRequest) -> str:
-        self._require_tokenizer()
+        self.require_tokenizer()
         template = self.options.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequestError(
@@ -116,7 +116,7 @@ class OpenAIServing:
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        self._require_tokenizer()
+        self.require_tokenizer()
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
