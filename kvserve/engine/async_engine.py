@@ -12,6 +12,7 @@ process; `kvserve serve` uses that by default.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ class AsyncEngine(EngineClient):
     ):
         self.engine = engine
         core = CoreHandle(0, self._send)
+        core.pid = os.getpid()
         super().__init__(engine_info(engine), engine.tokenizer, [core], on_dead=on_dead)
         self._core = EngineCore(engine, lambda out: self._on_core_outputs(core, out), faults=faults)
         core.stats = self._core.collect_stats()

@@ -55,6 +55,8 @@ class CoreHandle:
         self.num_admitted = 0  # ... of which the core has taken from its queue
         self.num_engine_waiting = 0
         self.requests: set[str] = set()
+        self.num_routed = 0  # requests sent to this core (cumulative)
+        self.pid: int | None = None  # its process, once known
 
 
 class EngineClient:
@@ -93,6 +95,15 @@ class EngineClient:
     def core_stats(self) -> list[tuple[int, bool, EngineStats]]:
         """(core index, alive, its latest stats) for every core."""
         return [(c.index, c.alive, c.stats) for c in self._cores]
+
+    @property
+    def core_status(self) -> list[dict]:
+        """Per core: index, alive, pid, requests routed to it so far, running now, why it died."""
+        return [
+            {"engine": c.index, "alive": c.alive, "pid": c.pid, "num_routed": c.num_routed,
+             "num_running": c.stats.num_running, "error": c.dead_reason}
+            for c in self._cores
+        ]  # fmt: skip
 
     @property
     def stats(self) -> EngineStats:
@@ -200,6 +211,7 @@ class EngineClient:
             self._queues[request_id] = (asyncio.get_running_loop(), queue)
             self._owner[request_id] = core
             core.requests.add(request_id)
+            core.num_routed += 1
             self._outputs.add(request_id, prompt, prompt_token_ids, params, arrival_time)
             core.num_sent += params.n
             if reserved:

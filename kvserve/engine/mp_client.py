@@ -132,6 +132,7 @@ class MPClient(EngineClient):
                 continue
             if isinstance(message, Ready):
                 self._ready[index] = message
+                self._cores[index].pid = message.pid
                 if len(self._ready) == len(self._procs):
                     self._started.set()
                 continue

@@ -235,10 +235,7 @@ def build_app(
                 "kv_usage": stats.kv_usage,
                 "kv_free_blocks": stats.num_free_blocks,
                 "kv_total_blocks": stats.num_blocks,
-                "engines": [
-                    {"engine": index, "alive": alive, "num_running": s.num_running}
-                    for index, alive, s in state.engine.core_stats
-                ],
+                "engines": state.engine.core_status,
             }
         )
 
