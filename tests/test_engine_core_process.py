@@ -125,7 +125,9 @@ def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> tuple[str, in
     return out["choices"][0]["text"], out["usage"]["completion_tokens"]
 
 
-def test_data_parallel_gives_each_request_the_greedy_output_of_one_engine(dp_server, gpt2_model_dir):
+def test_data_parallel_gives_each_request_the_greedy_output_of_one_engine(
+    dp_server, gpt2_model_dir
+):
     url, _ = dp_server
     llm = LLM(str(gpt2_model_dir), max_model_len=256, num_blocks=64)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -157,8 +159,11 @@ def test_requests_sharing_a_prefix_land_on_the_same_core(dp_server):
     metrics = httpx.get(f"{url}/metrics").text
     assert 'kvserve_engine_up{engine="0"} 1.0' in metrics
     assert 'kvserve_engine_up{engine="1"} 1.0' in metrics
-    hits = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
-            for line in metrics.splitlines() if line.startswith("kvserve_engine_prefix_cache_hits")}
+    hits = {
+        line.split("{")[1].split("}")[0]: float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("kvserve_engine_prefix_cache_hits")
+    }
     assert sorted(hits.values())[-1] >= 3 * 32  # the three repeats hit both prefix blocks  # fmt: skip
 
 

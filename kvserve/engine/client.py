@@ -254,7 +254,9 @@ class EngineClient:
     def _call(self, core: int, command, timeout_s: float = 60.0):
         handle = self._cores[core]
         if not handle.alive:
-            raise EngineDeadError(handle.dead_reason or self.dead_reason or "the engine core stopped")
+            raise EngineDeadError(
+                handle.dead_reason or self.dead_reason or "the engine core stopped"
+            )
         call_id = next(self._call_ids)
         box = [threading.Event(), None, core]
         self._calls[call_id] = box

@@ -159,7 +159,11 @@ class EngineCore:
         if count:
             self._num_admitted += cmd.params.n
         faults = self._faults
-        if faults is not None and faults.engine_seed is not None and cmd.params.seed == faults.engine_seed:
+        if (
+            faults is not None
+            and faults.engine_seed is not None
+            and cmd.params.seed == faults.engine_seed
+        ):
             self._fault_armed = True
         try:
             self.engine.add_request(
@@ -253,7 +257,9 @@ class EngineCore:
                            len(suspects), exc)  # fmt: skip
             innocent = suspects
         self._probation = None
-        for request_id in innocent:  # re-admitted later, one at a time; nothing of theirs was sent yet
+        for (
+            request_id
+        ) in innocent:  # re-admitted later, one at a time; nothing of theirs was sent yet
             cmd = self._unscheduled.pop(request_id, None)
             self.engine.abort_request(request_id)
             if cmd is not None:

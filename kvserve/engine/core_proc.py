@@ -38,7 +38,9 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s core{index}: %(message)s")
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s %(levelname)s core{index}: %(message)s"
+    )
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_address)

@@ -219,7 +219,9 @@ class LLMEngine:
             requests.append(request)
         self._parents[request_id] = parent
         if self.outputs is not None:
-            self.outputs.add(request_id, prompt, parent.prompt_token_list, params, parent.arrival_time)
+            self.outputs.add(
+                request_id, prompt, parent.prompt_token_list, params, parent.arrival_time
+            )
         # Samples 1..n-1 wait for sample 0 to compute the prompt, then share its full prompt blocks.
         self.scheduler.add_request(requests[0])
         for request in requests[1:]:
@@ -343,8 +345,12 @@ class LLMEngine:
                     num_spec_accepted=c.num_spec_accepted,
                     structured_complete=c.structured_complete,
                     metrics=FrozenMetrics(
-                        m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                        m.finished_time, m.num_preemptions, (now,) * len(c.delta_token_ids),
+                        m.arrival_time,
+                        m.first_scheduled_time,
+                        m.first_token_time,
+                        m.finished_time,
+                        m.num_preemptions,
+                        (now,) * len(c.delta_token_ids),
                     ),  # fmt: skip
                 )
             )

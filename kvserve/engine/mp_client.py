@@ -86,15 +86,24 @@ class MPClient(EngineClient):
             cores.append(CoreHandle(index, lambda cmd, i=index: self._send(i, cmd)))
             proc = spawn.Process(
                 target=run_core,
-                args=(config, faults, in_address, out_address, index, os.getpid(),
-                      logging.getLevelName(logging.getLogger().level)),  # fmt: skip
+                args=(
+                    config,
+                    faults,
+                    in_address,
+                    out_address,
+                    index,
+                    os.getpid(),
+                    logging.getLevelName(logging.getLogger().level),
+                ),  # fmt: skip
                 name=f"kvserve-core-{index}",
                 daemon=True,
             )
             proc.start()
             self._procs.append(proc)
         super().__init__(None, load_tokenizer(config.model_dir), cores, on_dead=on_dead)
-        self._receiver = threading.Thread(target=self._receive, name="kvserve-client-recv", daemon=True)
+        self._receiver = threading.Thread(
+            target=self._receive, name="kvserve-client-recv", daemon=True
+        )
         self._receiver.start()
         threading.Thread(target=self._monitor, name="kvserve-client-monitor", daemon=True).start()
         if not self._started.wait(startup_timeout_s):

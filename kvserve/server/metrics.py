@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvserve.engine.wire import EngineStats
 from kvserve.engine.outputs import CompletionOutput
+from kvserve.engine.wire import EngineStats
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -68,7 +68,9 @@ class _EngineCollector(Collector):
 
     def collect(self):
         cores = self._core_stats()
-        up = GaugeMetricFamily("kvserve_engine_up", "1 while this engine core is alive", labels=["engine"])
+        up = GaugeMetricFamily(
+            "kvserve_engine_up", "1 while this engine core is alive", labels=["engine"]
+        )
         for index, alive, _ in cores:
             up.add_metric([str(index)], 1.0 if alive else 0.0)
         yield up
