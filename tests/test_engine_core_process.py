@@ -145,6 +145,7 @@ def test_data_parallel_gives_each_request_the_greedy_output_of_one_engine(
     assert [results[i] for i in range(len(PROMPTS))] == expected
     engines = httpx.get(f"{url}/ready").json()["engines"]
     assert len(engines) == 2 and all(e["alive"] for e in engines)
+    assert len({e["pid"] for e in engines} | {dp_server[1].pid}) == 3  # two processes of their own
     assert all(e["num_routed"] > 0 for e in engines), f"one core got everything: {engines}"
 
 

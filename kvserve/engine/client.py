@@ -100,7 +100,7 @@ class EngineClient:
     def core_status(self) -> list[dict]:
         """Per core: index, alive, pid, requests routed to it so far, running now, why it died."""
         return [
-            {"engine": c.index, "alive": c.alive, "pid": c.pid, "num_routed": c.num_routed,
+            {"index": c.index, "alive": c.alive, "pid": c.pid, "num_routed": c.num_routed,
              "num_running": c.stats.num_running, "error": c.dead_reason}
             for c in self._cores
         ]  # fmt: skip
@@ -275,7 +275,7 @@ class EngineClient:
 
     def debug_engine(self) -> dict:
         """Block-pool state (invariants checked) of every live core, summed; per core under `cores`."""
-        per_core = [self.call("debug_engine", core=c.index) | {"engine": c.index}
+        per_core = [self.call("debug_engine", core=c.index) | {"index": c.index}
                     for c in self._cores if c.alive]  # fmt: skip
         keys = ("num_free_blocks", "num_blocks", "num_requests")
         return {k: sum(d[k] for d in per_core) for k in keys} | {
