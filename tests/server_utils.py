@@ -1,4 +1,7 @@
-"""Start `kvserve serve` as a real process on 127.0.0.1 and wait until it is ready."""
+"""Start `kvserve serve` as a real process on 127.0.0.1 and wait until it is ready.
+
+The engine core runs in its own process (the default) unless `KVSERVE_TEST_ENGINE_CORE=in-process`
+(the CI runs the server tests both ways; see tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_core_mode() -> str:
+    return os.environ.get("KVSERVE_TEST_ENGINE_CORE", "process")
+
+
+def engine_core_args() -> tuple[str, ...]:
+    return ("--engine-core", engine_core_mode())
+
+
 @contextlib.contextmanager
 def running_server(
     model_dir: str | Path, *args: str, timeout_s: float = 180.0, log_path: Path | None = None
@@ -38,6 +49,7 @@ def running_server(
         str(port),
         "--log-level",
         "warning",
+        *engine_core_args(),
         *args,
     ]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115

@@ -21,17 +21,25 @@ ENGINE_FAULT_SEED = 4321  # the loop itself fails after the step that follows th
 SMALL = ("--max-model-len", "256", "--kv-cache-memory", "16MiB")
 
 
-def test_dead_engine_health_ready_and_requests_are_503(gpt2_model_dir):
+@pytest.mark.parametrize("mode", ["in-process", "process"])
+def test_dead_engine_health_ready_and_requests_are_503(gpt2_model_dir, mode):
     import uvicorn
 
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.mp_client import MPClient
     from kvserve.server.app import build_app
     from kvserve.server.serving import ServingOptions
 
     config = build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=256)
+    faults = FaultInjection(engine_seed=ENGINE_FAULT_SEED, step_delay_s=0.01)
+
+    def factory():
+        if mode == "in-process":
+            return AsyncEngine(LLMEngine(config), faults=faults)
+        return MPClient(config, faults=faults)
+
     app = build_app(
-        lambda: LLMEngine(config),
-        ServingOptions(served_model_name="m"),
-        faults=FaultInjection(engine_seed=ENGINE_FAULT_SEED, step_delay_s=0.01),
+        factory, ServingOptions(served_model_name="m")
     )  # no on_fatal: the server stays up, so what it says can be checked
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -126,9 +126,11 @@ def test_ready_is_503_while_loading(gpt2_model_dir):
     release = threading.Event()
     config = build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=512)
 
-    def slow_factory() -> LLMEngine:
+    def slow_factory():
+        from kvserve.engine.async_engine import AsyncEngine
+
         release.wait(60)
-        return LLMEngine(config)
+        return AsyncEngine(LLMEngine(config))
 
     app = build_app(slow_factory, ServingOptions(served_model_name="m"))
     port = free_port()

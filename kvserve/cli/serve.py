@@ -117,7 +117,27 @@ def register(subparsers) -> None:
         help="server log level",
     )
     add_engine_arguments(parser)
+    add_core_arguments(parser)
     parser.set_defaults(func=run)
+
+
+def add_core_arguments(parser) -> None:
+    """Where the engine core runs (docs/engine_core.md)."""
+    parser.add_argument(
+        "--engine-core",
+        choices=["process", "in-process"],
+        default="process",
+        help="run the engine core (scheduler, KV cache, model) in its own process, talking to the "
+        "API server over ZMQ, or as a thread of the API server's process",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start N engine-core processes behind one API server; a request goes to the core that "
+        "holds its prompt's first block, else to the least loaded one",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,7 +148,6 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.core.errors import InvalidRequestError
     from kvserve.engine.args import build_engine_config
     from kvserve.engine.faults import FaultInjection
-    from kvserve.engine.llm_engine import LLMEngine
     from kvserve.models import builtin_name, resolve_model
     from kvserve.server.app import build_app
     from kvserve.server.metering import parse_api_keys
@@ -165,12 +184,28 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
     )
     url = f"http://{args.host}:{args.port}"
+    faults = FaultInjection.parse(args.inject_fault)
+    if args.data_parallel_size < 1:
+        raise InvalidRequestError("--data-parallel-size must be >= 1", "data_parallel_size")
+    if args.data_parallel_size > 1 and args.engine_core == "in-process":
+        raise InvalidRequestError(
+            "--data-parallel-size > 1 needs --engine-core process", "data_parallel_size"
+        )
 
-    def load() -> LLMEngine:
+    def load():
         print(f"kvserve: loading {serving.served_model_name!r} from {model_dir} ...", flush=True)
-        engine = LLMEngine(config)
-        print(startup_summary(engine, serving.served_model_name, url), flush=True)
-        return engine
+        if args.engine_core == "in-process":
+            from kvserve.engine.async_engine import AsyncEngine
+            from kvserve.engine.llm_engine import LLMEngine
+
+            client = AsyncEngine(LLMEngine(config), faults=faults)
+        else:
+            from kvserve.engine.mp_client import MPClient
+
+            client = MPClient(config, num_cores=args.data_parallel_size, faults=faults)
+        print(startup_summary(client.info, serving.served_model_name, url, client.num_cores),
+              flush=True)  # fmt: skip
+        return client
 
     holder: dict = {}
     app = build_app(
@@ -178,7 +213,6 @@ def run(args: argparse.Namespace) -> int:
         serving,
         api_keys=parse_api_keys(args.api_key),
         engine_options=options,
-        faults=FaultInjection.parse(args.inject_fault),
         on_fatal=lambda: holder["server"].request_exit(),
     )
     state = app.state.kvserve

@@ -19,7 +19,9 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import load_tokenizer, stop_token_ids
 from kvserve.engine.detokenizer import IncrementalDetokenizer
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.wire import FrozenMetrics, RequestDelta, SampleDelta
 from kvserve.kv.manager import KVCacheManager
 from kvserve.runner.executor import make_runner
 from kvserve.sched.scheduler import Scheduler
@@ -31,8 +33,9 @@ _score_ids = itertools.count()
 class _Sample:
     request_id: str  # the scheduler's id
     parent: _Parent
-    completion: CompletionOutput
+    completion: CompletionOutput  # this step's delta_* fields and the sample's finish state
     detokenizer: IncrementalDetokenizer | None
+    num_output_tokens: int = 0
 
 
 @dataclass
@@ -76,6 +79,9 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self.on_grammar_compile = None  # callback(seconds), e.g. a metrics histogram
         self.last_scheduler_output = None  # the latest step's decision (calibration, debugging)
+        # `step()` accumulates deltas here for callers that drive the engine directly; an engine core
+        # (kvserve.engine.core) sets it to None and ships `step_deltas()` to its client instead.
+        self.outputs: OutputProcessor | None = OutputProcessor()
 
     def grammars(self):
         """The grammar compiler cache, built on first use (xgrammar indexes the whole vocabulary)."""
@@ -216,28 +222,29 @@ class LLMEngine:
             self._samples[sample_id] = sample
             requests.append(request)
         self._parents[request_id] = parent
+        if self.outputs is not None:
+            self.outputs.add(
+                request_id, prompt, parent.prompt_token_list, params, parent.arrival_time
+            )
         # Samples 1..n-1 wait for sample 0 to compute the prompt, then share its full prompt blocks.
         self.scheduler.add_request(requests[0])
         for request in requests[1:]:
             request.prompt_source_id = requests[0].request_id
         parent.pending = requests[1:]
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request (all its samples) now; its blocks return to the pool."""
+    def abort_request(self, request_id: str) -> None:
+        """End a request (all its samples) now; its blocks return to the pool. Nothing is emitted: the
+        caller that aborts it has stopped listening."""
+        if self.outputs is not None:
+            self.outputs.remove(request_id)
         parent = self._parents.pop(request_id, None)
         if parent is None:
-            return None
+            return
         parent.pending.clear()
         sample_ids = [s.request_id for s in parent.samples]
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
-        now = time.monotonic()
         for sample in parent.samples:
             self._samples.pop(sample.request_id, None)
-            completion = sample.completion
-            if not completion.finished:
-                completion.finish_reason = "abort"
-                completion.metrics.finished_time = now
-        return self._snapshot(parent)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._parents)
@@ -254,7 +261,12 @@ class LLMEngine:
     # --- the loop ---------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns a snapshot of every request that changed."""
+        """Run one scheduling step; returns a snapshot of every request that changed (accumulated from
+        the step's deltas by `self.outputs`)."""
+        return self.outputs.process(self.step_deltas())
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """Run one scheduling step; returns what it added to every request that changed."""
         scheduler_output = self.scheduler.schedule(now=time.monotonic())
         self.last_scheduler_output = scheduler_output
         now = time.monotonic()
@@ -267,20 +279,20 @@ class LLMEngine:
         runner_output = self.runner.execute(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output)
         now = time.monotonic()
-        touched: dict[str, _Parent] = {}
+        touched: dict[str, tuple[_Parent, list[_Sample]]] = {}
         for update in updates:
             sample = self._samples.get(update.request_id)
             if sample is None:
                 continue
             self._apply(sample, update, now)
-            touched[sample.parent.request_id] = sample.parent
+            touched.setdefault(sample.parent.request_id, (sample.parent, []))[1].append(sample)
         outputs = []
-        for parent in touched.values():
-            if parent.pending and parent.samples[0].completion.token_ids:
+        for parent, samples in touched.values():
+            if parent.pending and parent.samples[0].num_output_tokens:
                 for request in parent.pending:  # sample 0 has computed the prompt now
                     self.scheduler.add_request(request)
                 parent.pending = []
-            outputs.append(self._snapshot(parent))
+            outputs.append(self._delta(parent, samples, now))
             if parent.finished:
                 del self._parents[parent.request_id]
                 for sample in parent.samples:
@@ -296,15 +308,11 @@ class LLMEngine:
         if update.grammar_complete:
             completion.structured_complete = True
         new_ids = list(update.new_token_ids)
-        completion.token_ids.extend(new_ids)
+        sample.num_output_tokens += len(new_ids)
         completion.delta_token_ids = new_ids
         if new_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
-        metrics.token_times.extend([now] * len(new_ids))
         completion.delta_logprobs = list(update.new_logprobs) if update.new_logprobs else None
-        if completion.logprobs is not None and update.new_logprobs:
-            completion.logprobs.extend(update.new_logprobs)
-            completion.cumulative_logprob += sum(lp.logprob for lp in update.new_logprobs)
         finish_reason = update.finish_reason
         if finish_reason == "stop" and new_ids:
             last = new_ids[-1]
@@ -319,28 +327,39 @@ class LLMEngine:
                 self.scheduler.finish_requests([sample.request_id], RequestStatus.FINISHED_STOPPED)
                 finish_reason = "stop"
                 completion.stop_reason = detok.stop_string
-        completion.text += delta
         completion.delta_text = delta
         if finish_reason is not None:
             completion.finish_reason = finish_reason
             metrics.finished_time = now
 
-    def _snapshot(self, parent: _Parent) -> RequestOutput:
-        first = parent.samples[0].completion
-        outputs = [_copy_completion(s.completion) for s in parent.samples]
-        for sample in parent.samples:  # a delta is reported once
-            sample.completion.delta_text = ""
-            sample.completion.delta_token_ids = []
-            sample.completion.delta_logprobs = None
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_list,
-            outputs=outputs,
-            finished=parent.finished,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=first.metrics,
-        )
+    def _delta(self, parent: _Parent, samples: list[_Sample], now: float) -> RequestDelta:
+        deltas = []
+        for sample in samples:
+            c, m = sample.completion, sample.completion.metrics
+            deltas.append(
+                SampleDelta(
+                    index=c.index,
+                    new_token_ids=tuple(c.delta_token_ids),
+                    new_logprobs=tuple(c.delta_logprobs) if c.delta_logprobs else None,
+                    new_text=c.delta_text,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    num_cached_tokens=max(c.num_cached_tokens, 0),
+                    num_spec_proposed=c.num_spec_proposed,
+                    num_spec_accepted=c.num_spec_accepted,
+                    structured_complete=c.structured_complete,
+                    metrics=FrozenMetrics(
+                        m.arrival_time,
+                        m.first_scheduled_time,
+                        m.first_token_time,
+                        m.finished_time,
+                        m.num_preemptions,
+                        (now,) * len(c.delta_token_ids),
+                    ),  # fmt: skip
+                )
+            )
+            c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], None  # reported once
+        return RequestDelta(parent.request_id, tuple(deltas), parent.finished)
 
     # --- scoring ----------------------------------------------------------------------------------------
 
@@ -391,24 +410,3 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.kv_manager.check_invariants()
-
-
-def _copy_completion(c: CompletionOutput) -> CompletionOutput:
-    # Snapshots must not change under the caller when the engine steps again.
-    return CompletionOutput(
-        index=c.index,
-        text=c.text,
-        token_ids=list(c.token_ids),
-        finish_reason=c.finish_reason,
-        logprobs=None if c.logprobs is None else list(c.logprobs),
-        cumulative_logprob=c.cumulative_logprob,
-        delta_text=c.delta_text,
-        delta_token_ids=list(c.delta_token_ids),
-        delta_logprobs=c.delta_logprobs,
-        stop_reason=c.stop_reason,
-        metrics=c.metrics,
-        num_cached_tokens=max(c.num_cached_tokens, 0),
-        num_spec_proposed=c.num_spec_proposed,
-        num_spec_accepted=c.num_spec_accepted,
-        structured_complete=c.structured_complete,
-    )

@@ -20,10 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
-from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.faults import FaultInjection
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.client import EngineClient
 from kvserve.server import access_log
 from kvserve.server.errors import (
     APIError,
@@ -59,7 +56,7 @@ class ServerState:
     keys: KeyRing = field(default_factory=lambda: KeyRing(()))
     engine_options: dict = field(default_factory=dict)
     serving: OpenAIServing | None = None
-    engine: AsyncEngine | None = None
+    engine: EngineClient | None = None
     manifest: dict | None = None
     manifest_sha256: str | None = None
     load_error: str | None = None
@@ -108,38 +105,36 @@ class ServerState:
         asyncio.get_running_loop().call_later(grace_period_s, expire)
 
 
-def _load(
-    state: ServerState, engine_factory: Callable[[], LLMEngine], faults: FaultInjection | None
-) -> None:
+def _load(state: ServerState, client_factory: Callable[[], EngineClient]) -> None:
     try:
-        engine = engine_factory()
-        template = state.options.chat_template or getattr(engine.tokenizer, "chat_template", None)
+        client = client_factory()
+        info = client.info
+        template = state.options.chat_template or getattr(client.tokenizer, "chat_template", None)
         state.manifest = build_manifest(
-            engine.config.model_dir,
+            info.model_dir,
             served_model_name=state.options.served_model_name,
-            dtype=engine.config.dtype,
+            dtype=info.dtype,
             chat_template=template,
             engine_options=state.engine_options,
         )
         state.manifest_sha256 = manifest_hash(state.manifest)
-        engine.on_grammar_compile = state.metrics.grammar_compile.observe
-        mask_times = engine.runner.grammar_mask_times_s
+        client.set_observers(
+            grammar_compile=state.metrics.grammar_compile.observe,
+            grammar_mask=state.metrics.grammar_mask.observe,
+        )
 
         def on_dead(reason: str) -> None:
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody to tell
                 state.loop.call_soon_threadsafe(state.engine_died, reason)
 
-        async_engine = AsyncEngine(
-            engine,
-            on_step=lambda _: state.metrics.drain_mask_times(mask_times),
-            on_dead=on_dead,
-            faults=faults,
-        )
-        # Warm up: one tiny request through the real path (allocations, first-call overheads).
-        async_engine.call_in_engine_thread(_warm_up)
-        state.engine = async_engine
+        client.on_dead = on_dead
+        state.engine = client
+        if client.dead:  # died while we were wiring it up
+            on_dead(client.dead_reason)
+            return
+        client.warm_up()  # one tiny request through the real path on every core
         state.serving = OpenAIServing(
-            async_engine,
+            client,
             state.options,
             state.metrics,
             fingerprint(state.manifest_sha256),
@@ -153,34 +148,31 @@ def _load(
         state.load_error = f"{type(exc).__name__}: {exc}"
 
 
-def _warm_up(engine: LLMEngine) -> None:
-    engine.add_request("warmup", [0], SamplingParams(max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
 def build_app(
-    engine_factory: Callable[[], LLMEngine],
+    client_factory: Callable[[], EngineClient],
     options: ServingOptions,
     api_keys: tuple[str | ApiKey, ...] = (),
     engine_options: dict | None = None,
     *,
-    faults: FaultInjection | None = None,
     on_fatal: Callable[[], None] | None = None,
 ) -> FastAPI:
+    """The app over the engine client `client_factory()` builds (in a background thread, at start)."""
     keys = tuple(k for k in api_keys if isinstance(k, ApiKey))
     keys += parse_api_keys([k for k in api_keys if not isinstance(k, ApiKey)])
     state = ServerState(
         options=options, keys=KeyRing(keys), engine_options=engine_options or {}, on_fatal=on_fatal
     )
-    state.metrics = ServerMetrics(lambda: state.engine.stats if state.engine else None)
+    state.metrics = ServerMetrics(
+        lambda: state.engine.stats if state.engine else None,
+        lambda: state.engine.core_stats if state.engine else [],
+    )
     state.metering = Metering(state.metrics.registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         access_log.install()
-        loader = threading.Thread(target=_load, args=(state, engine_factory, faults), daemon=True)
+        loader = threading.Thread(target=_load, args=(state, client_factory), daemon=True)
         loader.start()
         yield
         state.shutting_down = True
@@ -243,6 +235,7 @@ def build_app(
                 "kv_usage": stats.kv_usage,
                 "kv_free_blocks": stats.num_free_blocks,
                 "kv_total_blocks": stats.num_blocks,
+                "engines": state.engine.core_status,
             }
         )
 
@@ -273,7 +266,7 @@ def build_app(
                     "object": "model",
                     "created": 0,
                     "owned_by": "kvserve",
-                    "max_model_len": state.engine.engine.max_model_len,
+                    "max_model_len": state.engine.max_model_len,
                     "system_fingerprint": state.serving.fingerprint,
                 }
             ],
@@ -318,17 +311,17 @@ def build_app(
         return {
             "tokens": tokens,
             "count": len(tokens),
-            "max_model_len": s.engine.engine.max_model_len,
+            "max_model_len": s.engine.max_model_len,
         }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         s = serving()
         s.check_model(body.model)
-        vocab = s.engine.engine.config.model.vocab_size
+        vocab = s.engine.info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "tokens")
-        s._require_tokenizer()
+        s.require_tokenizer()
         return {"prompt": await offload(s.tokenizer.decode, body.tokens)}
 
     @app.post("/reset_prefix_cache")
@@ -336,9 +329,7 @@ def build_app(
         """Forget cached prefixes (benchmarks that replay one workload at several rates need it).
         Refused with 409 while any request holds blocks."""
         s = serving()
-        done = await asyncio.to_thread(
-            s.engine.call_in_engine_thread, lambda e: e.kv_manager.pool.reset_prefix_cache()
-        )
+        done = await asyncio.to_thread(s.engine.reset_prefix_cache)
         if not done:
             raise APIError(409, "requests are running; retry when idle", "conflict")
         return JSONResponse({"status": "ok"})
@@ -348,20 +339,21 @@ def build_app(
         """The engine loop's per-step timings (kvserve.engine.step_log), from sequence number
         `since`, and the engine limits: what `kvserve simulate --calibrate-server` fits."""
         engine = serving().engine
-        c = engine.engine.config
+        info = engine.info
         return {
             "num_recorded": engine.step_log.num_recorded,
             "engine": {
-                "model_dir": str(c.model_dir),
-                "dtype": c.dtype,
-                "quantization": getattr(c, "quantization", None),
-                "num_blocks": engine.engine.num_blocks,
-                "block_size": c.cache.block_size,
-                "max_model_len": c.scheduler.max_model_len,
-                "max_num_seqs": c.scheduler.max_num_seqs,
-                "max_num_batched_tokens": c.scheduler.max_num_batched_tokens,
-                "enable_prefix_caching": c.cache.enable_prefix_caching,
-                "admission": c.scheduler.admission,
+                "model_dir": info.model_dir,
+                "dtype": info.dtype,
+                "quantization": info.quantization,
+                "num_blocks": info.num_blocks,
+                "block_size": info.block_size,
+                "max_model_len": info.max_model_len,
+                "max_num_seqs": info.max_num_seqs,
+                "max_num_batched_tokens": info.max_num_batched_tokens,
+                "enable_prefix_caching": info.enable_prefix_caching,
+                "admission": info.admission,
+                "num_engine_cores": engine.num_cores,
             },
             "steps": engine.step_log.since(since),
         }
@@ -370,17 +362,7 @@ def build_app(
     async def debug_engine() -> dict:
         """Block-pool state, for tests and operators: all blocks free when nothing runs."""
         s = serving()
-
-        def check(engine: LLMEngine) -> dict:
-            engine.check_invariants()
-            return {
-                "num_free_blocks": engine.num_free_blocks(),
-                "num_blocks": engine.num_blocks,
-                "num_requests": engine.num_requests,
-                "invariants": "ok",
-            }
-
-        return await asyncio.to_thread(s.engine.call_in_engine_thread, check)
+        return await asyncio.to_thread(s.engine.debug_engine)
 
     install_openapi(app)
     return app

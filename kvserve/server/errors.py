@@ -87,7 +87,7 @@ def internal_error(
 
 
 def from_engine_error(exc: KVServeError) -> APIError:
-    from kvserve.engine.async_engine import EngineDeadError, RequestFailedError
+    from kvserve.engine.wire import EngineDeadError, RequestFailedError
 
     if isinstance(exc, InvalidRequestError):
         code = "context_length_exceeded" if "context" in exc.message else None

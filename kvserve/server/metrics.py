@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvserve.engine.async_engine import EngineStats
 from kvserve.engine.outputs import CompletionOutput
+from kvserve.engine.wire import EngineStats
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -43,11 +43,42 @@ _LATENCY_BUCKETS = (
 _FAST_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 
 
+# Per engine core (data parallel), labelled engine="0", "1", ...: (name, help, EngineStats field, kind)
+_PER_CORE = (
+    ("kvserve_engine_num_requests_running", "Requests running on this engine core", "num_running",
+     GaugeMetricFamily),
+    ("kvserve_engine_num_requests_waiting", "Requests waiting on this engine core", "num_waiting",
+     GaugeMetricFamily),
+    ("kvserve_engine_kv_cache_usage_ratio", "Fraction of this core's KV blocks held", "kv_usage",
+     GaugeMetricFamily),
+    ("kvserve_engine_num_steps", "Steps this engine core ran", "num_steps", CounterMetricFamily),
+    ("kvserve_engine_prefix_cache_hits", "Prompt tokens served from this core's prefix cache",
+     "prefix_cache_hits", CounterMetricFamily),
+)  # fmt: skip
+
+
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats | None],
+        core_stats: Callable[[], list[tuple[int, bool, EngineStats]]] = list,
+    ) -> None:
         self._stats = stats
+        self._core_stats = core_stats
 
     def collect(self):
+        cores = self._core_stats()
+        up = GaugeMetricFamily(
+            "kvserve_engine_up", "1 while this engine core is alive", labels=["engine"]
+        )
+        for index, alive, _ in cores:
+            up.add_metric([str(index)], 1.0 if alive else 0.0)
+        yield up
+        for name, help_text, field_name, kind in _PER_CORE:
+            family = kind(name, help_text, labels=["engine"])
+            for index, _, core in cores:
+                family.add_metric([str(index)], getattr(core, field_name))
+            yield family
         stats = self._stats() or EngineStats()
         yield GaugeMetricFamily(
             "kvserve_num_requests_running", "Requests running", stats.num_running
@@ -96,7 +127,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], core_stats=list) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -152,12 +183,7 @@ class ServerMetrics:
             "kvserve_grammar_mask_seconds", "Filling and applying grammar bitmasks, per batch",
             buckets=_FAST_BUCKETS, registry=r,
         )  # fmt: skip
-        r.register(_EngineCollector(stats))
-
-    def drain_mask_times(self, times_s) -> None:
-        """Observe (and remove) the per-batch mask times the runner recorded (a bounded deque)."""
-        while times_s:
-            self.grammar_mask.observe(times_s.popleft())
+        r.register(_EngineCollector(stats, core_stats))
 
     def observe_completion(
         self, num_prompt_tokens: int, completions: list[CompletionOutput]

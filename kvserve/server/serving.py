@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.async_engine import AsyncEngine
-from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.client import EngineClient
+from kvserve.engine.outputs import RequestOutput
 from kvserve.server import tools
 from kvserve.server.errors import APIError, from_engine_error, internal_error
+from kvserve.server.job_accounting import JobAccounting, merge_streams
 from kvserve.server.limits import RequestLimits
 from kvserve.server.metering import Metering, outcome_of
 from kvserve.server.metrics import ServerMetrics
@@ -53,10 +54,10 @@ def _shutdown_error() -> APIError:
     )
 
 
-class OpenAIServing:
+class OpenAIServing(JobAccounting):
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         options: ServingOptions,
         metrics: ServerMetrics,
         fingerprint: str,
@@ -86,12 +87,12 @@ class OpenAIServing:
                 "model_not_found",
             )
 
-    def _require_tokenizer(self) -> None:
+    def require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
 
     def render_chat(self, request: ChatCompletionRequest) -> str:
-        self._require_tokenizer()
+        self.require_tokenizer()
         template = self.options.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequestError(
@@ -116,7 +117,7 @@ class OpenAIServing:
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        self._require_tokenizer()
+        self.require_tokenizer()
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
@@ -264,7 +265,7 @@ class OpenAIServing:
                 async for output in streams[0]:
                     yield 0, output
                 return
-            async for item in _merge(streams):
+            async for item in merge_streams(streams):
                 yield item
         finally:
             self.open_jobs.discard(job)
@@ -372,97 +373,3 @@ class OpenAIServing:
         if job.include_usage:
             yield f"data: {json.dumps(self.responses.envelope(job, [], usage=self.responses.usage(job, finals)))}\n\n"
         yield "data: [DONE]\n\n"
-
-    def _finish(
-        self,
-        job: Job,
-        outcome: str,
-        outputs: dict[int, RequestOutput],
-        error: APIError | None = None,
-    ) -> None:
-        """Count, meter and log a request that did not complete (once per job)."""
-        if job.accounted:
-            return
-        job.accounted = True
-        if error is not None:
-            error.accounted = True  # the error handler must not count it again
-            self.metrics.observe_error(error.error_type)
-        completions = [c for o in outputs.values() for c in o.outputs]
-        self._meter(job, outcome, outputs)
-        self._log(job, error.error_type if error is not None else outcome, completions)
-
-    def _meter(self, job: Job, outcome: str, outputs: dict[int, RequestOutput]) -> None:
-        if self.metering is None:
-            return
-        usage = self.responses.usage(job, outputs)
-        self.metering.record(
-            job.key_id,
-            outcome,
-            usage["prompt_tokens"],
-            usage["prompt_tokens_details"]["cached_tokens"],
-            usage["completion_tokens"],
-        )
-
-    def _record(self, job: Job, finals: dict[int, RequestOutput]) -> None:
-        if job.accounted:
-            return
-        job.accounted = True
-        completions = [c for o in finals.values() for c in o.outputs]
-        self.metrics.observe_completion(sum(len(i) for i in job.prompt_token_ids), completions)
-        self._meter(job, "ok", finals)
-        self._log(job, "ok", completions)
-
-    def _log(self, job: Job, outcome: str, completions: list[CompletionOutput]) -> None:
-        record = {
-            "request_id": job.request_id,
-            "key_id": job.key_id,
-            "kind": job.kind,
-            "stream": job.stream,
-            "outcome": outcome,
-            "prompt_tokens": [len(i) for i in job.prompt_token_ids],
-            "output_tokens": [len(c.token_ids) for c in completions],
-            "finish_reasons": [c.finish_reason for c in completions],
-            "e2e_s": round(time.monotonic() - job.arrival_time, 4),
-        }
-        ttfts = [
-            c.metrics.ttft_s for c in completions if c.metrics and c.metrics.ttft_s is not None
-        ]
-        if job.user is not None:
-            record["user"] = job.user
-        if ttfts:
-            record["ttft_s"] = round(min(ttfts), 4)
-        if self.options.log_content:
-            record["prompts"] = job.prompt_texts
-            record["outputs"] = [c.text for c in completions]
-        logger.info("request %s", json.dumps(record))
-
-
-async def _merge(streams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Interleave several request streams as (stream index, output), in arrival order."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(index: int, stream) -> None:
-        try:
-            async for output in stream:
-                await queue.put((index, output))
-        except BaseException as exc:
-            await queue.put((index, exc))
-            raise
-        finally:
-            await queue.put((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

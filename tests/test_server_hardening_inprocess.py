@@ -1,0 +1,32 @@
+"""A representative subset of the server tests again, with the engine core as a thread of the server's
+process (`--engine-core in-process`): issue 12's hardening and fault tests
+(tests/test_server_hardening.py). The other server modules run with the default (an engine-core
+process); docs/engine_core.md."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.test_server_hardening import *  # noqa: F403 - the same tests, collected again here
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engine_core_in_process():
+    """Autouse and module-scoped, so it is set before this module's server fixtures start."""
+    previous = os.environ.get("KVSERVE_TEST_ENGINE_CORE")
+    os.environ["KVSERVE_TEST_ENGINE_CORE"] = "in-process"
+    yield
+    if previous is None:
+        os.environ.pop("KVSERVE_TEST_ENGINE_CORE", None)
+    else:
+        os.environ["KVSERVE_TEST_ENGINE_CORE"] = previous
+
+
+def test_the_engine_core_is_a_thread_of_the_server_process(server):
+    import httpx
+    import psutil
+
+    pid = httpx.get(f"{server[0]}/ready").json()["engines"][0]["pid"]
+    assert "kvserve.cli" in " ".join(psutil.Process(pid).cmdline())  # the API server itself
