@@ -196,7 +196,7 @@ class LLMEngine:
                 cache_salt=cache_salt,
             )
             detokenizer = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 detokenizer = IncrementalDetokenizer(
                     self.tokenizer, parent.prompt_token_ids, params
                 )
