@@ -88,16 +88,16 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = _broadcast(sampling_params, len(prompts))
-        encoded = [self.encode(p) for p in prompts]
-        for token_ids, params in zip(encoded, params_list, strict=True):
-            self.engine.validate(token_ids, params)
+        # Validated once, all before any is queued: a bad prompt leaves nothing behind.
+        validated = [
+            self.engine.validate(self.encode(p), params)
+            for p, params in zip(prompts, params_list, strict=True)
+        ]
         request_ids = []
-        for prompt, token_ids, params in zip(prompts, encoded, params_list, strict=True):
+        for prompt, request in zip(prompts, validated, strict=True):
             request_id = f"offline-{next(self._ids)}"
             text = prompt if isinstance(prompt, str) else None
-            self.engine.add_request(
-                request_id, token_ids, params, prompt=text, cache_salt=cache_salt
-            )
+            self.engine.add_request(request_id, request, prompt=text, cache_salt=cache_salt)
             request_ids.append(request_id)
         return request_ids
 
