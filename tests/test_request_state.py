@@ -198,3 +198,19 @@ def test_a_validated_request_is_added_as_is(llm):
         engine.add_request("other", validated, SamplingParams(max_tokens=3))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_the_runner_refuses_a_token_count_that_disagrees_with_the_schedulers(llama_dir):
+    from kvserve.core.outputs import NewRequestData, ScheduledChunk, SchedulerOutput
+
+    runner = LLM(str(llama_dir), num_blocks=8, enable_prefix_caching=False).engine.runner
+    params = SamplingParams(max_tokens=4, temperature=0)
+    new = NewRequestData("x", tuple(PROMPT), params, frozenset({EOS}), 4)
+    first = ScheduledChunk("x", tuple(PROMPT), 0, (0, 1), True, 0)
+    (sampled,) = runner.execute(SchedulerOutput((new,), (first,), ())).sampled
+    # the scheduler committed that token: the next chunk says 1 output token, and the runner agrees
+    ok = ScheduledChunk("x", sampled.token_ids, len(PROMPT), (0, 1), True, 1)
+    runner.execute(SchedulerOutput((), (ok,), ()))
+    drifted = ScheduledChunk("x", (9,), len(PROMPT) + 1, (0, 1), True, 5)
+    with pytest.raises(RuntimeError, match="the runner holds 2 output tokens, the scheduler 5"):
+        runner.execute(SchedulerOutput((), (drifted,), ()))
