@@ -39,6 +39,13 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._simval_speed import (  # noqa: E402
+    print_table,
+    seed_band,
+    seed_mean,
+    speed_corrected,
+)
+
 METRICS = (
     ("ttft_p50_s", ("latency_s", "ttft", "p50")),
     ("ttft_p99_s", ("latency_s", "ttft", "p99")),
@@ -149,19 +156,14 @@ def means(summary: dict) -> dict:
     }
 
 
-def simulate(profile: Path, extra: list[str], out: Path) -> dict:
-    kvserve(
-        "simulate",
-        "--profile",
-        str(profile),
-        "--policy",
-        "on_demand-chunked",
-        "--json",
-        "--output",
-        str(out),
-        *extra,
-        stdout=subprocess.DEVNULL,
-    )
+def simulate(profile: Path, extra: list[str], out: Path, quiet: bool = False) -> dict:
+    args = ["simulate", "--profile", str(profile), "--policy", "on_demand-chunked", "--json"]
+    args += ["--output", str(out), *extra]
+    if quiet:
+        subprocess.run([sys.executable, "-m", "kvserve", *args], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
+    else:
+        kvserve(*args, stdout=subprocess.DEVNULL)
     doc = json.loads(out.read_text())
     return doc["runs"][0]["summary"]
 
@@ -192,6 +194,7 @@ def main() -> int:
     p.add_argument("--calibration", choices=("server", "offline"), default="server")
     p.add_argument("--calibration-rates", default="1,inf", help="server calibration runs")
     p.add_argument("--calibration-requests", type=int, default=30)
+    p.add_argument("--noise-seeds", type=int, default=5, help="replays at run speed (spread)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out)
@@ -244,7 +247,13 @@ def main() -> int:
         "model": str(model),
         "calibration": args.calibration,
         "engine": json.loads(profile.read_text())["engine"],
-        "calibration_fit": {k: v for k, v in fit.items() if k != "residual_ratio_quantiles"},
+        "calibration_fit": {k: v for k, v in fit.items() if not k.startswith("residual_ratio")}
+        | {
+            "residual_classes": {
+                k: v["num_steps"]
+                for k, v in fit.get("residual_ratio_quantiles_by_class", {}).items()
+            }
+        },  # fmt: skip
         "request_overhead_s": json.loads(profile.read_text()).get("request_overhead_s"),
         "workload": {
             "input_len": args.input_len,
@@ -260,7 +269,7 @@ def main() -> int:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=1))
-    print_table(results)
+    print_table(results, METRICS)
     print(f"written to {args.json}")
     return 0
 
@@ -331,7 +340,24 @@ def calibrate_on_server(args, base_url: str, out: Path, profile: Path) -> None:
 
 def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: Path, out: Path):
     run_dir = out / f"bench_rate_{rate}"
+    since = httpx.get(f"{base_url}/debug/steps", params={"since": 10**12}).json()["num_recorded"]
     measured = bench(base_url, rate, run_dir, workload)
+    # the steps the server ran for this rate: the machine's speed during the run
+    steps = out / f"server_steps_rate_{rate}.json"
+    steps.write_text(
+        json.dumps(httpx.get(f"{base_url}/debug/steps", params={"since": since}).json())
+    )
+    speed, at_speed = speed_corrected(profile, steps, out / f"profile_at_run_speed_{rate}.json")
+    trace = ["--trace", str(run_dir / "requests.jsonl")]
+    runs = [
+        simulate(
+            at_speed,
+            trace + ["--seed", str(seed)],
+            out / f"sim_speed_{rate}_{seed}.json",
+            quiet=seed > 0,
+        )  # fmt: skip
+        for seed in range(args.noise_seeds)
+    ]
     a_priori = simulate(
         profile, workload + ["--request-rate", rate], out / f"sim_a_priori_{rate}.json"
     )
@@ -344,6 +370,9 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
         "mean_tokens_per_chunk": dig(measured, ("tokens_per_chunk", "mean_tokens_per_chunk")),
         "a_priori": compare(a_priori, measured),
         "replay": compare(replay, measured),
+        "speed": speed,
+        "replay_at_run_speed": compare(seed_mean(runs, METRICS, dig), measured),
+        "seed_band": seed_band(runs, METRICS, dig),
         "measured_counts": measured.get("counts"),
         "means": {
             "measured_client": means(measured),
@@ -373,26 +402,6 @@ def calibrate_offline(args, model: Path, profile: Path) -> None:
         "--dtype",
         "float32",
     )
-
-
-def print_table(results: list[dict]) -> None:
-    print(
-        f"{'rate':>5} {'metric':>20} {'measured':>10} {'a priori':>10} {'err':>7} {'replay':>10} {'err':>7}"
-    )
-    for r in results:
-        for name, _ in METRICS:
-            a, b = r["a_priori"][name], r["replay"][name]
-
-            def fmt(x):
-                return "-" if x is None else f"{x:.4g}"
-
-            def pct(x):
-                return "-" if x is None else f"{x:+.0%}"
-
-            print(
-                f"{r['rate']:>5g} {name:>20} {fmt(a['measured']):>10} {fmt(a['predicted']):>10} "
-                f"{pct(a['relative_error']):>7} {fmt(b['predicted']):>10} {pct(b['relative_error']):>7}"
-            )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Environment variables are read in one place: `kvserve.env`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
@@ -248,8 +248,14 @@ class EngineConfig:
     # fused layer ops); torch: torch ops only (the reference path, any device and dtype).
     attention_backend: str = "auto"
     quantization: str | None = None  # weight scheme (docs/quantization.md), rounded at load
+    tensor_parallel_size: int = 1  # ranks the target model is sharded over (docs/parallel.md)
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise InvalidRequestError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+                "tensor_parallel_size",
+            )
         if self.dtype not in DTYPE_BYTES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPE_BYTES)}", "dtype")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -263,9 +269,13 @@ class EngineConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Cache bytes per token slot: the target's, plus the draft model's (it shares the block ids)."""
+        """Cache bytes per token slot on one device: the target's (one tensor-parallel rank's KV
+        heads), plus the draft model's (it shares the block ids; it runs on rank 0 only)."""
         kv_dtype = self.cache.kv_cache_dtype
-        total = self.model.kv_bytes_per_token(self.dtype, kv_dtype)
+        tp = self.tensor_parallel_size
+        # n_kv / N heads per rank, or one replicated head when N > n_kv (docs/parallel.md)
+        rank_model = replace(self.model, num_kv_heads=max(1, self.model.num_kv_heads // tp))
+        total = rank_model.kv_bytes_per_token(self.dtype, kv_dtype)
         if self.speculative is not None and self.speculative.draft_model is not None:
             total += self.speculative.draft_model.kv_bytes_per_token(self.dtype, kv_dtype)
         return total

@@ -45,6 +45,9 @@ class MeasureConfig:
     min_time_s: float = 0.5  # per point
     sample_s: float = 1e-3  # calls are grouped so one sample lasts at least this long
     budget_s: float = 45.0  # larger column counts are skipped once this is spent
+    # engine decode attention (kvserve.measure_engine): two contexts, caches of about this size
+    attention_contexts: tuple[int, int] = (128, 2048)
+    attention_cache_bytes: float = 256e6
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -268,3 +268,16 @@ def test_plan_reads_the_tiny_model_as_the_hand_formulas_do(tiny_dir):
     shape = (spec.num_layers, spec.hidden_size, spec.num_kv_heads, spec.head_dim)
     assert shape == (L, D, N_KV, D_H)
     assert (spec.intermediate_size, spec.vocab_size, spec.tie_word_embeddings) == (F, V, False)
+
+
+def test_latency_runs_a_quantised_engine(tiny_dir, tmp_path, monkeypatch):
+    # benchmarks/plan_vs_measured.py times int8 / int4 steps through this flag (it was missing)
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "empty"))
+    rc = cli_main(["bench", "latency", "--model", str(tiny_dir), "--batch-sizes", "2",
+                   "--prompt-lens", "5", "--output-lens", "3", "--iters", "1",
+                   "--warmup-iters", "0", "--no-plot", "--quantization", "int8",
+                   "--out", str(tmp_path / "out")])  # fmt: skip
+    assert rc == 0
+    doc = json.loads((tmp_path / "out" / "latency.json").read_text())
+    assert doc["engine"]["quantization"] == "int8"
+    assert doc["points"][0]["decode"]["step_s"]["count"] == 2

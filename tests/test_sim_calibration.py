@@ -188,3 +188,52 @@ def test_cli_speculative_flags_reach_the_engine_shape(capsys):
     assert doc["engine"]["speculative"]["expected_tokens_per_verify"] == pytest.approx(1.875)
     assert main(args + ["--speculative-k", "3", "--acceptance", "1.5"]) == 2
     assert "acceptance must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_residuals_are_kept_per_step_class_and_each_step_draws_from_its_own():
+    # decode steps scatter by 5%, prompt steps by 50%: one pooled distribution would give a
+    # decode step the prompt steps' tail (the light-load ITL p99 error of docs/simulator.md)
+    rng = np.random.default_rng(0)
+    loads, times = [], []
+    for i in range(1200):
+        if i % 4 == 0:
+            load, sigma = StepLoad((ChunkLoad(200, 0), ChunkLoad(1, 100))), 0.5
+        else:
+            load, sigma = StepLoad((ChunkLoad(1, int(rng.integers(10, 500))),)), 0.05
+        loads.append(load)
+        base = float(np.dot(TRUTH, feature_vector(load, DEFAULT_FEATURES)))
+        times.append(base * float(rng.lognormal(0.0, sigma)))
+    profile = fit_profile(loads, times)
+    by_class = profile.meta["fit"]["residual_ratio_quantiles_by_class"]
+    assert set(by_class) == {"decode-1", "prefill"}
+    decode, prefill = (np.array(by_class[c]["quantiles"]) for c in ("decode-1", "prefill"))
+    assert decode[99] / decode[50] == pytest.approx(np.exp(2.326 * 0.05), rel=0.05)
+    assert prefill[99] / prefill[50] > 2.5
+    noisy = NoisyCost(profile, profile.meta["fit"]["residual_ratio_quantiles"], 0,
+                      {k: tuple(v["quantiles"]) for k, v in by_class.items()})  # fmt: skip
+    draws = [noisy.draw(StepLoad((ChunkLoad(1, 50),))) for _ in range(4000)]
+    assert np.percentile(draws, 99) / np.median(draws) < 1.2
+    # a decode bucket that was never measured draws from the nearest one
+    assert noisy.quantiles_for(StepLoad((ChunkLoad(1, 5),) * 9)) is noisy._by_class["decode-1"]
+
+
+def test_lag1_correlation_is_measured_and_reproduced_with_the_measured_marginals():
+    rng = np.random.default_rng(1)
+    z, zs = 0.0, []
+    for _ in range(3000):
+        z = 0.7 * z + np.sqrt(1 - 0.49) * rng.standard_normal()
+        zs.append(z)
+    loads = [StepLoad((ChunkLoad(1, int(rng.integers(10, 500))),)) for _ in zs]
+    base = [float(np.dot(TRUTH, feature_vector(s, DEFAULT_FEATURES))) for s in loads]
+    times = [b * float(np.exp(0.2 * zz)) for b, zz in zip(base, zs, strict=True)]
+    fit = fit_profile(loads, times).meta["fit"]
+    assert fit["residual_lag1_correlation"] == pytest.approx(0.7, abs=0.05)
+    q = tuple(fit["residual_ratio_quantiles"])
+    noisy = NoisyCost(StepProfile(("const",), (0.01,)), q, 3, {}, 0.7)
+    draws = np.array([noisy.draw() for _ in range(20000)])
+    assert np.corrcoef(np.log(draws[:-1]), np.log(draws[1:]))[0, 1] == pytest.approx(0.7, abs=0.05)
+    assert np.percentile(draws, 99) == pytest.approx(np.interp(0.99, np.linspace(0, 1, 101), q),
+                                                     rel=0.05)  # fmt: skip
+    independent = NoisyCost(StepProfile(("const",), (0.01,)), q, 3)
+    d0 = np.array([independent.draw() for _ in range(5000)])
+    assert abs(np.corrcoef(d0[:-1], d0[1:])[0, 1]) < 0.05

@@ -15,6 +15,7 @@ from kvserve.sim.server_steps import (
     SERVER_FEATURES,
     fit_server_profile,
     loads_and_costs,
+    machine_speed,
     request_overhead_s,
 )
 from kvserve.sim.workload import SimError
@@ -66,6 +67,41 @@ def test_the_server_fit_recovers_the_intake_term_and_keeps_the_engine_limits():
     assert profile.request_overhead_s == 0.012
     with pytest.raises(SimError, match="load it first"):
         fit_server_profile({"steps": []})
+
+
+def slowed(doc: dict, factor: float) -> dict:
+    """The same log on a machine `factor` x slower: every timed part and gap stretched."""
+    steps, t0 = [], doc["steps"][0]["t_start_s"]
+    for s in doc["steps"]:
+        s = dict(s)
+        s["t_start_s"] = t0 + factor * (s["t_start_s"] - t0)
+        for k in ("waited_s", "commands_s", "step_s", "deliver_s"):
+            s[k] = factor * s[k]
+        steps.append(s)
+    return doc | {"steps": steps}
+
+
+def test_machine_speed_measures_a_slower_machine_and_the_scaled_profile_matches_it():
+    # calibrated on one log; the same steps later on a machine 25% slower (the shared-CPU drift
+    # docs/simulator.md reports): the speed is 1.25 overall and in every step class
+    doc = synthetic_log()
+    profile = fit_server_profile(doc, overhead_s=0.01)
+    same = machine_speed(profile, doc)
+    assert same["mean_measured_over_predicted"] == pytest.approx(1.0, rel=1e-3)
+    speed = machine_speed(profile, slowed(doc, 1.25))
+    assert speed["mean_measured_over_predicted"] == pytest.approx(1.25, rel=1e-3)
+    assert all(c["mean_measured_over_predicted"] == pytest.approx(1.25, rel=1e-3)
+               for c in speed["by_class"].values())  # fmt: skip
+    scaled = profile.scaled(speed["mean_measured_over_predicted"], "test")
+    assert machine_speed(scaled, slowed(doc, 1.25))["mean_measured_over_predicted"] == (
+        pytest.approx(1.0, rel=1e-3)
+    )
+    assert (
+        scaled.request_overhead_s == 0.01
+        and scaled.meta["scaled"]["factor"] == speed["mean_measured_over_predicted"]
+    )
+    with pytest.raises(ValueError, match="> 0"):
+        profile.scaled(0.0, "bad")
 
 
 def test_request_overhead_is_the_client_server_ttft_gap():

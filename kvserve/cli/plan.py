@@ -119,6 +119,18 @@ def register(subparsers: Any) -> None:
     )
     g.add_argument("--device", default="cpu", help="torch device to measure (cpu)")
     g.add_argument(
+        "--measure-formats",
+        default="fp32,int8,int4-g32",
+        metavar="FMTS",
+        help="weight formats whose engine linear kernels to time (CPU; 'none' to skip)",
+    )
+    g.add_argument(
+        "--measure-model",
+        default=None,
+        metavar="MODEL",
+        help="time the engine linears over this model's own matrices (default: one large one)",
+    )
+    g.add_argument(
         "--dtype",
         choices=("fp32", "bf16", "fp16"),
         help="dtype to measure (fp32 on cpu, bf16 on an accelerator)",
@@ -211,7 +223,17 @@ def _measure(args: argparse.Namespace) -> Any:
     print(f"measuring {args.device} in {cfg.dtype} (about a minute at most)...", file=out)
 
     def show(p: Any) -> None:
+        if p.kind == "attention":
+            print(f"  {'decode attention':<24} {p.num_columns:>3} rows {fmt_bw(p.bytes_per_s):>12}",
+                  file=out)  # fmt: skip
+            return
+        if p.kind.startswith("dispatch"):
+            what = "host cost per layer" if p.kind == "dispatch" else "host cost per forward"
+            print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
+            return
         what = "GEMV" if p.kind == "gemv" else f"GEMM {p.num_columns:>5} columns"
+        if p.kind.startswith("linear:"):
+            what = f"{p.kind} {p.num_columns:>3} rows"
         print(
             f"  {what:<20} {fmt_s(p.median_s):>10}  {fmt_flops(p.flops_per_s):>15}  "
             f"{fmt_bw(p.bytes_per_s):>12}  intensity {p.intensity_flops_per_byte:.3g}",
@@ -219,6 +241,27 @@ def _measure(args: argparse.Namespace) -> Any:
         )
 
     profile = measure_roofline(cfg, progress=show)
+    if args.device == "cpu" and args.measure_formats != "none":
+        # the engine's own kernels and host cost (docs/planning.md, a measured engine profile)
+        from kvserve.measure_engine import measure_engine
+
+        formats = tuple(f for f in args.measure_formats.split(",") if f)
+        spec = None
+        if args.measure_model:
+            from kvserve.plan import load_model
+
+            spec = load_model(_builtin_to_dir(args.measure_model))
+        points = measure_engine(cfg, formats, progress=show, model=spec)
+        profile = replace(
+            profile,
+            points=profile.points + tuple(points),
+            source=profile.source
+            + "; engine linears ("
+            + ", ".join(formats)
+            + ") over "
+            + (f"{spec.name}'s matrices" if spec else "one large matrix")
+            + ", decode attention and host cost per layer (kvserve.measure_engine)",
+        )
     path = save_profile(profile, args.save)
     print(
         f"bandwidth {fmt_bw(profile.bandwidth_bytes_per_s)}, "

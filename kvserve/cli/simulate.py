@@ -97,9 +97,10 @@ def register(subparsers: Any) -> None:
     )
     g.add_argument(
         "--step-noise",
-        choices=("residuals", "off"),
+        choices=("residuals", "pooled", "off"),
         default="residuals",
-        help="per-step cost noise drawn from the profile's fit residuals (residuals)",
+        help="per-step cost noise drawn from the profile's fit residuals: per step class and "
+        "correlated in time as measured (residuals), all steps alike and independent (pooled)",
     )
     g = p.add_argument_group("engine limits")
     g.add_argument("--max-num-seqs", type=int, default=None, help="running sequences (64)")
@@ -173,7 +174,9 @@ def _deployment(args: argparse.Namespace, profile_path: str | None):
         if profile.meta.get("fit", {}).get("poor"):
             bad = "; ".join(profile.meta["fit"].get("violations", []))
             print(f"WARNING: {profile_path} is a POOR FIT ({bad})", file=sys.stderr)
-        return profile_deployment(profile, noise=args.step_noise == "residuals", seed=args.seed)
+        return profile_deployment(
+            profile, noise=False if args.step_noise == "off" else args.step_noise, seed=args.seed
+        )
     if not args.model:
         raise ValueError("give a MODEL (preset, directory, config.json) or --profile PATH")
     assumptions = Assumptions(

@@ -124,6 +124,12 @@ class EngineArgs:
         "auto: the in-place C kernels on CPU with fp32 weights; torch: torch ops only",
         choices=ATTENTION_BACKENDS,
     )
+    tensor_parallel_size: int = _option(
+        1,
+        "shard the model over N ranks (worker processes; gloo on CPU, NCCL on CUDA; "
+        "docs/parallel.md)",
+        type=int,
+    )
     speculative_model: str | None = _option(
         None,
         "draft model directory or built-in name (kvserve-demo-draft); same tokenizer",
@@ -259,6 +265,7 @@ class EngineArgs:
             speculative=speculative,
             attention_backend=self.attention_backend,
             quantization=self.quantization,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def _speculative_config(self, model_dir: Path) -> SpeculativeConfig | None:

@@ -24,7 +24,7 @@ from kvserve.engine.args import load_tokenizer, stop_token_ids
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.kv.manager import KVCacheManager
-from kvserve.runner.model_runner import ModelRunner
+from kvserve.runner.executor import make_runner
 from kvserve.sched.scheduler import Scheduler
 
 _score_ids = itertools.count()
@@ -104,7 +104,7 @@ class LLMEngine:
             self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = ModelRunner(config, self.num_blocks)
+        self.runner = make_runner(config, self.num_blocks)  # rank 0 of N when tensor-parallel
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
         self._grammars = None
@@ -131,6 +131,10 @@ class LLMEngine:
                 )
                 self.runner.grammars = self._grammars
             return self._grammars
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        self.runner.shutdown()
 
     # --- intake -----------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""CPU kernels in C: decode attention that reads the paged cache in place (csrc/paged_attention.c) and the
-decoder's small fused ops (csrc/layer_ops.c: add + RMSNorm, RoPE, KV write, SiLU-and-multiply).
+"""CPU kernels in C: decode attention that reads the paged cache in place (csrc/paged_attention.c), the
+decoder's small fused ops (csrc/layer_ops.c: add + RMSNorm, RoPE, KV write, SiLU-and-multiply) and the
+whole decode step for a few rows (csrc/decode_step.c, driven by model/fused_decode.py).
 
 The C sources are compiled once per machine with the system compiler (`-O3 -march=native -fopenmp`, about a
 second) into ~/.cache/kvserve/kernels and loaded with ctypes; it shares torch's OpenMP runtime (libgomp is
@@ -26,7 +27,8 @@ from kvserve.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "layer_ops.c")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_attention.c", "layer_ops.c", "decode_step.c")
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
@@ -88,6 +90,12 @@ def load_kernel() -> ctypes.CDLL | None:
         "rotary": ([_PTR, i64, _PTR, _PTR, _INT, _INT, _INT, _INT], None),
         "write_kv": ([_PTR, _PTR, i64, _PTR, _PTR, _PTR, _INT, _INT, _INT], None),
         "silu_mul": ([_PTR, _PTR, _INT, _INT, _INT], None),
+        # decode_step.c (model/fused_decode.py)
+        "decode_isa": ([], _INT),
+        "decode_set_max_isa": ([_INT], None),
+        "decode_max_rows": ([], _INT),
+        "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
+        "decode_layers": ([_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _INT], _INT),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(library, name)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.model import cpu_kernels
-from kvserve.model.attention import AttentionBackend, AttentionMetadata
+from kvserve.model import cpu_kernels, fused_decode
+from kvserve.model.attention import AttentionBackend, AttentionMetadata, cpu_attention
 from kvserve.model.kv_cache import LayerKVCache
 from kvserve.model.linear import cpu_linear, use_cpu_linears
 from kvserve.model.registry import ArchSpec
@@ -146,6 +146,9 @@ class DecoderLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.cpu_head: nn.Module | None = None  # set by use_cpu_weights
+        # model/fused_decode.py: built at the first decode step it can run (None: not built yet)
+        self.fused_decode = False  # set by use_cpu_kernels
+        self.fused: fused_decode.FusedDecoder | None = None
 
     def forward(
         self,
@@ -158,16 +161,35 @@ class DecoderLM(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         residual = None
         rope = self.rotary(positions)
+        fused = self._fused_for(input_ids.shape[0], kv_caches, meta, backend)
+        if fused is not None:  # the whole step in one native call (decode rows only)
+            single = meta.single
+            return fused(hidden, *rope, meta.slot_mapping, single.block_table, single.context_lens)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
         return self.norm.add_norm(hidden, residual)[0]
 
     def use_cpu_kernels(self, enabled: bool) -> None:
-        """Run the small ops between the linears as fused C kernels (fp32 on CPU, when they build)."""
+        """Run the small ops between the linears as fused C kernels (fp32 on CPU, when they build),
+        and decode steps of a few rows as one native call (model/fused_decode.py)."""
         enabled = enabled and cpu_kernels.kernel_available()
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.cpu_kernels = enabled
+        self.fused_decode, self.fused = enabled, None
+
+    def _fused_for(self, num_tokens, kv_caches, meta, backend) -> fused_decode.FusedDecoder | None:
+        """The fused decoder when this step can run on it: decode rows only, few enough, with the
+        in-place CPU attention, and a model whose every part has a native path."""
+        if not (self.fused_decode and backend is cpu_attention and meta.single is not None):
+            return None
+        if meta.multi or num_tokens > fused_decode.max_rows():
+            return None
+        if self.fused is None or not self.fused.matches(kv_caches):
+            self.fused = fused_decode.FusedDecoder.build(self, kv_caches)
+            if self.fused is None:  # some part has no native path: never try again
+                self.fused_decode = False
+        return self.fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden_size] -> [S, vocab_size], fp32 for the sampler

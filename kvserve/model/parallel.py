@@ -17,8 +17,9 @@ The Megatron split, as vLLM, SGLang, nano-vllm and gpt-fast do it:
 
 Sampling: every rank gets the full logits, so the engine may sample on rank 0 and send the token
 ids with the next step's input (the scheduler lives beside rank 0), or sample on every rank with the
-same seed; all-gather costs a ring the same bytes as a gather to rank 0. The engine integration
-(workers owned by the engine core) is not built yet.
+same seed; all-gather costs a ring the same bytes as a gather to rank 0. The engine
+(kvserve/runner/executor.py) samples on rank 0 and sets `logits_rank = 0`: the shards are gathered
+onto rank 0 only, and the other ranks' `compute_logits` return their own [S, V_r] shard.
 
 The rank model is a `DecoderLM` of the rank's shapes with three kinds of modules swapped, so the
 attention backend, RoPE, the CPU linear layout (`use_cpu_weights`) and `forward_chunks` apply to it
@@ -168,6 +169,7 @@ class TensorParallelDecoderLM(DecoderLM):
         super().__init__(config, arch, max_positions)
         self.layout = layout
         self.group = group
+        self.logits_rank: int | None = None  # None: all-gather; a rank: gather onto it only
         hidden = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(layout, group)
         if self.lm_head is not None:
@@ -185,8 +187,15 @@ class TensorParallelDecoderLM(DecoderLM):
         world = self.layout.world_size
         if world == 1:
             return local[:, : self.config.vocab_size]
-        shards = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(shards, local, group=self.group)
+        if self.logits_rank is None:
+            shards = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(shards, local, group=self.group)
+        elif self.layout.rank == self.logits_rank:
+            shards = [torch.empty_like(local) for _ in range(world)]
+            dist.gather(local, shards, dst=self.logits_rank, group=self.group)
+        else:
+            dist.gather(local, None, dst=self.logits_rank, group=self.group)
+            return local  # [S, V_r]: this rank does not sample
         return torch.cat(shards, dim=-1)[:, : self.config.vocab_size]  # [S, V]
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import fused_decode
 from kvserve.quant.kernels import kernel_isa, kernels_available
 from kvserve.quant.rtn import QuantizedTensor
 from kvserve.quant.scheme import ACT_TENSOR, ACT_TOKEN, KERNEL_BLOCK, TensorScheme
@@ -98,6 +99,11 @@ class QuantLinear(nn.Module):
             else:
                 self._op = torch.ops.kvq.q4_linear.default
                 self._args = (self.w, self.scales, self.zeros, self.bpg, self.bias, self.act_mode)
+            # a few rows (decode): the native GEMV of model/fused_decode.py, the same arithmetic
+            # without the op's per-call setup
+            self.small_rows = fused_decode.max_rows()
+            self._keep: list = []
+            self._desc = fused_decode.linear_descriptor(self, self._keep)
         else:
             self.kernel = "dequantized-fp32" if device.type == "cpu" else f"dequantized-{device}"
             self.weight_deq = qt.dequantize().to(device)  # [out, in]
@@ -106,6 +112,8 @@ class QuantLinear(nn.Module):
         # x [..., in] -> [..., out]; the op takes any strides and float dtype (one call: decode runs
         # ~120 of these per token, so Python work here costs as much as the matmul)
         if self.weight_deq is None:
+            if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows and x.dtype == torch.float32:
+                return fused_decode.small_linear(self._desc, x)  # [M, in] -> [M, out]
             return self._op(x, *self._args)
         x2 = x.reshape(-1, self.in_features).float()
         y = F.linear(round_activations(x2, self.scheme.act), self.weight_deq, self.bias)

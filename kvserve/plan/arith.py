@@ -15,6 +15,14 @@ from typing import Protocol
 from kvserve.plan.model import ModelSpec
 
 
+class StepModel(Protocol):
+    """A measured decode-step model (kvserve.plan.engine_cost.EngineCost)."""
+
+    def decode_step_s(self, batch: float, mean_context: float) -> float: ...
+
+    def decode_bound(self, batch: float, mean_context: float) -> str: ...
+
+
 class CommCost(Protocol):
     """Seconds of a step's collectives (kvserve.plan.parallel.TensorParallelComm)."""
 
@@ -187,11 +195,15 @@ class RooflineCost:
     peak_flops_per_s: float
     mfu: float = 0.5
     comm: CommCost | None = None
+    # a measured engine profile's decode step (None: the roofline's max(bytes/BW, FLOPs/peak))
+    engine: StepModel | None = None
 
     def comm_s(self, num_tokens: float, num_sampled: float) -> float:
         return 0.0 if self.comm is None else self.comm.step_s(num_tokens, num_sampled)
 
     def decode_step_s(self, batch: float, mean_context: float) -> float:
+        if self.engine is not None:
+            return self.comm_s(batch, batch) + self.engine.decode_step_s(batch, mean_context)
         return self.comm_s(batch, batch) + decode_step_s(
             self.model,
             self.weight_bytes,
@@ -206,7 +218,10 @@ class RooflineCost:
         return decode_step_bytes(self.weight_bytes, self.kv_bytes_per_token, batch, mean_context)
 
     def decode_bound(self, batch: float, mean_context: float) -> str:
-        """ "memory" or "compute": which term of the max sets the step time."""
+        """ "memory" or "compute": which term of the max sets the step time (a measured engine
+        profile may also say "dispatch": the host cost is the largest part)."""
+        if self.engine is not None:
+            return self.engine.decode_bound(batch, mean_context)
         memory_s = self.decode_step_bytes(batch, mean_context) / self.bandwidth_bytes_per_s
         compute_s = decode_step_flops(self.model, batch, mean_context) / self.peak_flops_per_s
         return "memory" if memory_s >= compute_s else "compute"

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvserve.plan import arith
+from kvserve.plan.engine_cost import EngineCost
 from kvserve.plan.formats import STANDARD_FORMATS, KVFormat, WeightFormat, parse_weight_format
 from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.model import ModelSpec, PlanError
@@ -396,10 +397,18 @@ def make_plan(
     k = arith.kv_bytes_per_token(rank, b)
     bw = hardware.bandwidth_bytes_per_s * a.bandwidth_fraction
     comm = parallel.comm(model, activation_bytes(fmt)) if parallel and tp > 1 else None
-    cost = arith.RooflineCost(rank, weight_bytes, k, bw, hardware.peak_flops_per_s, a.mfu, comm)
+    engine = None
+    if tp == 1:  # the measured engine profile is one device's (docs/planning.md)
+        engine = EngineCost.from_profile(rank, fmt, k, hardware, bw)
+    cost = arith.RooflineCost(
+        rank, weight_bytes, k, bw, hardware.peak_flops_per_s, a.mfu, comm, engine
+    )
     free = arith.free_cache_bytes(hardware.memory_bytes, weight_bytes, a.overhead_bytes)
     b_max = arith.max_concurrent_sequences(free, k, w.tokens_per_request)
     notes = _notes(model, hardware, fmt, w, weight_bytes, a.overhead_bytes, b_max)
+    if engine is not None:
+        used = "; ".join(f"{k}: {v}" for k, v in engine.sources().items())
+        notes.append(f"decode step from {hardware.name}'s measured engine profile ({used})")
     latency = _latency(cost, w, b_max, hardware.bandwidth_bytes_per_s)
     load = money = little = None
     if b_max:

@@ -43,7 +43,10 @@ def plot_roofline(
     peak, bw = hardware.peak_flops_per_s, hardware.bandwidth_bytes_per_s
     xs = [hardware.ridge_flops_per_byte]
     phases = phase_points(plan) if plan else []
-    xs += [x for _, x, _ in phases] + [p.intensity_flops_per_byte for p in hardware.points]
+    # the roofline's own kernels (engine points: linear:FMT, dispatch: are not on this plot)
+    xs += [x for _, x, _ in phases] + [
+        p.intensity_flops_per_byte for p in hardware.points if p.kind in ("gemv", "gemm")
+    ]
     lo, hi = min(min(xs) / 4, 0.1), max(max(xs) * 4, 10 * hardware.ridge_flops_per_byte)
     grid = [lo * (hi / lo) ** (j / 200) for j in range(201)]
 

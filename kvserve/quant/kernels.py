@@ -69,7 +69,12 @@ def kernel_isa() -> str:
 
 
 def set_max_isa(name: str) -> None:
-    """Cap the kernels' instruction set ("avx2" or "scalar"): tests run the fallback this way."""
+    """Cap the kernels' instruction set ("avx2" or "scalar"): tests run the fallback this way. The
+    small-row GEMVs quantised linears take for a few rows (model/fused_decode.py) follow the cap."""
+    from kvserve.model import fused_decode
+
     kernels_available()
     level = {v: k for k, v in ISA_NAMES.items()}[name]
     torch.ops.kvq.set_max_isa(level)
+    if fused_decode.max_rows():
+        fused_decode.set_max_isa(name)

@@ -52,14 +52,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.num_blocks = num_blocks
         self.max_model_len = config.scheduler.max_model_len
-        self.model = load_model(
-            config.model_dir,
-            config.model,
-            max_positions=config.scheduler.max_model_len,
-            dtype=config.dtype,
-            device=config.device,
-            quantization=config.quantization,
-        )
+        self.model = self._load_model()
         dtype = TORCH_DTYPES[config.dtype]
         self.attention = get_attention_backend(config.attention_backend, self.device, dtype)
         if config.attention_backend == "torch":  # the pure-torch reference path throughout
@@ -84,6 +77,31 @@ class ModelRunner:
         self.spec_stats = SpecStats()
         self.grammars: GrammarCache | None = None  # set by the engine when a request needs one
         self.grammar_mask_times_s: deque[float] = deque(maxlen=4096)  # per step; drained by metrics
+
+    def _load_model(self):
+        """The target model this process runs (a tensor-parallel runner loads its rank's shard)."""
+        config = self.config
+        return load_model(
+            config.model_dir,
+            config.model,
+            max_positions=config.scheduler.max_model_len,
+            dtype=config.dtype,
+            device=config.device,
+            quantization=config.quantization,
+        )
+
+    def _forward(
+        self, chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]], rows: list[int] | None
+    ) -> torch.Tensor:
+        """The target's forward over (start position, token ids, block ids) per chunk -> logits
+        [len(rows), V] (rows None: every row). A tensor-parallel runner sends the same input to
+        its other ranks first."""
+        return forward_chunks(
+            self.model, self.kv_caches, self.attention, chunks, self.block_size, self.device, rows
+        )
+
+    def shutdown(self) -> None:
+        """Release what outlives the runner object (worker processes, in a tensor-parallel one)."""
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -127,11 +145,7 @@ class ModelRunner:
             if chunk.sample:  # the last committed token and each proposal predict a token
                 rows.extend(range(row - 1 - chunk.num_spec_tokens, row))
         start = time.perf_counter()
-        logits = forward_chunks(
-            self.model, self.kv_caches, self.attention,
-            [(c.start_position, c.token_ids, c.block_ids) for c in chunks],
-            self.block_size, self.device, rows,
-        )  # fmt: skip
+        logits = self._forward([(c.start_position, c.token_ids, c.block_ids) for c in chunks], rows)
         if any(c.num_spec_tokens for c in sampling):
             self.spec_stats.target_time_s += time.perf_counter() - start
         results = self._sample(logits, sampling)
@@ -306,11 +320,7 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, chunks: tuple[ScheduledChunk, ...]) -> torch.Tensor:
         """Logits [T, V] for every position of the chunks (evaluation and cache-equivalence checks)."""
-        return forward_chunks(
-            self.model, self.kv_caches, self.attention,
-            [(c.start_position, c.token_ids, c.block_ids) for c in chunks],
-            self.block_size, self.device, None,
-        )  # fmt: skip
+        return self._forward([(c.start_position, c.token_ids, c.block_ids) for c in chunks], None)
 
 
 def _grammar_prefix(matcher, token_ids: list[int]) -> list[int]:

@@ -207,6 +207,14 @@ class StepProfile:
             return 0.0
         return float(np.dot(self.coef_s, feature_vector(load, self.features)))
 
+    def scaled(self, factor: float, why: str) -> StepProfile:
+        """Every step `factor` x as long (the machine ran slower or faster than at calibration:
+        kvserve.sim.server_steps.machine_speed); the residuals and the request overhead kept."""
+        if not factor > 0:
+            raise ValueError(f"a step-cost scale must be > 0, got {factor}")
+        meta = self.meta | {"scaled": {"factor": factor, "why": why}}
+        return StepProfile(self.features, tuple(c * factor for c in self.coef_s), meta)
+
     def describe(self) -> dict[str, Any]:
         return {"kind": "profile", "coef_s": dict(zip(self.features, self.coef_s, strict=True))} | {
             k: v for k, v in self.meta.items() if k != "samples"

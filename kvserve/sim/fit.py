@@ -11,13 +11,18 @@ of the model rather than being flattened (docs/simulator.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
 from kvserve.sim.cost import DEFAULT_FEATURES, StepLoad, StepProfile, feature_vector
+from kvserve.sim.noise import noise_class
 from kvserve.sim.workload import SimError
 
+_NORMAL = NormalDist()
+
 NUM_RESIDUAL_QUANTILES = 101  # 0th, 1st, ..., 100th percentile of measured / predicted
+MIN_CLASS_STEPS = 40  # a step class keeps its own residual quantiles from this many steps on
 
 
 class PoorFitError(SimError):
@@ -114,11 +119,34 @@ def fit_profile(
         "max_abs_rel_error": float(rel.max()),
         "r2": float(1 - ((pred - y) ** 2).sum() / max(((y - y.mean()) ** 2).sum(), 1e-300)),
         # measured / predicted at percentiles 0, 1, ..., 100: the step-cost noise
-        "residual_ratio_quantiles": [
-            float(q) for q in np.percentile(ratio, np.linspace(0, 100, NUM_RESIDUAL_QUANTILES))
-        ],
-    }
+        "residual_ratio_quantiles": _quantiles(ratio),
+    } | residual_structure(loads, ratio)
     return StepProfile(tuple(features), tuple(float(c) for c in coef), (meta or {}) | {"fit": fit})
+
+
+def _quantiles(ratio: np.ndarray) -> list[float]:
+    return [float(q) for q in np.percentile(ratio, np.linspace(0, 100, NUM_RESIDUAL_QUANTILES))]
+
+
+def residual_structure(loads: list[StepLoad], ratio: np.ndarray) -> dict:
+    """The residuals per step class (kvserve.sim.noise.noise_class; classes with at least
+    MIN_CLASS_STEPS steps) and the lag-1 correlation of consecutive steps' normal scores (each
+    ratio's rank within its class mapped through the normal quantile function), in the order the
+    steps were timed."""
+    names = np.array([noise_class(s) for s in loads])
+    by_class, scores = {}, np.zeros(len(ratio))
+    for name in sorted(set(names)):
+        mask = names == name
+        r = ratio[mask]
+        # mid-ranks within the class -> levels in (0, 1) -> normal scores
+        ranks = (np.argsort(np.argsort(r, kind="stable"), kind="stable") + 0.5) / len(r)
+        scores[mask] = [_NORMAL.inv_cdf(float(u)) for u in ranks]
+        if mask.sum() >= MIN_CLASS_STEPS:
+            by_class[name] = {"num_steps": int(mask.sum()), "quantiles": _quantiles(r)}
+    rho = 0.0
+    if len(ratio) > 2 and scores[:-1].std() > 0 and scores[1:].std() > 0:
+        rho = float(np.clip(np.corrcoef(scores[:-1], scores[1:])[0, 1], -0.99, 0.99))
+    return {"residual_ratio_quantiles_by_class": by_class, "residual_lag1_correlation": rho}
 
 
 def judge_fit(profile: StepProfile, bound: FitBound, accept_poor: bool) -> list[str]:

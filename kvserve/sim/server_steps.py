@@ -78,6 +78,35 @@ def fit_server_profile(
     return fit_profile(loads, costs, features, meta=meta)
 
 
+def machine_speed(profile: StepProfile, doc: dict[str, Any]) -> dict[str, Any]:
+    """How the steps a server logged (a `/debug/steps` answer) compare with what `profile`
+    predicts for the same steps: the mean and median of measured / predicted overall and per
+    step class (kvserve.sim.noise.noise_class). A mean far from 1 says the machine ran at another
+    speed than at calibration (other jobs on a shared CPU), whatever the workload."""
+    import numpy as np
+
+    from kvserve.sim.noise import noise_class
+
+    loads, costs = loads_and_costs(doc.get("steps", []))
+    if not loads:
+        raise SimError("no non-empty steps to compare")
+    ratio = np.array([c / max(profile.load_s(s), 1e-9) for s, c in zip(loads, costs, strict=True)])
+    names = np.array([noise_class(s) for s in loads])
+    by_class = {
+        n: {
+            "num_steps": int((names == n).sum()),
+            "mean_measured_over_predicted": float(ratio[names == n].mean()),
+        }
+        for n in sorted(set(names))
+    }
+    return {
+        "num_steps": len(loads),
+        "mean_measured_over_predicted": float(ratio.mean()),
+        "median_measured_over_predicted": float(np.median(ratio)),
+        "by_class": by_class,
+    }
+
+
 def fetch_steps(base_url: str, since: int = 0, timeout_s: float = 60.0) -> dict[str, Any]:
     import httpx
 

@@ -109,14 +109,26 @@ PROFILE_ENGINE_KEYS = (
 )
 
 
-def profile_deployment(profile: StepProfile, noise: bool = False, seed: int = 0) -> Deployment:
+def profile_deployment(
+    profile: StepProfile, noise: bool | str = False, seed: int = 0
+) -> Deployment:
     """A profile's deployment; with `noise`, each step's cost is scaled by a ratio drawn from the
-    fit's residuals (kvserve.sim.noise), when the profile kept them."""
+    fit's residuals (kvserve.sim.noise), when the profile kept them: `True` or "residuals" per
+    step class and correlated in time as measured (where the profile recorded it), "pooled" from
+    all steps alike, independent draws (the earlier model)."""
     engine = profile.meta.get("engine", {})
     cost: CostModel = profile
-    quantiles = profile.meta.get("fit", {}).get("residual_ratio_quantiles")
+    fit = profile.meta.get("fit", {})
+    quantiles = fit.get("residual_ratio_quantiles")
     if noise and quantiles:
-        cost = NoisyCost(profile, tuple(quantiles), seed)
+        by_class, rho = {}, 0.0
+        if noise != "pooled":
+            by_class = {
+                k: tuple(v["quantiles"])
+                for k, v in fit.get("residual_ratio_quantiles_by_class", {}).items()
+            }
+            rho = float(fit.get("residual_lag1_correlation", 0.0))
+        cost = NoisyCost(profile, tuple(quantiles), seed, by_class, rho)
     description = {"cost_model": "profile"} | cost.describe()
     defaults = {k: engine[k] for k in PROFILE_ENGINE_KEYS if engine.get(k) is not None}
     return Deployment(cost, None, None, description, defaults)

@@ -1,0 +1,272 @@
+"""What the engine's own kernels reach on this machine, for the planner (docs/planning.md,
+"A measured engine profile"): `kvserve plan --measure` adds these points to the roofline.
+
+- **linear:FMT** (FMT = fp32, int8, int4-g32, ...): the engine's own linear module
+  (`kvserve.model.linear.make_linear`: oneDNN-packed fp32, the integer kernels for quantised
+  formats) at 1 .. 32 batch rows, over a weight much larger than the last-level cache, or over
+  a model's own block matrices (`--measure-model`: small matrices stream slower than one large
+  one, by 20-45% here); bytes/s counts the planner's bytes of the matrices in FMT (codes + fp16
+  scales) over the streaming time: the calls' time less the same calls on 64 x 64 matrices (the
+  per-call host cost, counted by `dispatch`). The planner streams a step's weights at the
+  measured rate of its batch size instead of the GEMV bandwidth: small-batch kernels do not
+  reach it.
+- **attention**: the engine's decode attention over several layers' paged fp32 caches at
+  contexts 128 and 2048: the extra cache bytes over the extra time (the KV cache's read rate;
+  ~5-8 GB/s here against a 22 GB/s GEMV).
+- **dispatch**: the engine's decoder (`kvserve.model.decoder.DecoderLM`, CPU kernels on, paged
+  cache, the step's attention metadata) at a tiny width, where the arithmetic is negligible, with
+  1 and 1 + `dispatch_layers` layers: the slope is the host cost of one layer (Python, op dispatch,
+  kernel launches), the intercept the forward's fixed cost (embedding, final norm, head,
+  metadata), per batch size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvserve.measure import MeasureConfig, time_median_s
+from kvserve.plan.hardware import MeasuredPoint
+
+LINEAR_ROWS = (1, 2, 4, 8, 16, 32)
+DISPATCH_ROWS = (1, 4, 16)
+
+
+def linear_shapes(cfg: MeasureConfig, model=None) -> list[tuple[int, int]]:
+    """[(out, in)] of the matrices one linear point streams: one weight much larger than the
+    last-level cache, or a model's block linears, one set per layer (as its decode step streams
+    them: q/k/v fused, o, gate/up fused, down; kvserve.plan.ModelSpec)."""
+    if model is None:
+        return [(cfg.gemv_rows, cfg.gemv_cols)]
+    d, f = model.hidden_size, model.intermediate_size
+    layer = [(model.q_dim + 2 * model.kv_dim, d), (d, model.q_dim), (2 * f, d), (d, f)]
+    return layer * model.num_layers
+
+
+def measure_linear(
+    cfg: MeasureConfig,
+    fmt: str,
+    deadline: float,
+    rows: tuple[int, ...] = LINEAR_ROWS,
+    model=None,
+) -> list[MeasuredPoint]:
+    """The engine's linear modules for weight format `fmt` over `linear_shapes`, at each batch
+    row count: one sample calls every matrix once, in order."""
+    from kvserve.model.linear import make_linear
+    from kvserve.plan.formats import parse_tensor_format
+    from kvserve.plan.model import TensorShape
+    from kvserve.quant.scheme import parse_tensor_scheme
+
+    scheme = None if fmt == "fp32" else parse_tensor_scheme(fmt)
+    tensor_format = parse_tensor_format(fmt)
+    modules, tiny, num_bytes, flops_per_row = [], [], 0.0, 0
+    for out_f, in_f in linear_shapes(cfg, model):
+        weight = torch.randn(out_f, in_f) * in_f**-0.5  # [out, in]
+        modules.append((make_linear(weight, None, scheme, cfg.device), in_f))
+        # the same call on a 64 x 64 matrix: its per-call host cost, which the dispatch points
+        # already count (the tiny decoder's linears), is taken out of the streaming time
+        tiny.append((make_linear(torch.randn(64, 64) / 8, None, scheme, cfg.device), 64))
+        # the planner's bytes of this matrix in this format (codes + fp16 scales), so that the
+        # plan's weight bytes over this rate is the measured time (kernels' layouts may differ)
+        num_bytes += tensor_format.num_bytes(TensorShape("w", "linear", out_f, in_f))
+        flops_per_row += 2 * out_f * in_f
+    points = []
+    for n in rows:
+        if time.perf_counter() > deadline:
+            break
+
+        def calls(mods: list, n: int = n) -> Callable[[], None]:
+            xs = [(m, torch.randn(n, in_f)) for m, in_f in mods]  # [rows, in] each
+
+            def call() -> None:
+                for m, x in xs:
+                    m(x)
+
+            return call
+
+        total_s = time_median_s(calls(modules), cfg)
+        overhead_s = time_median_s(calls(tiny), cfg)
+        median_s = max(total_s - overhead_s, 0.05 * total_s)  # streaming time
+        flops = flops_per_row * n
+        points.append(
+            MeasuredPoint(
+                f"linear:{fmt}",
+                n,
+                flops / median_s,
+                num_bytes / median_s,
+                flops / num_bytes,
+                median_s,
+            )  # fmt: skip
+        )
+    return points
+
+
+def measure_attention(
+    cfg: MeasureConfig,
+    rows: tuple[int, ...] = DISPATCH_ROWS,
+    num_kv_heads: int = 4,
+    head_dim: int = 64,
+) -> list[MeasuredPoint]:
+    """The engine's decode attention (the backend `auto` picks: the in-place CPU kernel for
+    fp32) at the two `cfg.attention_contexts`, over as many layers' paged caches as make about
+    `cfg.attention_cache_bytes` (so that they stream from memory, as a model's do): bytes/s =
+    the extra cache bytes the longer context reads over the extra time, per batch size."""
+    from kvserve.model.attention import build_attention_metadata, get_attention_backend
+    from kvserve.model.kv_cache import allocate_layers
+
+    cpu = torch.device("cpu")
+    backend = get_attention_backend("auto", cpu, torch.float32)
+    block_size, num_heads = 16, 2 * num_kv_heads
+    short, long = cfg.attention_contexts
+    per_seq = long // block_size + 1
+    points = []
+    for n in rows:
+        per_layer = n * per_seq * block_size * 2 * num_kv_heads * head_dim * 4
+        num_layers = int(min(64, max(1, cfg.attention_cache_bytes // per_layer)))
+        _, caches = allocate_layers(
+            num_layers, n * per_seq + 1, block_size, num_kv_heads, head_dim, torch.float32,
+            "auto", cpu,
+        )  # fmt: skip
+        for c in caches:
+            c.k.normal_()
+            c.v.normal_()
+        q = torch.randn(n, num_heads, head_dim)  # [B, heads, head_dim]
+        times = []
+        for context in (short, long):
+            blocks = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
+            meta = build_attention_metadata([(context - 1, 1, b) for b in blocks], block_size, cpu)
+
+            def call(meta=meta, caches=caches, q=q) -> None:
+                for c in caches:
+                    backend(q, c, meta, head_dim**-0.5)
+
+            times.append(time_median_s(call, cfg))
+        extra_bytes = n * (long - short) * 2 * num_kv_heads * head_dim * 4 * num_layers
+        rate = extra_bytes / max(times[1] - times[0], 1e-9)
+        points.append(MeasuredPoint("attention", n, 0.0, rate, 0.0, times[1]))
+    return points
+
+
+def _tiny_decoder(num_layers: int) -> Callable[[int], Callable[[], object]]:
+    """A random tiny DecoderLM in the engine's CPU layout; returns make_step(batch) -> one decode
+    forward (+ logits of every row) at context 64."""
+    from kvserve.config import ModelConfig
+    from kvserve.model.attention import build_attention_metadata, get_attention_backend
+    from kvserve.model.decoder import DecoderLM
+    from kvserve.model.kv_cache import allocate_layers
+    from kvserve.model.registry import get_arch
+
+    config = ModelConfig(
+        model_type="llama", vocab_size=256, hidden_size=64, num_layers=num_layers,
+        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = DecoderLM(config, get_arch("llama"), 256).eval()
+    model.use_cpu_weights()
+    block_size, context = 16, 64
+    num_blocks = 16 * (context // block_size + 1) + 1
+    _, caches = allocate_layers(
+        num_layers, num_blocks, block_size, 2, 16, torch.float32, "auto", torch.device("cpu")
+    )
+    backend = get_attention_backend("auto", torch.device("cpu"), torch.float32)
+    per_seq = context // block_size + 1
+
+    def make_step(batch: int) -> Callable[[], object]:
+        chunks = [(context, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in
+                  range(batch)]  # fmt: skip
+        ids = torch.zeros(batch, dtype=torch.long)
+        positions = torch.full((batch,), context, dtype=torch.long)
+
+        def step() -> object:
+            meta = build_attention_metadata(chunks, block_size, torch.device("cpu"))
+            hidden = model(ids, positions, caches, meta, backend)
+            return model.compute_logits(hidden)
+
+        return step
+
+    return make_step
+
+
+def measure_dispatch(
+    cfg: MeasureConfig, dispatch_layers: int = 8, rows: tuple[int, ...] = DISPATCH_ROWS
+) -> list[MeasuredPoint]:
+    """Per batch size: `dispatch` (seconds per decoder layer) and `dispatch-fixed` (the rest of a
+    forward) from the tiny decoder at 1 and 1 + dispatch_layers layers."""
+    one, many = _tiny_decoder(1), _tiny_decoder(1 + dispatch_layers)
+    points = []
+    for n in rows:
+        t_one = time_median_s(one(n), cfg)
+        t_many = time_median_s(many(n), cfg)
+        per_layer = max(0.0, (t_many - t_one) / dispatch_layers)
+        points.append(MeasuredPoint("dispatch", n, 0.0, 0.0, 0.0, per_layer))
+        points.append(
+            MeasuredPoint("dispatch-fixed", n, 0.0, 0.0, 0.0, max(0.0, t_one - per_layer))
+        )
+    return points
+
+
+def measure_engine(
+    cfg: MeasureConfig,
+    formats: tuple[str, ...] = ("fp32",),
+    budget_s: float = 60.0,
+    progress: Callable[[MeasuredPoint], None] | None = None,
+    model=None,
+) -> list[MeasuredPoint]:
+    """The dispatch and attention points and each format's linear points (CPU only: the engine's
+    CPU layouts); the linears over `model`'s own matrices when given (a kvserve.plan.ModelSpec)."""
+    deadline = time.perf_counter() + budget_s
+    points: list[MeasuredPoint] = []
+    with torch.inference_mode():
+        for p in measure_dispatch(cfg) + measure_attention(cfg):
+            points.append(p)
+            if progress:
+                progress(p)
+        for fmt in formats:
+            for p in measure_linear(cfg, fmt, deadline, model=model):
+                points.append(p)
+                if progress:
+                    progress(p)
+    return points
+
+
+def time_model_forward(
+    model_dir: str,
+    batch: int,
+    context: int,
+    quantization: str | None = None,
+    cfg: MeasureConfig | None = None,
+) -> float:
+    """Median seconds of one decode forward (+ the head on every row) of the checkpoint in
+    `model_dir`, loaded as the engine loads it (its own weights and quantisation), for `batch`
+    sequences at `context` cached tokens: the model's part of a decode step, without the
+    scheduler, the sampler or the engine's bookkeeping (benchmarks/plan_vs_measured.py)."""
+    from kvserve.config import ModelConfig
+    from kvserve.model.attention import build_attention_metadata, get_attention_backend
+    from kvserve.model.kv_cache import allocate_layers
+    from kvserve.model.loader import load_model
+
+    cfg = cfg or MeasureConfig(min_time_s=1.0, min_samples=5)
+    config = ModelConfig.from_dir(model_dir)
+    block_size = 16
+    per_seq = context // block_size + 1
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        model = load_model(model_dir, config, context + 1, "float32", "cpu", quantization).eval()
+        _, caches = allocate_layers(
+            config.num_layers, batch * per_seq + 1, block_size, config.num_kv_heads,
+            config.head_dim, torch.float32, "auto", cpu,
+        )  # fmt: skip
+        backend = get_attention_backend("auto", cpu, torch.float32)
+        chunks = [
+            (context, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(batch)
+        ]
+        ids = torch.zeros(batch, dtype=torch.long)
+        positions = torch.full((batch,), context, dtype=torch.long)
+
+        def step() -> object:
+            meta = build_attention_metadata(chunks, block_size, cpu)
+            return model.compute_logits(model(ids, positions, caches, meta, backend))
+
+        return time_median_s(step, cfg)

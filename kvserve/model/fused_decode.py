@@ -1,0 +1,183 @@
+"""The fused decode step: every decoder layer of a decode step in one native call, for a few rows.
+
+At batch 1 a step is ~10 dispatched calls per layer, and their Python and dispatch cost as much as the
+arithmetic (docs/performance.md, "The fused decode step"). `FusedDecoder` describes the model's weights
+and KV tensors once, as C structs (csrc/decode_step.c), and runs a step of up to `max_rows()`
+single-token rows with one ctypes call: the GEMVs (fp32 rows, or the quantised layouts of
+kvserve/quant/csrc/qgemm.cpp) split columns over the threads, the small ops and the paged attention
+are the same C functions the per-op path calls. `small_linear` runs one linear the same way (the LM
+head at decode).
+
+It applies when the C kernels are on (fp32 activations on CPU), every projection has a native layout
+(`PackedLinear` with its rows kept, or `QuantLinear` on its integer kernel), the KV cache is fp32,
+there is no q/k norm, and the step is decode rows only; anything else takes the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kvserve.model import cpu_kernels
+
+_PTR, _INT, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_LIN_F32, _LIN_Q8, _LIN_Q4 = 0, 1, 2
+ISA_NAMES = {2: "avx2", 0: "scalar"}
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", _INT), ("n", _INT), ("k", _INT), ("kp", _INT), ("groups", _INT), ("bpg", _INT),
+        ("act_mode", _INT), ("w", _PTR), ("scales", _PTR), ("zeros", _PTR), ("bias", _PTR),
+    ]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _Linear), ("o", _Linear),
+        ("gate_up", _Linear), ("down", _Linear), ("k_cache", _PTR), ("v_cache", _PTR),
+    ]  # fmt: skip
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", _INT), ("hidden", _INT), ("num_heads", _INT), ("num_kv_heads", _INT),
+        ("head_dim", _INT), ("inter", _INT), ("block_size", _INT), ("eps", _F32), ("scale", _F32),
+        ("layers", ctypes.POINTER(_Layer)), ("final_norm", _PTR),
+    ]  # fmt: skip
+
+
+@functools.cache
+def max_rows() -> int:
+    """Rows the fused step and `small_linear` take (0 when the C kernels are not built here)."""
+    library = cpu_kernels.load_kernel()
+    return 0 if library is None else int(library.decode_max_rows())
+
+
+def isa() -> str:
+    """The instruction set the fused kernels run on: "avx2" or "scalar" ("unavailable": no build)."""
+    library = cpu_kernels.load_kernel()
+    return "unavailable" if library is None else ISA_NAMES[int(library.decode_isa())]
+
+
+def set_max_isa(name: str) -> None:
+    """Cap the fused kernels' instruction set ("avx2" or "scalar"): tests run the fallback this way."""
+    level = {v: k for k, v in ISA_NAMES.items()}[name]
+    cpu_kernels.load_kernel().decode_set_max_isa(level)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def linear_descriptor(module: torch.nn.Module, keep: list) -> _Linear | None:
+    """The C description of a projection, or None when it has no native layout here. Tensors the
+    description points to are appended to `keep` (the caller holds them)."""
+    from kvserve.model.linear import PackedLinear
+    from kvserve.model.qlinear import QuantLinear
+
+    if isinstance(module, PackedLinear) and module.weight_rows is not None:
+        w = module.weight_rows  # [N, K] fp32 contiguous
+        bias = None if module.bias is None else module.bias.float().contiguous()
+        keep += [w, bias]
+        n, k = w.shape
+        return _Linear(_LIN_F32, n, k, k, 1, 1, 0, w.data_ptr(), None, None, _ptr(bias))
+    if isinstance(module, QuantLinear) and module.weight_deq is None:
+        bits = module.scheme.bits
+        kp = module.w.shape[1] * (1 if bits == 8 else 2)
+        zeros = module.zeros if bits == 4 else None
+        keep += [module.w, module.scales, zeros, module.bias]
+        return _Linear(
+            _LIN_Q8 if bits == 8 else _LIN_Q4, module.out_features, module.in_features, kp,
+            module.scales.shape[1], int(module.bpg), module.act_mode, module.w.data_ptr(),
+            module.scales.data_ptr(), _ptr(zeros), _ptr(module.bias),
+        )  # fmt: skip
+    return None
+
+
+def small_linear(desc: _Linear, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 (M <= max_rows()) -> [M, N] through the native GEMV."""
+    x = x.contiguous()
+    y = x.new_empty(x.shape[0], desc.n)
+    status = cpu_kernels.load_kernel().small_linear(
+        ctypes.byref(desc), x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()
+    )
+    if status != 0:
+        raise RuntimeError(f"small_linear failed (status {status}) for {x.shape[0]} rows")
+    return y
+
+
+class FusedDecoder:
+    """A DecoderLM's layers and KV tensors as C structs; `__call__` runs one decode step."""
+
+    def __init__(self, model: torch.nn.Module, kv_caches: list, model_struct: _Model, keep: list):
+        self.model_struct = model_struct
+        self.keep = keep  # the tensors and structs the C side points to
+        self.cache_key = _cache_key(kv_caches)
+        self.num_steps = 0  # steps run here (tests check the fast path is taken)
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, kv_caches: list) -> FusedDecoder | None:
+        """None when some part of `model` has no native path (the per-op path runs it)."""
+        cfg = model.config
+        if max_rows() == 0 or len(kv_caches) != len(model.layers):
+            return None
+        keep: list = []
+        layers = (_Layer * len(model.layers))()
+        for i, (layer, cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.q_norm is not None or cache.quantised or cache.k.dtype != torch.float32:
+                return None
+            descs = [
+                linear_descriptor(m, keep)
+                for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if any(d is None for d in descs) or any(w.dtype != torch.float32 for w in norms):
+                return None
+            norms = [w.detach().contiguous() for w in norms]
+            keep += norms + [cache.k, cache.v]
+            layers[i] = _Layer(
+                norms[0].data_ptr(), norms[1].data_ptr(), *descs, cache.k.data_ptr(),
+                cache.v.data_ptr(),
+            )  # fmt: skip
+        final_norm = model.norm.weight.detach().contiguous()
+        block_size = kv_caches[0].k.shape[1]
+        struct = _Model(
+            cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, block_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, layers,
+            final_norm.data_ptr(),
+        )  # fmt: skip
+        keep += [layers, final_norm]
+        return cls(model, kv_caches, struct, keep)
+
+    def matches(self, kv_caches: list) -> bool:
+        return _cache_key(kv_caches) == self.cache_key
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,  # [M, hidden_size] fp32: the embedded tokens
+        cos: torch.Tensor,  # [M, 1, head_dim / 2]
+        sin: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [M] int64
+        block_table: torch.Tensor,  # [M, max_blocks] int32
+        context_lens: torch.Tensor,  # [M] int32
+    ) -> torch.Tensor:
+        """-> [M, hidden_size]: the final norm of the residual stream after every layer."""
+        out = hidden.float().contiguous().clone()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        status = cpu_kernels.load_kernel().decode_layers(
+            ctypes.byref(self.model_struct), out.data_ptr(), out.shape[0], cos.data_ptr(),
+            sin.data_ptr(), slot_mapping.data_ptr(), block_table.data_ptr(), block_table.shape[1],
+            context_lens.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"fused decode step failed (status {status})")
+        self.num_steps += 1
+        return out
+
+
+def _cache_key(kv_caches: list) -> tuple:
+    return tuple((c.k.data_ptr(), c.v.data_ptr()) for c in kv_caches)

@@ -1,0 +1,138 @@
+"""Tensor-parallel ranks (docs/parallel.md): how every rank loads its shard, and the loop of ranks
+1..N-1, which run in worker processes started by `kvserve.runner.executor`.
+
+A worker owns its shard of the weights and its KV heads of the cache. It receives each target
+forward's input, (start position, token ids, block ids) per chunk and the logit rows, over a pipe
+from rank 0, runs the same forward (meeting rank 0 at every all-reduce and at the logits gather)
+and waits for the next. It never samples: rank 0 does, beside the scheduler. Commands travel over
+the pipe rather than a collective so that an idle engine is not a collective timing out, and so that
+a worker sees the engine process end (the pipe's EOF) and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.model.attention import get_attention_backend
+from kvserve.model.loader import TORCH_DTYPES, read_checkpoint
+from kvserve.model.parallel import TensorParallelDecoderLM, load_tensor_parallel_model
+from kvserve.runner.forward import allocate_kv_cache, forward_chunks
+
+# Commands rank 0 sends: ("forward", chunks, logit rows) | ("stop",). Replies: ("ready", weight
+# bytes, KV bytes) once loaded, ("error", traceback text) before a failing worker exits.
+FORWARD, STOP, READY, ERROR = "forward", "stop", "ready", "error"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where rank `rank` of `world_size` runs and how it joins the process group."""
+
+    rank: int
+    world_size: int
+    init_method: str  # tcp://127.0.0.1:PORT, rank 0's rendezvous
+    backend: str  # gloo | nccl
+    device: str  # cpu | cuda:N
+    num_threads: int  # torch intra-op threads of this rank (CPU)
+    timeout_s: float  # every collective, and the rendezvous
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+
+
+def init_rank(spec: RankSpec) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec.num_threads)
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))
+    dist.init_process_group(
+        spec.backend,
+        init_method=spec.init_method,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, measured from its tensors."""
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def load_rank_model(
+    config: EngineConfig, rank: int, world_size: int, device: str
+) -> tuple[TensorParallelDecoderLM, int]:
+    """Rank `rank`'s model, ready to run, and its weight bytes (measured from the float shard's
+    tensors, before any quantisation or CPU layout). The process group must be initialised."""
+    model = load_tensor_parallel_model(
+        config.model_dir,
+        config.model,
+        config.scheduler.max_model_len,
+        rank,
+        world_size,
+        dtype=config.dtype,
+        device=device,
+        cpu_weights=False,
+    )
+    weight_bytes = state_bytes(model)
+    if config.quantization is not None:
+        from kvserve.model.parallel_quant import quantize_tensor_parallel
+        from kvserve.quant.scheme import parse_weight_scheme
+
+        scheme = parse_weight_scheme(config.quantization)
+        if scheme.is_quantized:
+            checkpoint = read_checkpoint(Path(config.model_dir))
+            quantize_tensor_parallel(model, checkpoint, scheme, device)
+    if torch.device(device).type == "cpu":
+        model.use_cpu_weights()
+    if config.attention_backend == "torch":  # the pure-torch reference path throughout
+        model.use_cpu_kernels(False)
+    model.logits_rank = 0  # rank 0 samples: gather the logits there only
+    return model, weight_bytes
+
+
+def worker_main(spec: RankSpec, config: EngineConfig, num_blocks: int, conn) -> None:
+    """Entry point of ranks 1..N-1 (a spawned process)."""
+    import torch.distributed as dist
+
+    try:
+        init_rank(spec)
+        model, weight_bytes = load_rank_model(config, spec.rank, spec.world_size, spec.device)
+        device = torch.device(spec.device)
+        dtype = TORCH_DTYPES[config.dtype]
+        attention = get_attention_backend(config.attention_backend, device, dtype)
+        block_size = config.cache.block_size
+        kv_tensors, kv_caches = allocate_kv_cache(
+            model, num_blocks, block_size, dtype, device, config.cache.kv_cache_dtype
+        )
+        conn.send((READY, weight_bytes, sum(t.numel() * t.element_size() for t in kv_tensors)))
+        with torch.inference_mode():
+            while True:
+                try:
+                    command = conn.recv()
+                except EOFError:  # the engine process is gone
+                    break
+                if command[0] == STOP:
+                    break
+                _, chunks, rows = command
+                forward_chunks(model, kv_caches, attention, chunks, block_size, device, rows)
+    except BaseException:
+        try:
+            conn.send((ERROR, f"rank {spec.rank} (pid {os.getpid()}): {traceback.format_exc()}"))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()

@@ -1,0 +1,143 @@
+"""The fused decode step and the small-row GEMVs (model/fused_decode.py, csrc/decode_step.c): against an
+fp64 product, against the quantised GEMM extension, against the per-op path and a one-pass recompute
+through the torch backend; that the fast path is taken; the scalar fallback; no compiler."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.model import fused_decode
+from kvserve.model.linear import PackedLinear, onednn_available
+from kvserve.model.qlinear import QuantLinear, round_activations
+from kvserve.quant.kernels import kernels_available
+from kvserve.quant.rtn import quantize
+from kvserve.quant.scheme import parse_tensor_scheme
+from tests.oracle import assert_logits_close
+
+needs_kernel = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+PROMPT = [(i * 37 + 11) % 250 + 3 for i in range(40)]
+QUANT_FORMATS = ["int8", "int4-g32", "int4-g128-zp", "int4", "w8a8", "w8a8-pt", "int8-g128"]
+
+
+@pytest.fixture(params=["avx2", "scalar"])
+def isa(request):
+    if request.param == "avx2" and fused_decode.isa() != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    fused_decode.set_max_isa(request.param)
+    yield request.param
+    fused_decode.set_max_isa("avx2")
+
+
+@needs_kernel
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_small_linear_equals_fp64_product(isa, bias):
+    gen = torch.Generator().manual_seed(0)
+    # K = 77: not a multiple of the 8-wide vectors; N = 37: not a multiple of any column tile
+    for n, k in [(37, 77), (96, 64)]:
+        w = torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen) if bias else None
+        linear = PackedLinear(w, b)
+        for m in range(1, fused_decode.max_rows() + 1):
+            x = torch.randn(m, k, generator=gen)
+            expected = x.double() @ w.double().T + (0 if b is None else b.double())
+            torch.testing.assert_close(linear(x).double(), expected, atol=1e-5, rtol=1e-5)
+        x = torch.randn(fused_decode.max_rows() + 1, k, generator=gen)  # oneDNN beyond the rows
+        torch.testing.assert_close(linear(x).double(), x.double() @ w.double().T +
+                                   (0 if b is None else b.double()), atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.skipif(not kernels_available(), reason="the quantised GEMM extension did not build")
+@pytest.mark.parametrize("fmt", QUANT_FORMATS)
+def test_quantised_small_linear_equals_the_gemm_extension(isa, fmt):
+    """The extension's op (kvserve/quant/csrc/qgemm.cpp) to 1e-6 of the output scale on AVX2 (the same
+    per-(row, column) arithmetic; the compilers may fuse the last multiply-add differently), and the
+    dequantised weight times the kernel-rounded activations to 1e-4 of it on either path."""
+    gen = torch.Generator().manual_seed(1)
+    n, k = 45, 200  # 200 inputs: not a multiple of 32, 64 or 128 (short last group)
+    scheme = parse_tensor_scheme(fmt)
+    weight = torch.randn(n, k, generator=gen)
+    for bias in (None, torch.randn(n, generator=gen)):
+        linear = QuantLinear(quantize(weight, scheme), bias)
+        desc = fused_decode.linear_descriptor(linear, [])
+        reference_weight = quantize(weight, scheme).dequantize()
+        for m in range(1, fused_decode.max_rows() + 1):
+            x = torch.randn(m, k, generator=gen) * 3
+            got = fused_decode.small_linear(desc, x)
+            assert torch.equal(got, linear(x))  # QuantLinear takes this path for a few rows
+            expected = round_activations(x, scheme.act) @ reference_weight.T
+            expected = expected + (0 if bias is None else bias)
+            scale = expected.abs().max()
+            if isa == "avx2":
+                extension = linear._op(x, *linear._args)
+                assert (got - extension).abs().max() <= 1e-6 * scale, f"{fmt}, {m} rows"
+            assert (got - expected).abs().max() <= 1e-4 * scale, f"{fmt}, {m} rows"
+
+
+def _fused_and_per_op(model_dir: Path, **options) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Token-by-token logits with the fused step, the same with it off, and the fused steps run."""
+    llm = LLM(str(model_dir), num_blocks=64, **options)
+    model = llm.engine.runner.model
+    fused = llm.engine.score(PROMPT, chunk_size=1)  # every position is a decode row
+    assert model.fused is not None, "the fused decode step was not built"
+    steps = model.fused.num_steps
+    model.fused_decode, model.fused = False, None
+    per_op = llm.engine.score(PROMPT, chunk_size=1)
+    assert model.fused is None
+    return fused, per_op, steps
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32", "linear=int8,head=int8"])
+def test_fused_step_is_taken_and_equals_the_per_op_path(llama_dir, isa, quantization):
+    if quantization and not kernels_available():
+        pytest.skip("the quantised GEMM extension did not build")
+    fused, per_op, steps = _fused_and_per_op(llama_dir, quantization=quantization)
+    assert steps == len(PROMPT)
+    # the same C functions in the same order (the per-op path's linears run the same GEMVs)
+    assert torch.equal(fused, per_op)
+
+
+@needs_kernel
+def test_fused_step_equals_a_one_pass_torch_recompute(llama_dir, isa):
+    """Oracle: one pass over the prompt through the pure-torch reference path (no C kernels)."""
+    fused, _, _ = _fused_and_per_op(llama_dir)
+    reference = LLM(str(llama_dir), num_blocks=64, attention_backend="torch").engine.score(PROMPT)
+    assert_logits_close(fused, reference, 1e-4, f"fused ({isa}) vs torch recompute")
+
+
+@needs_kernel
+def test_fused_step_off_for_the_torch_backend_and_prompt_chunks(llama_dir):
+    torch_llm = LLM(str(llama_dir), num_blocks=64, attention_backend="torch")
+    torch_llm.engine.score(PROMPT, chunk_size=1)
+    assert torch_llm.engine.runner.model.fused is None
+    llm = LLM(str(llama_dir), num_blocks=64)
+    llm.engine.score(PROMPT)  # one prompt chunk: the per-op path
+    assert llm.engine.runner.model.fused is None
+
+
+def test_without_a_compiler_the_per_op_path_runs(llama_dir, tmp_path):
+    """No compiler: no fused step, no small-row GEMV; the model still runs (torch ops, oneDNN)."""
+    code = (
+        "import sys; from kvserve import LLM; from kvserve.model import fused_decode\n"
+        f"llm = LLM({str(llama_dir)!r}, num_blocks=64)\n"
+        f"logits = llm.engine.score({PROMPT!r}, chunk_size=1)\n"
+        "assert fused_decode.max_rows() == 0 and llm.engine.runner.model.fused is None\n"
+        "print(float(logits.abs().sum()))\n"
+    )
+    env = dict(os.environ, PATH=str(tmp_path), KVSERVE_CACHE_DIR=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.split()[-1]) > 0
