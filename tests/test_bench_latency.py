@@ -185,7 +185,8 @@ def test_latency_grid_end_to_end(tiny_dir, tmp_path, monkeypatch, capsys):
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads((out / "latency.json").read_text())
     assert doc["schema"] == "kvserve.bench.latency/1"
-    assert doc["engine"]["options"]["enable_prefix_caching"] is False
+    # the engine default (prefix caching on); every iteration resets the cache (docs/load-tests.md)
+    assert doc["engine"]["options"]["enable_prefix_caching"] is True
     assert [(p["batch_size"], p["prompt_len"], p["output_len"]) for p in doc["points"]] == [
         (1, 20, 4),
         (3, 20, 4),
@@ -229,9 +230,13 @@ def test_latency_without_a_profile_says_unknown(tiny_dir, tmp_path, monkeypatch,
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "empty"))
     rc = cli_main(["bench", "latency", "--model", str(tiny_dir), "--batch-sizes", "2",
                    "--prompt-lens", "5", "--output-lens", "1", "--iters", "1",
-                   "--warmup-iters", "0", "--no-plot", "--out", str(tmp_path / "out")])  # fmt: skip
+                   "--warmup-iters", "0", "--no-plot", "--out", str(tmp_path / "out"),
+                   "--kv-cache-dtype", "int8"])  # fmt: skip
     assert rc == 0
     doc = json.loads((tmp_path / "out" / "latency.json").read_text())
+    # regression: the metadata reported the compute dtype as the KV cache's, and no quantisation
+    assert doc["engine"]["kv_cache_dtype"] == "int8" and doc["engine"]["quantization"] is None
+    assert doc["engine"]["options"]["kv_cache_dtype"] == "int8"
     (pt,) = doc["points"]
     assert pt["bottleneck"]["prefill"] == pt["bottleneck"]["decode"] == "unknown"
     assert "kvserve plan --measure" in pt["bottleneck"]["why"] and pt["roofline"] is None
@@ -250,6 +255,12 @@ def test_latency_rejects_a_grid_that_does_not_fit(tiny_dir, tmp_path, capsys):
                    "--prompt-lens", "400", "--output-lens", "8", "--kv-cache-memory", "1MiB",
                    "--out", str(tmp_path)])  # fmt: skip
     assert rc == 2 and "raise --kv-cache-memory" in capsys.readouterr().err
+
+
+def test_latency_refuses_a_batch_larger_than_max_num_seqs(tiny_dir, tmp_path, capsys):
+    rc = cli_main(["bench", "latency", "--model", str(tiny_dir), "--batch-sizes", "1,8",
+                   "--max-num-seqs", "4", "--out", str(tmp_path)])  # fmt: skip
+    assert rc == 2 and "exceeds --max-num-seqs 4" in capsys.readouterr().err
 
 
 def test_plan_reads_the_tiny_model_as_the_hand_formulas_do(tiny_dir):

@@ -19,7 +19,6 @@ def make_request(request_id: str, tokens, salt: str | None = None) -> Request:
         tuple(tokens),
         SamplingParams(max_tokens=8),
         max_tokens=8,
-        arrival_time=0.0,
         cache_salt=salt,
     )
 

@@ -238,9 +238,9 @@ def test_an_engine_in_a_daemonic_process_starts_its_workers(checkpoints):
 def test_cli_flag_reaches_the_config():
     import argparse
 
-    from kvserve.cli.generate import add_engine_arguments, engine_options
+    from kvserve.engine.args import EngineArgs
 
     parser = argparse.ArgumentParser()
-    add_engine_arguments(parser)
+    EngineArgs.add_cli_args(parser)
     args = parser.parse_args(["--tensor-parallel-size", "2"])
-    assert engine_options(args)["tensor_parallel_size"] == 2
+    assert EngineArgs.from_cli_args(args).options()["tensor_parallel_size"] == 2

@@ -1,15 +1,17 @@
 """`kvserve bench latency`: offline phase-split timing of the in-process engine (docs/load-tests.md).
 
 Over a grid of batch sizes x prompt lengths x output lengths, each point generates a batch of
-token-id prompts (no tokenisation on the clock; the engine's detokenizer is detached, so none either)
-in forced-length greedy mode, times every `engine.step()` between device synchronisations, and
-splits the steps into the prefill phase (TTFT proxy) and the decode steps (a distribution). Warm-up
-iterations are discarded. Outputs of the same prompt alone and in a batch must be identical; the
+token-id prompts (no tokenisation on the clock; `detokenize=False`, so no detokenisation either)
+in forced-length greedy mode, times every engine step (`LLM.generate_steps`) between device
+synchronisations, and splits the steps into the prefill phase (TTFT proxy) and the decode steps (a
+distribution). The prefix cache is reset before every iteration, so repeats recompute their prompts.
+Warm-up iterations are discarded. Outputs of the same prompt alone and in a batch must be identical; the
 first differing position is reported otherwise. Each regime gets a roofline bottleneck from
 kvserve.plan's arithmetic and a hardware profile (the measured `this-machine` one by default).
 
-The only module of kvserve.bench that imports the engine (design.md), and only inside functions: the
-CLI imports this module to build its parser.
+The only module of kvserve.bench that uses the engine (design.md): through the public `LLM` API
+and `EngineArgs` only, and imported inside functions (the CLI imports this module to build its
+parser).
 """
 
 from __future__ import annotations
@@ -21,22 +23,23 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from kvserve import __version__
+from kvserve._version import __version__
 from kvserve.bench import phases
 from kvserve.bench.records import BenchError
+from kvserve.engine.args import MODEL_HELP, EngineArgs
+from kvserve.options import HelpFormatter
 
 SCHEMA = "kvserve.bench.latency/1"
-_ids = itertools.count()
 
 
 @dataclass(frozen=True)
 class LatencyConfig:
-    """One `bench latency` invocation; engine options as in `kvserve.engine.args`."""
+    """One `bench latency` invocation; `engine_args` holds the engine's options (its model resolved)."""
 
     model_dir: str
     batch_sizes: tuple[int, ...] = (1, 8)
@@ -48,7 +51,7 @@ class LatencyConfig:
     hardware: str = "auto"  # auto (this-machine if measured) | none | a profile name or JSON path
     out_dir: str = "runs/latency"
     plot: bool = True
-    engine_options: dict = field(default_factory=dict)
+    engine_args: EngineArgs = field(default_factory=EngineArgs)
     command: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -58,6 +61,11 @@ class LatencyConfig:
                 raise BenchError(f"--{name.replace('_', '-')} needs integers >= 1, got {values}")
         if self.num_iters < 1 or self.num_warmup_iters < 0 or self.num_check_prompts < 0:
             raise BenchError("need --iters >= 1, --warmup-iters >= 0, --check-prompts >= 0")
+        if max(self.batch_sizes) > self.engine_args.max_num_seqs:
+            raise BenchError(
+                f"batch size {max(self.batch_sizes)} exceeds --max-num-seqs "
+                f"{self.engine_args.max_num_seqs}: raise it, or a batch would not run as one batch"
+            )
 
     @property
     def grid(self) -> list[tuple[int, int, int]]:
@@ -82,34 +90,34 @@ def _synchronizer(device: str):
 
 
 def run_iteration(llm, prompts: list[list[int]], params, sync) -> phases.Iteration:
-    """Add the batch, then time each engine step between synchronisations until all finish."""
-    engine = llm.engine
-    request_ids = [f"latency-{next(_ids)}" for _ in prompts]
-    for request_id, prompt in zip(request_ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
-    pending, started, final, steps = set(request_ids), set(), {}, []
+    """Queue the batch, then time each engine step between synchronisations until all finish."""
+    if not llm.reset_prefix_cache():  # repeats must recompute their prompts
+        raise BenchError("the prefix cache could not be reset: requests are still running")
+    steps = llm.generate_steps(prompts, params)
+    started, final, samples = set(), {}, []
     sync()
     t_start = t_end = time.perf_counter()
-    while pending:
+    while True:
         sync()
         t0 = time.perf_counter()
-        outputs = engine.step()
+        changed = next(steps, None)
         sync()
         t_end = time.perf_counter()
+        if changed is None:
+            break
         num_first = num_decode = 0
-        for out in outputs:
+        for index, out in changed.items():
             n = len(out.outputs[0].delta_token_ids)
-            if n and out.request_id not in started:
-                started.add(out.request_id)
+            if n and index not in started:
+                started.add(index)
                 num_first, n = num_first + 1, n - 1
             num_decode += n
-            if out.finished and out.request_id in pending:
-                pending.discard(out.request_id)
-                final[out.request_id] = out
-        steps.append(phases.StepSample(t_end - t0, num_first, num_decode))
-        if not outputs and not engine.has_unfinished_requests():
-            raise BenchError("the engine stopped with requests unfinished")
-    done = [final[r] for r in request_ids]
+            if out.finished:
+                final[index] = out
+        samples.append(phases.StepSample(t_end - t0, num_first, num_decode))
+    if len(final) < len(prompts):
+        raise BenchError("the engine stopped with requests unfinished")
+    done = [final[i] for i in range(len(prompts))]
     ttft = [
         o.metrics.first_token_time - o.metrics.first_scheduled_time
         for o in done
@@ -117,7 +125,7 @@ def run_iteration(llm, prompts: list[list[int]], params, sync) -> phases.Iterati
     ]
     gaps = [float(g) for o in done for g in np.diff(o.outputs[0].metrics.token_times)]
     return phases.Iteration(
-        split=phases.split_phases(steps, len(prompts)),
+        split=phases.split_phases(samples, len(prompts)),
         wall_s=t_end - t_start,
         ttft_proxy_s=tuple(ttft),
         itl_engine_s=tuple(gaps),
@@ -126,26 +134,16 @@ def run_iteration(llm, prompts: list[list[int]], params, sync) -> phases.Iterati
     )
 
 
-def _engine_options(cfg: LatencyConfig) -> dict:
-    opts = dict(cfg.engine_options)
-    opts.setdefault("enable_prefix_caching", False)  # repeats must recompute their prompts
-    opts["max_num_seqs"] = max(cfg.batch_sizes)  # a batch of B runs as one batch
-    if opts.get("max_num_batched_tokens") is None:  # one prefill forward per batch when it fits
-        largest = max(cfg.batch_sizes) * max(cfg.prompt_lens)
-        opts["max_num_batched_tokens"] = max(2048, min(largest, 16384))
-    return opts
-
-
-def _check_grid(cfg: LatencyConfig, engine) -> None:
-    limit, block = engine.max_model_len, engine.config.cache.block_size
+def _check_grid(cfg: LatencyConfig, llm) -> None:
+    limit, block = llm.max_model_len, llm.config.cache.block_size
     for b, p, o in cfg.grid:
         if p + o > limit:
             raise BenchError(f"prompt {p} + output {o} exceeds the context of {limit} tokens")
         need = b * -(-(p + o) // block)
-        if need > engine.num_blocks:
+        if need > llm.num_kv_blocks:
             raise BenchError(
                 f"batch {b} x ({p} + {o}) tokens needs {need} KV blocks; the cache has "
-                f"{engine.num_blocks}: raise --kv-cache-memory (a batch that does not fit would be "
+                f"{llm.num_kv_blocks}: raise --kv-cache-memory (a batch that does not fit would be "
                 "preempted and timed with its recomputation)"
             )
 
@@ -158,12 +156,12 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _metadata(cfg: LatencyConfig, llm, opts: dict, hw, hw_reason: str) -> dict:
+def _metadata(cfg: LatencyConfig, llm, hw, hw_reason: str) -> dict:
     import torch
 
     from kvserve.bench.identity import client_host
 
-    config, model_dir = llm.engine.config, Path(cfg.model_dir)
+    config, model_dir = llm.config, Path(cfg.model_dir)
     device = config.device
     return {
         "schema": SCHEMA,
@@ -177,16 +175,16 @@ def _metadata(cfg: LatencyConfig, llm, opts: dict, hw, hw_reason: str) -> dict:
         },
         "engine": {
             "dtype": config.dtype,
-            "kv_cache_dtype": config.dtype,
-            "quantization": opts.get("quantization"),
+            "kv_cache_dtype": config.cache.kv_cache_dtype,
+            "quantization": config.quantization,
             "device": device,
             "device_name": torch.cuda.get_device_name(device)
             if device.startswith("cuda")
             else None,
             "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(),
-            "num_kv_blocks": llm.engine.num_blocks,
-            "options": opts,
+            "num_kv_blocks": llm.num_kv_blocks,
+            "options": cfg.engine_args.options(),
         },
         "hardware_profile": None
         if hw is None
@@ -195,8 +193,9 @@ def _metadata(cfg: LatencyConfig, llm, opts: dict, hw, hw_reason: str) -> dict:
         "host": client_host(),
         "method": {
             "mode": "forced length (ignore_eos, min_tokens = max_tokens), greedy, token-id "
-            "prompts; detokenizer detached: no tokenisation or detokenisation on the clock",
-            "timing": "time.perf_counter around each engine.step(), with a device synchronise "
+            "prompts, detokenize=False: no tokenisation or detokenisation on the clock",
+            "timing": "time.perf_counter around each engine step (next(LLM.generate_steps)), with "
+            "a device synchronise "
             "before and after on an accelerator",
             "prefill": "steps from the batch's first until every request has its first token: "
             "the prefill forward(s) plus the first sample (TTFT proxy); ttft_proxy_s is the "
@@ -217,31 +216,29 @@ def run_latency(cfg: LatencyConfig) -> dict:
     from kvserve.engine.llm import LLM
     from kvserve.plan.model import PlanError, load_model
 
-    opts = _engine_options(cfg)
     t0 = time.perf_counter()
-    llm = LLM(cfg.model_dir, **opts)
-    _log(
-        f"loaded {cfg.model_dir} on {opts.get('device', 'cpu')} in {time.perf_counter() - t0:.1f} s"
-    )
-    engine = llm.engine
-    engine.tokenizer = None  # token ids in and out: no detokenisation inside the timed steps
-    _check_grid(cfg, engine)
-    sync = _synchronizer(engine.config.device)
-    hw, hw_reason = phases.resolve_hardware(cfg.hardware, engine.config.device)
+    llm = LLM.from_engine_args(replace(cfg.engine_args, model=cfg.model_dir))
+    config = llm.config
+    _log(f"loaded {cfg.model_dir} on {config.device} in {time.perf_counter() - t0:.1f} s")
+    _check_grid(cfg, llm)
+    sync = _synchronizer(config.device)
+    hw, hw_reason = phases.resolve_hardware(cfg.hardware, config.device)
     try:
         spec = load_model(cfg.model_dir)
     except PlanError as exc:
         spec, hw_reason = None, f"model shape unknown to kvserve.plan: {exc}"
-    vocab, avoid = engine.config.model.vocab_size, engine.eos_token_ids
-    prompt = lambda p, i: make_prompt(engine.config.seed, p, i, vocab, avoid)
+    vocab, avoid = config.model.vocab_size, llm.eos_token_ids
+    prompt = lambda p, i: make_prompt(config.seed, p, i, vocab, avoid)
+    # token ids in and out: no detokenisation inside the timed steps
     forced = lambda o, **kw: SamplingParams(
-        max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0.0, **kw
+        max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0.0, detokenize=False, **kw
     )
     num_check = min(cfg.num_check_prompts, max(cfg.batch_sizes))
     references = {}  # (P, O) -> [(tokens, top-two per position)] of prompts alone
     for p, o in itertools.product(cfg.prompt_lens, cfg.output_lens):
         refs = []
         for i in range(num_check):
+            llm.reset_prefix_cache()  # each reference computes its prompt in full
             c = llm.generate([prompt(p, i)], forced(o, logprobs=2))[0].outputs[0]
             refs.append((tuple(c.token_ids), [lp.top for lp in c.logprobs or ()]))
         references[(p, o)] = refs
@@ -269,7 +266,7 @@ def run_latency(cfg: LatencyConfig) -> dict:
             "num_mismatches": len(found),
         }
         if spec is not None and hw is not None:
-            summary["roofline"] = phases.point_roofline(spec, hw, engine.config.dtype, summary)
+            summary["roofline"] = phases.point_roofline(spec, hw, config.dtype, summary)
             summary["bottleneck"] = phases.bottleneck(summary["roofline"])
         else:
             summary["roofline"] = None
@@ -277,7 +274,7 @@ def run_latency(cfg: LatencyConfig) -> dict:
         points.append(summary)
         _log(latency_report.point_line(summary))
     doc = {
-        **_metadata(cfg, llm, opts, hw, hw_reason),
+        **_metadata(cfg, llm, hw, hw_reason),
         "grid": {
             "batch_sizes": list(cfg.batch_sizes),
             "prompt_lens": list(cfg.prompt_lens),
@@ -324,19 +321,15 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def register(bench_subparsers) -> None:
-    from kvserve.cli.generate import parse_bytes
-
     p = bench_subparsers.add_parser(
         "latency",
         help="offline phase-split timing of the in-process engine over a batch x length grid",
         description=__doc__.split("\n\n")[1],
         epilog="example:\n  kvserve bench latency --model DIR --batch-sizes 1,4,16 --prompt-lens 32,256 "
         "--output-lens 32\n  (writes latency.json and latency.png to --out)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--model", default=None, help="model directory or built-in name (default: kvserve-demo)"
-    )
+    p.add_argument("--model", default=None, help=MODEL_HELP + " (default: kvserve-demo)")
     p.add_argument("--batch-sizes", type=_ints, default=(1, 8), help="e.g. 1,4,16")
     p.add_argument("--prompt-lens", type=_ints, default=(128,), help="prompt tokens, e.g. 32,256")
     p.add_argument("--output-lens", type=_ints, default=(32,), help="generated tokens, e.g. 32")
@@ -352,22 +345,7 @@ def register(bench_subparsers) -> None:
     p.add_argument("--out", default=None, help="output directory (default runs/latency-<time>)")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
                    help="write latency plots next to the results")  # fmt: skip
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weight and activation dtype (auto: the checkpoint's)")  # fmt: skip
-    g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's)")  # fmt: skip
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="default: the largest batch x prompt (one prefill forward), 2048..16384")  # fmt: skip
-    g.add_argument("--block-size", type=int, default=16, help="KV cache block, tokens")
-    g.add_argument("--kv-cache-memory", type=parse_bytes, default=parse_bytes("512MiB"),
-                   help="KV cache size, e.g. 2GiB (default 512MiB)")  # fmt: skip
-    g.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="off by default: repeated iterations would hit their own prompts")  # fmt: skip
-    g.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
-    g.add_argument("--quantization", default=None, metavar="SCHEME",
-                   help="weight quantisation at load, as `kvserve serve --quantization`")  # fmt: skip
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=_main)
 
 
@@ -389,17 +367,7 @@ def _main(args: argparse.Namespace) -> int:
             hardware=args.hardware,
             out_dir=args.out or os.path.join("runs", time.strftime("latency-%Y%m%d-%H%M%S")),
             plot=args.plot,
-            engine_options=dict(
-                dtype=args.dtype,
-                device=args.device,
-                max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                block_size=args.block_size,
-                kv_cache_memory_bytes=args.kv_cache_memory,
-                enable_prefix_caching=args.prefix_caching,
-                seed=args.seed,
-                quantization=args.quantization,
-            ),
+            engine_args=EngineArgs.from_cli_args(args, model=model),
             command=tuple(sys.argv),
         )
         doc = run_latency(cfg)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve import __version__
+from kvserve._version import __version__
 from kvserve.bench import report
 from kvserve.bench.arrivals import ArrivalSpec, load_trace, schedule
 from kvserve.bench.client import (

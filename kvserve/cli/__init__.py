@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from kvserve import __version__
+from kvserve._version import __version__
 
 # name -> module under kvserve.cli; a module that is not there yet is skipped.
 COMMANDS = (

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-from kvserve.cli.generate import HelpFormatter
+from kvserve.options import HelpFormatter
 
 SERVE_EPILOG = """\
 examples:

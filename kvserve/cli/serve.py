@@ -6,7 +6,8 @@ import argparse
 import signal
 from pathlib import Path
 
-from kvserve.cli.generate import MODEL_HELP, HelpFormatter, add_engine_arguments, engine_options
+from kvserve.engine.args import MODEL_HELP, EngineArgs
+from kvserve.options import HelpFormatter
 from kvserve.server.limits import RequestLimits
 from kvserve.server.tool_parsers import TOOL_PARSERS
 
@@ -116,7 +117,7 @@ def register(subparsers) -> None:
         choices=["debug", "info", "warning", "error"],
         help="server log level",
     )
-    add_engine_arguments(parser)
+    EngineArgs.add_cli_args(parser)
     add_core_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -146,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.core.errors import InvalidRequestError
-    from kvserve.engine.args import build_engine_config
     from kvserve.engine.faults import FaultInjection
     from kvserve.models import builtin_name, resolve_model
     from kvserve.server.app import build_app
@@ -162,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
             f"two models given: {args.model!r} and --model {args.model_option!r}", "model"
         )
     model_dir = resolve_model(args.model or args.model_option)
-    options = engine_options(args)
-    config = build_engine_config(model_dir, **options)  # fail fast on bad options, before binding
+    engine_args = EngineArgs.from_cli_args(args, model=str(model_dir))
+    options = engine_args.options()
+    config = engine_args.create_engine_config()  # fail fast on bad options, before binding
     chat_template = Path(args.chat_template).read_text() if args.chat_template else None
     limits = RequestLimits(
         max_request_bytes=args.max_request_bytes,

@@ -100,7 +100,9 @@ class RunnerOutput:
 
 @dataclass(frozen=True)
 class RequestUpdate:
-    """What one step did for one request: tokens appended and, if it ended, why."""
+    """What one step did for one request: tokens appended and, if it ended, why. The scheduler decides
+    both: `finish_reason` ("stop" | "length" | None) and, for a stop, `stop_reason`, the EOS or stop
+    token id that ended it (None for a grammar that ended on another token)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -110,3 +112,4 @@ class RequestUpdate:
     num_spec_proposed: int = 0  # proposals verified this step
     num_spec_accepted: int = 0
     grammar_complete: bool = False  # its grammar accepted a complete document (and its stop token)
+    stop_reason: int | None = None

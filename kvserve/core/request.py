@@ -32,32 +32,62 @@ _FINISHED = {
 }
 
 
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """The scheduler's id of sample `index` of a request with `n` samples: the request's own id when
+    n == 1, else `{request_id}-{index}`."""
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence in the engine. Owned by the scheduler once added.
 
     Prefill and decode are one thing: `num_computed_tokens` catches up with `num_tokens`. A prefix-cache hit
     starts it above zero; preemption by recompute resets it to zero (emitted tokens are kept).
+    A request with `sampling_params.n > 1` is fanned out by the scheduler into n samples (`samples`).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
     max_tokens: int  # resolved: never None, prompt + max_tokens <= max_model_len
-    arrival_time: float
     eos_token_ids: frozenset[int] = frozenset()
     cache_salt: str | None = None
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)  # the one copy of the output tokens
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1  # prefix-cache hit on first admission; -1 until admitted
-    num_preemptions: int = 0
-    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0  # prefix-cache hit (tokens) at first admission; 0 before it
+    first_scheduled_time: float | None = (
+        None  # the caller's clock at the first schedule() admitting it
+    )
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
     # A sibling sample of the same prompt whose full prompt blocks this request may share (n > 1).
     prompt_source_id: str | None = None
-    num_spec_proposed: int = 0
-    num_spec_accepted: int = 0
+
+    def samples(self) -> list[Request]:
+        """The n samples of this request: itself when n == 1; else n new requests with the ids of
+        `sample_request_id`, seeds `seed + i` (when seeded), and samples 1..n-1 naming sample 0 as
+        their prompt source."""
+        params = self.sampling_params
+        if params.n == 1:
+            return [self]
+        out = []
+        for index in range(params.n):
+            sample_params = params
+            if params.seed is not None:
+                sample_params = params.with_updates(seed=params.seed + index)
+            out.append(
+                Request(
+                    request_id=sample_request_id(self.request_id, index, params.n),
+                    prompt_token_ids=self.prompt_token_ids,
+                    sampling_params=sample_params,
+                    max_tokens=self.max_tokens,
+                    eos_token_ids=self.eos_token_ids,
+                    cache_salt=self.cache_salt,
+                    prompt_source_id=out[0].request_id if out else None,
+                )
+            )
+        return out
 
     @property
     def num_prompt_tokens(self) -> int:

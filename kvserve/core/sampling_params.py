@@ -68,6 +68,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
     speculate: bool = True  # use the engine's speculative decoding for this request, if it has one
+    # False: token ids only, no text (no detokenisation on the engine's clock, e.g. a latency bench)
+    detokenize: bool = True
     structured: StructuredOutput | None = None  # constrain the output to a grammar
 
     def __post_init__(self) -> None:
@@ -142,6 +144,8 @@ class SamplingParams:
                 )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            raise bad("stop", "stop strings are matched in the text: they need detokenize=True")
         if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", "stop_token_ids must be in [0, 2^63 - 1]")
         for token_id, bias in self.logit_bias:

@@ -1,12 +1,26 @@
-"""Engine options -> `EngineConfig`, and the checkpoint's tokenizer and stop tokens."""
+"""Every engine option, once (`EngineArgs`), -> `EngineConfig`; and the checkpoint's tokenizer and stop
+tokens.
+
+`EngineArgs` is the one definition of each option: its name, type, default and help. `kvserve serve`,
+`kvserve generate` and `kvserve bench latency` generate their engine flags from it (`add_cli_args`,
+`from_cli_args`); `LLM(model, **options)` and `build_engine_config(model, **options)` validate their
+keyword arguments with it. A new option is one new field here.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from kvserve.config import (
+    ADMISSION_POLICIES,
+    ATTENTION_BACKENDS,
+    DTYPE_BYTES,
+    KV_CACHE_DTYPES,
+    SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -15,10 +29,271 @@ from kvserve.config import (
 )
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
 from kvserve.models import resolve_model
+from kvserve.options import format_bytes, parse_bytes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
+MODEL_HELP = "model directory, or a built-in name: kvserve-demo, kvserve-demo-draft"
+DTYPES = ("auto", *sorted(DTYPE_BYTES))
+
+
+def _option(
+    default,
+    help: str,
+    *,
+    type: type = str,
+    optional: bool = False,
+    choices: tuple | None = None,
+    flag: str | None = None,
+    parse=None,
+    metavar: str | None = None,
+    group: str = "engine",
+    cli: bool = True,
+):
+    """A field of `EngineArgs` with what its command-line flag needs. `type` is the value's type
+    (`optional`: None is allowed too); `parse` turns the flag's text into it (default: `type`)."""
+    meta = dict(help=help, type=type, optional=optional, choices=choices, flag=flag, parse=parse,
+                metavar=metavar, group=group, cli=cli)  # fmt: skip
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's options, validated on construction (types and choices here; ranges in the config
+    dataclasses that `create_engine_config` builds)."""
+
+    model: str | None = _option(None, MODEL_HELP + " (default: kvserve-demo)", optional=True,
+                                metavar="MODEL", cli=False)  # fmt: skip
+    dtype: str = _option(
+        "auto",
+        "compute dtype; auto: fp32 on CPU, the checkpoint's bf16/fp16 on CUDA",
+        choices=DTYPES,
+    )
+    device: str = _option("cpu", "cpu, cuda or cuda:N")
+    max_model_len: int | None = _option(
+        None,
+        "context length in tokens, prompt + output (default: the model's limit)",
+        type=int,
+        optional=True,
+    )
+    max_num_seqs: int = _option(64, "most sequences running at once", type=int)
+    max_num_batched_tokens: int = _option(
+        2048, "token budget of one step, shared by decode tokens and prompt chunks", type=int
+    )
+    block_size: int = _option(16, "tokens per KV-cache block", type=int)
+    num_blocks: int | None = _option(
+        None,
+        "KV-cache blocks (default: as many as --kv-cache-memory holds)",
+        type=int,
+        optional=True,
+    )
+    kv_cache_memory_bytes: int = _option(
+        DEFAULT_KV_CACHE_MEMORY_BYTES,
+        "memory for the KV cache, e.g. 512MiB, 2GiB, or bytes "
+        f"(default: {format_bytes(DEFAULT_KV_CACHE_MEMORY_BYTES)})",
+        type=int,
+        flag="--kv-cache-memory",
+        parse=parse_bytes,
+        metavar="SIZE",
+    )
+    enable_prefix_caching: bool = _option(
+        True, "reuse cached prompt prefixes", type=bool,
+        flag="--prefix-caching",
+    )  # fmt: skip
+    admission: str = _option(
+        "on_demand",
+        "on_demand: charge blocks as used, preempt when full; reserve: prompt + max_tokens "
+        "up front (docs/scheduling.md)",
+        choices=ADMISSION_POLICIES,
+    )
+    seed: int = _option(0, "engine random seed", type=int)
+    quantization: str | None = _option(
+        None,
+        "quantise weights at load (round to nearest): int8, int4-g128, w8a8, "
+        "linear=int4-g64,head=int8, ... (docs/quantization.md)",
+        optional=True,
+    )
+    kv_cache_dtype: str = _option(
+        "auto",
+        "KV cache storage: the model's dtype, or 8-bit codes + fp16 scales per token and head",
+        choices=KV_CACHE_DTYPES,
+    )
+    attention_backend: str = _option(
+        "auto",
+        "auto: the in-place C kernels on CPU with fp32 weights; torch: torch ops only",
+        choices=ATTENTION_BACKENDS,
+    )
+    tensor_parallel_size: int = _option(
+        1,
+        "shard the model over N ranks (worker processes; gloo on CPU, NCCL on CUDA; "
+        "docs/parallel.md)",
+        type=int,
+    )
+    speculative_model: str | None = _option(
+        None,
+        "draft model directory or built-in name (kvserve-demo-draft); same tokenizer",
+        optional=True,
+        group="speculative decoding",
+    )
+    speculative_method: str | None = _option(
+        None,
+        "draft model or n-gram lookup (default: draft when --speculative-model is given)",
+        optional=True,
+        choices=SPECULATIVE_METHODS,
+        group="speculative decoding",
+    )
+    num_speculative_tokens: int = _option(
+        4, "gamma: proposals per step", type=int, group="speculative decoding"
+    )
+    ngram_min: int = _option(1, "shortest n-gram to match", type=int, group="speculative decoding")
+    ngram_max: int = _option(4, "longest n-gram to match", type=int, group="speculative decoding")
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if isinstance(value, Path) and meta["type"] is str:
+                object.__setattr__(self, f.name, value := str(value))
+            if value is None and meta["optional"]:
+                continue
+            kind = meta["type"]
+            # bool is an int in Python: refuse True for a count, and 1 for a switch
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise InvalidRequestError(
+                    f"engine option {f.name} must be {kind.__name__}"
+                    f"{' or None' if meta['optional'] else ''}, got {value!r}",
+                    f.name,
+                )
+            if meta["choices"] is not None and value not in meta["choices"]:
+                raise InvalidRequestError(
+                    f"engine option {f.name} must be one of {meta['choices']}, got {value!r}",
+                    f.name,
+                )
+
+    @classmethod
+    def from_options(cls, model=None, **options) -> EngineArgs:
+        """`EngineArgs(model=model, **options)`, with an unknown name a clear error, not a TypeError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown engine option(s) {unknown}; the options are {sorted(known - {'model'})}",
+                unknown[0],
+            )
+        return cls(model=model, **options)
+
+    # --- the command line -------------------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add every engine flag (all but the model, which each command spells its own way) to
+        `parser`, in argument groups, with the defaults and help defined above."""
+        groups: dict[str, argparse._ArgumentGroup] = {}
+        for f in fields(cls):
+            meta = f.metadata
+            if not meta["cli"]:
+                continue
+            group = groups.get(meta["group"]) or groups.setdefault(
+                meta["group"], parser.add_argument_group(meta["group"])
+            )
+            flag = meta["flag"] or "--" + f.name.replace("_", "-")
+            if meta["type"] is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                   default=f.default, help=meta["help"])  # fmt: skip
+                continue
+            group.add_argument(
+                flag,
+                dest=f.name,
+                type=meta["parse"] or meta["type"],
+                default=f.default,
+                choices=meta["choices"],
+                metavar=meta["metavar"],
+                help=meta["help"],
+            )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, model=None) -> EngineArgs:
+        """The options `add_cli_args` parsed into `args`, with the command's model."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.metadata["cli"]}
+        return cls(model=model, **values)
+
+    def options(self) -> dict:
+        """Every option but the model, by name (manifests, reports)."""
+        values = asdict(self)
+        values.pop("model")
+        return values
+
+    # --- the engine's configuration ---------------------------------------------------------------
+
+    def create_engine_config(self) -> EngineConfig:
+        """Resolve the model (a built-in name or a directory), read its config, build `EngineConfig`."""
+        model_dir = resolve_model(self.model)
+        model = ModelConfig.from_dir(model_dir)
+        limit = model.max_position_embeddings
+        if model.sliding_window is not None and model.sliding_window < limit:
+            # Within the window, sliding-window attention is full attention: cap the context to stay exact.
+            limit = model.sliding_window
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise InvalidRequestError(
+                f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens",
+                "max_model_len",
+            )
+        speculative = self._speculative_config(model_dir)
+        return EngineConfig(
+            model_dir=str(model_dir),
+            model=model,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                admission=self.admission,
+                num_lookahead_tokens=speculative.num_speculative_tokens if speculative else 0,
+            ),
+            dtype=resolve_dtype(self.dtype, self.device, model),
+            device=self.device,
+            seed=self.seed,
+            speculative=speculative,
+            attention_backend=self.attention_backend,
+            quantization=self.quantization,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+
+    def _speculative_config(self, model_dir: Path) -> SpeculativeConfig | None:
+        if self.speculative_model is None and self.speculative_method is None:
+            return None
+        method = self.speculative_method or "draft"
+        draft = draft_dir = None
+        if method == "draft":
+            if self.speculative_model is None:
+                raise InvalidRequestError(
+                    "speculative method 'draft' needs --speculative-model DIR", "speculative_model"
+                )
+            draft_dir = resolve_model(self.speculative_model, role="draft model")
+            draft = ModelConfig.from_dir(draft_dir)
+            check_same_vocabulary(model_dir, draft_dir)
+        return SpeculativeConfig(
+            method=method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            draft_model_dir=str(draft_dir) if draft else None,
+            draft_model=draft,
+            ngram_min=self.ngram_min,
+            ngram_max=self.ngram_max,
+        )
+
+
+def engine_option_defaults() -> dict:
+    """Each option's default, by name (docs, tests)."""
+    return {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
 
 
 def resolve_dtype(dtype: str, device: str, model: ModelConfig) -> str:
@@ -29,88 +304,9 @@ def resolve_dtype(dtype: str, device: str, model: ModelConfig) -> str:
     return "float32"  # bf16/fp16 matmuls are far slower than fp32 on CPUs without native support
 
 
-def build_engine_config(
-    model_dir: str | Path | None,
-    *,
-    dtype: str = "auto",
-    device: str = "cpu",
-    max_model_len: int | None = None,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES,
-    enable_prefix_caching: bool = True,
-    admission: str = "on_demand",
-    seed: int = 0,
-    speculative_model: str | Path | None = None,
-    speculative_method: str | None = None,
-    num_speculative_tokens: int = 4,
-    ngram_min: int = 1,
-    ngram_max: int = 4,
-    kv_cache_dtype: str = "auto",
-    attention_backend: str = "auto",
-    quantization: str | None = None,
-    tensor_parallel_size: int = 1,
-) -> EngineConfig:
-    model_dir = resolve_model(model_dir)
-    model = ModelConfig.from_dir(model_dir)
-    limit = model.max_position_embeddings
-    if model.sliding_window is not None and model.sliding_window < limit:
-        # Within the window, sliding-window attention is full attention: cap the context to stay exact.
-        limit = model.sliding_window
-    if max_model_len is None:
-        max_model_len = limit
-    elif max_model_len > limit:
-        raise InvalidRequestError(
-            f"max_model_len {max_model_len} exceeds the model's limit of {limit} tokens",
-            "max_model_len",
-        )
-    speculative = None
-    if speculative_model is not None or speculative_method is not None:
-        method = speculative_method or "draft"
-        draft = None
-        if method == "draft":
-            if speculative_model is None:
-                raise InvalidRequestError(
-                    "speculative method 'draft' needs --speculative-model DIR", "speculative_model"
-                )
-            draft_dir = resolve_model(speculative_model, role="draft model")
-            draft = ModelConfig.from_dir(draft_dir)
-            check_same_vocabulary(model_dir, draft_dir)
-        speculative = SpeculativeConfig(
-            method=method,
-            num_speculative_tokens=num_speculative_tokens,
-            draft_model_dir=str(draft_dir) if draft else None,
-            draft_model=draft,
-            ngram_min=ngram_min,
-            ngram_max=ngram_max,
-        )
-    return EngineConfig(
-        model_dir=str(model_dir),
-        model=model,
-        cache=CacheConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_dtype=kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            admission=admission,
-            num_lookahead_tokens=speculative.num_speculative_tokens if speculative else 0,
-        ),
-        dtype=resolve_dtype(dtype, device, model),
-        device=device,
-        seed=seed,
-        speculative=speculative,
-        attention_backend=attention_backend,
-        quantization=quantization,
-        tensor_parallel_size=tensor_parallel_size,
-    )
+def build_engine_config(model_dir: str | Path | None = None, **options) -> EngineConfig:
+    """`EngineArgs.from_options(model_dir, **options).create_engine_config()`."""
+    return EngineArgs.from_options(model_dir, **options).create_engine_config()
 
 
 def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:

@@ -93,7 +93,7 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
             break
         if isinstance(command, ValidateCmd):  # reads only immutable configuration: no need to wait
             try:  # for a step boundary
-                value = engine.validate(command.prompt_token_ids, command.params)
+                value = engine.validate(command.prompt_token_ids, command.params).max_tokens
                 result = UtilityResult(command.call_id, value)
             except Exception as exc:
                 result = UtilityResult(command.call_id, None, failure_of("", exc))

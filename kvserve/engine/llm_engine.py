@@ -1,8 +1,10 @@
 """The engine core loop: schedule -> execute -> update, plus request intake and text output.
 
 `LLMEngine` is synchronous and single-threaded; the offline `LLM` API and the async front end both drive it.
-A request with n > 1 samples fans out into n scheduler requests (`{id}-{i}`); samples 1..n-1 are admitted once
-sample 0 has computed the prompt and share its full prompt blocks by reference (with or without prefix caching).
+A request is validated once, at intake (`validate` -> `ValidatedRequest`, which `add_request` accepts as is).
+The scheduler owns request state: it fans a request with n > 1 samples out into n sequences (`{id}-{i}`),
+decides stops and their reason; the engine keeps only what it reports (text, timings) and stamps every
+time with one injected clock.
 """
 
 from __future__ import annotations
@@ -10,17 +12,18 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.core.errors import CapacityError, ContextLengthError, InvalidRequestError
 from kvserve.core.outputs import RequestUpdate, ScheduledChunk
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request import Request, RequestStatus, sample_request_id
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import load_tokenizer, stop_token_ids
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.output_processor import OutputProcessor
-from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.wire import FrozenMetrics, RequestDelta, SampleDelta
 from kvserve.kv.manager import KVCacheManager
 from kvserve.runner.executor import make_runner
@@ -29,13 +32,30 @@ from kvserve.sched.scheduler import Scheduler
 _score_ids = itertools.count()
 
 
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A prompt and its sampling parameters, checked against this engine's model and cache by
+    `LLMEngine.validate`; `add_request` takes it without checking again."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int  # resolved: never None
+
+
 @dataclass
 class _Sample:
+    """The engine's record of one sample: what it reports (the completion, its timings). Progress,
+    stops and token ids belong to the scheduler; the times are the engine clock's."""
+
     request_id: str  # the scheduler's id
     parent: _Parent
-    completion: CompletionOutput  # this step's delta_* fields and the sample's finish state
+    completion: CompletionOutput
     detokenizer: IncrementalDetokenizer | None
-    num_output_tokens: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    new_token_times: tuple[float, ...] = ()  # this step's tokens' times, reported once
+    finished_time: float | None = None
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -44,25 +64,28 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
-    max_tokens: int
-    cache_salt: str | None
     arrival_time: float
     samples: list[_Sample] = field(default_factory=list)
     # One list shared by every snapshot: the prompt never changes, so a step's host work does not grow
     # with its length.
     prompt_token_list: list[int] = field(default_factory=list)
-    pending: list[Request] = field(default_factory=list)  # samples waiting for sample 0's prefill
 
     @property
     def finished(self) -> bool:
-        return not self.pending and all(s.completion.finished for s in self.samples)
+        return all(s.completion.finished for s in self.samples)
 
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, tokenizer=None, load_default_tokenizer: bool = True
+        self,
+        config: EngineConfig,
+        tokenizer=None,
+        load_default_tokenizer: bool = True,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.clock = clock  # seconds; every timestamp of a request is read from it
         if tokenizer is None and load_default_tokenizer:
             tokenizer = load_tokenizer(config.model_dir)
         self.tokenizer = tokenizer
@@ -126,8 +149,9 @@ class LLMEngine:
 
     def validate(
         self, prompt_token_ids: list[int] | tuple[int, ...], params: SamplingParams
-    ) -> int:
-        """Check a request against the model and the cache; returns its resolved max_tokens."""
+    ) -> ValidatedRequest:
+        """Check a request against the model and the cache (compiling its grammar, if any), once:
+        `add_request` takes the result as is."""
         self._validate_token_ids(prompt_token_ids)
         num_prompt = len(prompt_token_ids)
         vocab = self.config.model.vocab_size
@@ -165,72 +189,69 @@ class LLMEngine:
                 f"{self.config.cache.block_size} tokens",
                 "max_tokens",
             )
-        return max_tokens
+        return ValidatedRequest(tuple(prompt_token_ids), params, max_tokens)
 
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int] | tuple[int, ...],
-        params: SamplingParams,
+        prompt_token_ids: ValidatedRequest | list[int] | tuple[int, ...],
+        params: SamplingParams | None = None,
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> None:
+        """Queue a request: a `ValidatedRequest` from `validate` (not checked again), or token ids and
+        `params` (validated here). `prompt` is its text, if any (reported back, never tokenised)."""
         if request_id in self._parents:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
-        max_tokens = self.validate(prompt_token_ids, params)
+        if isinstance(prompt_token_ids, ValidatedRequest):
+            validated = prompt_token_ids
+            if params is not None and params != validated.params:
+                raise InvalidRequestError(
+                    "params differ from the ones the request was validated with", "params"
+                )
+        else:
+            validated = self.validate(prompt_token_ids, params)
+        params = validated.params
         parent = _Parent(
             request_id=request_id,
             prompt=prompt,
-            prompt_token_ids=tuple(prompt_token_ids),
+            prompt_token_ids=validated.prompt_token_ids,
             params=params,
-            max_tokens=max_tokens,
-            cache_salt=cache_salt,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            prompt_token_list=list(prompt_token_ids),
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            prompt_token_list=list(validated.prompt_token_ids),
         )
-        requests = []
-        for index in range(params.n):
-            sample_params = params
-            if params.n > 1 and params.seed is not None:
-                sample_params = params.with_updates(seed=params.seed + index)
-            sample_id = request_id if params.n == 1 else f"{request_id}-{index}"
-            request = Request(
-                request_id=sample_id,
-                prompt_token_ids=parent.prompt_token_ids,
-                sampling_params=sample_params,
-                max_tokens=max_tokens,
-                arrival_time=parent.arrival_time,
-                eos_token_ids=self.eos_token_ids,
-                cache_salt=cache_salt,
-            )
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=validated.prompt_token_ids,
+            sampling_params=params,
+            max_tokens=validated.max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+        )
+        for index in range(params.n):  # the scheduler fans the request out under these ids
+            sample_id = sample_request_id(request_id, index, params.n)
             detokenizer = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, parent.prompt_token_ids, params
+                    self.tokenizer, validated.prompt_token_ids, params
                 )
             completion = CompletionOutput(
                 index=index,
                 structured_complete=False if params.structured is not None else None,
                 logprobs=[] if params.logprobs is not None else None,
                 cumulative_logprob=0.0 if params.logprobs is not None else None,
-                metrics=RequestMetrics(arrival_time=parent.arrival_time),
             )
-            sample = _Sample(sample_id, parent, completion, detokenizer)
-            parent.samples.append(sample)
-            self._samples[sample_id] = sample
-            requests.append(request)
-        self._parents[request_id] = parent
+            parent.samples.append(_Sample(sample_id, parent, completion, detokenizer))
         if self.outputs is not None:
             self.outputs.add(
                 request_id, prompt, parent.prompt_token_list, params, parent.arrival_time
             )
-        # Samples 1..n-1 wait for sample 0 to compute the prompt, then share its full prompt blocks.
-        self.scheduler.add_request(requests[0])
-        for request in requests[1:]:
-            request.prompt_source_id = requests[0].request_id
-        parent.pending = requests[1:]
+        self.scheduler.add_request(request)
+        self._parents[request_id] = parent
+        for sample in parent.samples:
+            self._samples[sample.request_id] = sample
 
     def abort_request(self, request_id: str) -> None:
         """End a request (all its samples) now; its blocks return to the pool. Nothing is emitted: the
@@ -240,7 +261,6 @@ class LLMEngine:
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return
-        parent.pending.clear()
         sample_ids = [s.request_id for s in parent.samples]
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
         for sample in parent.samples:
@@ -255,8 +275,8 @@ class LLMEngine:
 
     @property
     def num_waiting_samples(self) -> int:
-        """Samples not yet admitted: the scheduler's waiting queue plus n > 1 samples held back."""
-        return self.scheduler.num_waiting + sum(len(p.pending) for p in self._parents.values())
+        """Samples not yet admitted (the scheduler's count, n > 1 samples held back included)."""
+        return self.scheduler.num_waiting
 
     # --- the loop ---------------------------------------------------------------------------------------
 
@@ -267,18 +287,18 @@ class LLMEngine:
 
     def step_deltas(self) -> list[RequestDelta]:
         """Run one scheduling step; returns what it added to every request that changed."""
-        scheduler_output = self.scheduler.schedule(now=time.monotonic())
+        now = self.clock()  # one reading: the scheduler's first-scheduled stamp and the metrics'
+        scheduler_output = self.scheduler.schedule(now=now)
         self.last_scheduler_output = scheduler_output
-        now = time.monotonic()
         for new in scheduler_output.new_requests:
-            self._samples[new.request_id].completion.metrics.first_scheduled_time = now
+            self._samples[new.request_id].first_scheduled_time = now
         for request_id in scheduler_output.preempted_request_ids:
-            self._samples[request_id].completion.metrics.num_preemptions += 1
+            self._samples[request_id].num_preemptions += 1
         if scheduler_output.empty and not scheduler_output.finished_request_ids:
             return []
         runner_output = self.runner.execute(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output)
-        now = time.monotonic()
+        now = self.clock()
         touched: dict[str, tuple[_Parent, list[_Sample]]] = {}
         for update in updates:
             sample = self._samples.get(update.request_id)
@@ -288,11 +308,7 @@ class LLMEngine:
             touched.setdefault(sample.parent.request_id, (sample.parent, []))[1].append(sample)
         outputs = []
         for parent, samples in touched.values():
-            if parent.pending and parent.samples[0].num_output_tokens:
-                for request in parent.pending:  # sample 0 has computed the prompt now
-                    self.scheduler.add_request(request)
-                parent.pending = []
-            outputs.append(self._delta(parent, samples, now))
+            outputs.append(self._delta(parent, samples))
             if parent.finished:
                 del self._parents[parent.request_id]
                 for sample in parent.samples:
@@ -301,41 +317,38 @@ class LLMEngine:
 
     def _apply(self, sample: _Sample, update: RequestUpdate, now: float) -> None:
         completion = sample.completion
-        metrics = completion.metrics
         completion.num_cached_tokens = update.num_cached_tokens
         completion.num_spec_proposed += update.num_spec_proposed
         completion.num_spec_accepted += update.num_spec_accepted
         if update.grammar_complete:
             completion.structured_complete = True
         new_ids = list(update.new_token_ids)
-        sample.num_output_tokens += len(new_ids)
         completion.delta_token_ids = new_ids
-        if new_ids and metrics.first_token_time is None:
-            metrics.first_token_time = now
+        if new_ids and sample.first_token_time is None:
+            sample.first_token_time = now
+        sample.new_token_times = (now,) * len(new_ids)
         completion.delta_logprobs = list(update.new_logprobs) if update.new_logprobs else None
-        finish_reason = update.finish_reason
-        if finish_reason == "stop" and new_ids:
-            last = new_ids[-1]
-            if last in sample.parent.params.stop_token_ids or last in self.eos_token_ids:
-                completion.stop_reason = last
+        finish_reason = update.finish_reason  # the scheduler's decision, and its reason
+        if finish_reason == "stop":
+            completion.stop_reason = update.stop_reason
         delta = ""
         if sample.detokenizer is not None:
             detok = sample.detokenizer
             delta = detok.update(new_ids, finished=finish_reason is not None)
             if detok.stopped and finish_reason is None:
-                # A stop string ended it: the scheduler still thinks it is running.
+                # A stop string (text, the front end's to match) ended it: tell the scheduler.
                 self.scheduler.finish_requests([sample.request_id], RequestStatus.FINISHED_STOPPED)
                 finish_reason = "stop"
                 completion.stop_reason = detok.stop_string
         completion.delta_text = delta
         if finish_reason is not None:
             completion.finish_reason = finish_reason
-            metrics.finished_time = now
+            sample.finished_time = now
 
-    def _delta(self, parent: _Parent, samples: list[_Sample], now: float) -> RequestDelta:
+    def _delta(self, parent: _Parent, samples: list[_Sample]) -> RequestDelta:
         deltas = []
         for sample in samples:
-            c, m = sample.completion, sample.completion.metrics
+            c = sample.completion
             deltas.append(
                 SampleDelta(
                     index=c.index,
@@ -344,21 +357,22 @@ class LLMEngine:
                     new_text=c.delta_text,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    num_cached_tokens=max(c.num_cached_tokens, 0),
+                    num_cached_tokens=c.num_cached_tokens,
                     num_spec_proposed=c.num_spec_proposed,
                     num_spec_accepted=c.num_spec_accepted,
                     structured_complete=c.structured_complete,
                     metrics=FrozenMetrics(
-                        m.arrival_time,
-                        m.first_scheduled_time,
-                        m.first_token_time,
-                        m.finished_time,
-                        m.num_preemptions,
-                        (now,) * len(c.delta_token_ids),
+                        parent.arrival_time,
+                        sample.first_scheduled_time,
+                        sample.first_token_time,
+                        sample.finished_time,
+                        sample.num_preemptions,
+                        sample.new_token_times,
                     ),  # fmt: skip
                 )
             )
             c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], None  # reported once
+            sample.new_token_times = ()
         return RequestDelta(parent.request_id, tuple(deltas), parent.finished)
 
     # --- scoring ----------------------------------------------------------------------------------------
@@ -381,7 +395,6 @@ class LLMEngine:
             prompt_token_ids=token_ids,
             sampling_params=SamplingParams(max_tokens=1),
             max_tokens=1,
-            arrival_time=time.monotonic(),
         )
         if not self.kv_manager.allocate_slots(request, len(token_ids)):
             raise CapacityError(

@@ -97,11 +97,15 @@ def _apply(completion: CompletionOutput, delta: SampleDelta) -> None:
     if delta.structured_complete is not None:
         completion.structured_complete = delta.structured_complete
     m, f = completion.metrics, delta.metrics
-    m.first_scheduled_time = f.first_scheduled_time
-    m.first_token_time = f.first_token_time
-    m.finished_time = f.finished_time
-    m.num_preemptions = f.num_preemptions
-    m.token_times.extend(f.new_token_times)
+    m.token_times.extend(f.new_token_times)  # the tracked list; every snapshot copies it
+    completion.metrics = RequestMetrics(
+        arrival_time=m.arrival_time,
+        first_scheduled_time=f.first_scheduled_time,
+        first_token_time=f.first_token_time,
+        token_times=m.token_times,
+        finished_time=f.finished_time,
+        num_preemptions=f.num_preemptions,
+    )
 
 
 def _snapshot(c: CompletionOutput, delta: SampleDelta | None) -> CompletionOutput:

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from kvserve.core.outputs import TokenLogprob
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestMetrics:
-    """Per-request timestamps on the engine's monotonic clock (seconds)."""
+    """Per-request timestamps on the engine's clock (seconds): a frozen snapshot, a new one per output
+    (its `token_times` list is that snapshot's own copy)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None

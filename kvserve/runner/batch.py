@@ -14,7 +14,13 @@ from kvserve.runner.sampler import SamplingBatch
 
 @dataclass
 class RequestState:
-    """What the runner remembers of a request between steps (until it finishes; preemption keeps it)."""
+    """What the runner remembers of a request between steps (until it finishes; preemption keeps it).
+
+    `output_token_ids` is an input buffer (penalties, proposers), not a second record: the scheduler's
+    `Request.output_token_ids` is the one copy. The runner appends what it samples because this step's
+    proposals need it before the scheduler commits; each step checks its length against the
+    scheduler's count (`ScheduledChunk.num_output_tokens`), so the two cannot drift apart unnoticed
+    (tokens past a stop are dropped with the request)."""
 
     params: SamplingParams
     prompt_token_ids: tuple[int, ...]

@@ -188,6 +188,11 @@ class ModelRunner:
             zip(chunks, results, strict=True)
         ):
             state = self.states[chunk.request_id]
+            if len(state.output_token_ids) != chunk.num_output_tokens:  # the scheduler's count
+                raise RuntimeError(
+                    f"{chunk.request_id}: the runner holds {len(state.output_token_ids)} output "
+                    f"tokens, the scheduler {chunk.num_output_tokens}"
+                )
             state.output_token_ids.extend(tokens)
             stop = state.grammar is not None and commit_tokens(state.grammar, tokens)
             results[i] = (tokens, logprobs, num_accepted, stop)

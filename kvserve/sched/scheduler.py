@@ -6,6 +6,11 @@ are served first in arrival order; waiting requests are admitted FCFS while the 
 cache allow. With `on_demand` admission a running request that cannot grow preempts the newest running
 request (recompute); with `reserve` admission a request is admitted only when prompt + max_tokens fit, so
 nothing is ever preempted.
+
+The scheduler owns each request's progress and end: it decides stops and their reason, and it fans a
+request with n > 1 samples out into n sequences. Samples 1..n-1 are held back until sample 0 has
+sampled its first token (its prompt is computed), then queued; they share its full prompt blocks by
+reference (with or without prefix caching).
 """
 
 from __future__ import annotations
@@ -38,16 +43,29 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # n > 1: samples 1..n-1 by sample 0's id, until sample 0 has sampled its first token
+        self._held: dict[str, list[Request]] = {}
         self._finished_ids: list[str] = []  # told to the runner with the next step
         self.stats = SchedulerStats()
 
     # --- queue ------------------------------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
+    def add_request(self, request: Request) -> list[str]:
+        """Queue a request; one with n > 1 samples is fanned out (`Request.samples`). Returns the
+        sample ids, which `RequestUpdate`s name."""
+        samples = request.samples()
+        if any(s.request_id in self.requests for s in samples):
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
+        for sample in samples:
+            self.requests[sample.request_id] = sample
+        self.waiting.append(samples[0])
+        if len(samples) > 1:
+            self._held[samples[0].request_id] = samples[1:]
+        return [s.request_id for s in samples]
+
+    def _release_held(self, source_id: str) -> None:
+        """Sample 0 has computed the prompt (or ended): its siblings join the queue."""
+        self.waiting.extend(self._held.pop(source_id, ()))
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests from outside the step (abort, stop string, timeout); frees their blocks."""
@@ -58,6 +76,10 @@ class Scheduler:
                 continue
             if request.status is RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.prompt_source_id in self._held and request in (
+                held := self._held[request.prompt_source_id]
+            ):
+                held.remove(request)
             else:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -68,12 +90,14 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._release_held(request.request_id)
         if request.first_scheduled_time is not None:
             self._finished_ids.append(request.request_id)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Samples not yet admitted: the waiting queue plus n > 1 samples held back."""
+        return len(self.waiting) + sum(len(h) for h in self._held.values())
 
     @property
     def num_running(self) -> int:
@@ -200,7 +224,6 @@ class Scheduler:
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -218,8 +241,6 @@ class Scheduler:
             result = sampled.get(chunk.request_id) if chunk.sample else None
             if chunk.num_spec_tokens:
                 self._discard_rejected(request, chunk.num_spec_tokens - result.num_accepted)
-                request.num_spec_proposed += chunk.num_spec_tokens
-                request.num_spec_accepted += result.num_accepted
             if not chunk.sample:
                 self.kv.cache_full_blocks(request)
                 continue
@@ -232,7 +253,12 @@ class Scheduler:
                 if status is not None:
                     break
             if status is None and result.stop:
-                status = RequestStatus.FINISHED_STOPPED
+                status = RequestStatus.FINISHED_STOPPED  # its grammar has terminated
+            stop_reason = None
+            if status is RequestStatus.FINISHED_STOPPED:
+                last, params = new_token_ids[-1], request.sampling_params
+                if last in params.stop_token_ids or last in request.eos_token_ids:
+                    stop_reason = last
             logprobs = result.logprobs[: len(new_token_ids)] if result.logprobs else None
             request.spec_token_ids = [] if status is not None else list(result.spec_token_ids)
             self.kv.cache_full_blocks(request)  # after the tokens of accepted proposals are known
@@ -249,8 +275,11 @@ class Scheduler:
                     num_spec_proposed=chunk.num_spec_tokens,
                     num_spec_accepted=result.num_accepted,
                     grammar_complete=result.stop,
+                    stop_reason=stop_reason,
                 )
             )
+            if new_token_ids:
+                self._release_held(request.request_id)
         return updates
 
     def _discard_rejected(self, request: Request, num_rejected: int) -> None:

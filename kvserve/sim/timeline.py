@@ -141,7 +141,6 @@ def make_request(sim: SimRequest) -> Request:
         prompt_token_ids=prompt_token_ids(sim.index, sim.num_prompt_tokens),
         sampling_params=params,
         max_tokens=sim.num_output_tokens,
-        arrival_time=sim.arrival_s,
         eos_token_ids=frozenset({EOS_TOKEN_ID}),
     )
 

@@ -1,0 +1,3 @@
+"""The package version, in a leaf module: anything may import it without importing the rest."""
+
+__version__ = "0.1.0"
