@@ -76,3 +76,19 @@ def test_no_kernel_device_runs_the_same_function():
     assert stand_in.kernel == "dequantized-meta"
     stand_in.weight_deq = qt.dequantize()  # run the stand-in's arithmetic on CPU
     torch.testing.assert_close(fast(x), stand_in(x), rtol=1e-5, atol=1e-4)
+
+
+def test_a_killed_build_does_not_hang_later_loads(tmp_path):
+    """Regression: a build killed mid-compile left torch's `lock` file behind and every later process
+    waited on it forever (FileBaton.wait). kvserve's own flock makes such a lock provably stale."""
+    import subprocess
+    import sys
+
+    build_dir = kernels.extension_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "lock").write_text("")  # what a SIGKILLed build leaves
+    code = "from kvserve.quant import kernels; print(kernels.kernels_available())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() in {"True", "False"}
+    assert not (build_dir / "lock").exists()

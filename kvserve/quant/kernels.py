@@ -9,6 +9,7 @@ fall back to a dequantised fp32 weight, which is logged and reported as such.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -39,15 +40,21 @@ def _load() -> str | None:
 
             build_dir = extension_dir()
             build_dir.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(
-                name="kvserve_qgemm",
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=False,
-            )
+            # torch's own build lock is a file that a killed build leaves behind, and every later
+            # process would wait on it forever. An flock is released when its holder dies: whoever
+            # holds it is the only builder, so a torch lock found then is stale.
+            with open(build_dir / "kvserve.flock", "w") as guard:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                (build_dir / "lock").unlink(missing_ok=True)
+                cpp_extension.load(
+                    name="kvserve_qgemm",
+                    sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir),
+                    is_python_module=False,
+                    verbose=False,
+                )
         except Exception as exc:  # a missing compiler or ninja: the caller falls back, loudly
             return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
     return None
