@@ -13,7 +13,7 @@ benchmarks/results/sweep_kvserve), then reads the per-chunk arrival times it rec
 reports its request and output-token throughput.
 
     PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/burstiness.py --label before \
-        [--model kvserve-demo] [--rate 4] [--saturation] [--server-arg=--engine-mode=inproc] \
+        [--model kvserve-demo] [--rate 4] [--saturation] [--server-arg=--engine-core=in-process] \
         [--out /tmp/kv/burst.json]
 """
 

@@ -166,12 +166,17 @@ def test_no_sentinels_and_no_write_only_request_fields(llm):
     assert not names & {"arrival_time", "num_preemptions", "num_spec_proposed", "num_spec_accepted"}
     assert _request(SamplingParams()).num_cached_tokens == 0
     engine = llm.engine
+    # An aborted request emits nothing (its caller stopped listening) and leaves nothing behind.
     engine.add_request("never-scheduled", PROMPT, SamplingParams(max_tokens=2))
-    aborted = engine.abort_request("never-scheduled")
-    assert aborted.num_cached_tokens == 0 == aborted.outputs[0].num_cached_tokens
-    assert (
-        aborted.outputs[0].finish_reason == "abort" and aborted.metrics.first_scheduled_time is None
-    )
+    assert engine.abort_request("never-scheduled") is None
+    assert not engine.has_unfinished_requests()
+    # Before it is scheduled a request reports a real count (0), never a sentinel.
+    engine.add_request("counted", PROMPT, SamplingParams(max_tokens=1))
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["counted"]
+    assert outputs[0].num_cached_tokens >= 0 and outputs[0].outputs[0].num_cached_tokens >= 0
+    assert outputs[0].metrics.first_scheduled_time is not None
+    assert outputs[0].finished and not engine.has_unfinished_requests()
 
 
 # --- validation: once per request, at intake ----------------------------------------------------------
