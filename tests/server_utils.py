@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 
 def free_port() -> int:
@@ -101,3 +102,16 @@ def sse_events(response: httpx.Response) -> list[str]:
         assert block.startswith("data: "), f"bad SSE event {block[:80]!r}"
         events.append(block[len("data: ") :])
     return events
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_core_in_process():
+    """Imported by a test module, it runs that module's servers with `--engine-core in-process`
+    (autouse and module-scoped, so it is set before the module's server fixtures start)."""
+    previous = os.environ.get("KVSERVE_TEST_ENGINE_CORE")
+    os.environ["KVSERVE_TEST_ENGINE_CORE"] = "in-process"
+    yield
+    if previous is None:
+        os.environ.pop("KVSERVE_TEST_ENGINE_CORE", None)
+    else:
+        os.environ["KVSERVE_TEST_ENGINE_CORE"] = previous

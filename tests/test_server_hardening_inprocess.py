@@ -5,23 +5,8 @@ process); docs/engine_core.md."""
 
 from __future__ import annotations
 
-import os
-
-import pytest
-
+from tests.server_utils import engine_core_in_process  # noqa: F401 - autouse
 from tests.test_server_hardening import *  # noqa: F403 - the same tests, collected again here
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_core_in_process():
-    """Autouse and module-scoped, so it is set before this module's server fixtures start."""
-    previous = os.environ.get("KVSERVE_TEST_ENGINE_CORE")
-    os.environ["KVSERVE_TEST_ENGINE_CORE"] = "in-process"
-    yield
-    if previous is None:
-        os.environ.pop("KVSERVE_TEST_ENGINE_CORE", None)
-    else:
-        os.environ["KVSERVE_TEST_ENGINE_CORE"] = previous
 
 
 def test_the_engine_core_is_a_thread_of_the_server_process(server):
