@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.sim_validation import free_port, start_server  # noqa: E402
+from benchmarks.sim_validation import start_server  # noqa: E402
 from kvserve.bench.crosscheck import (  # noqa: E402
     guidellm_reported,
     kvserve_reported,
@@ -37,6 +37,7 @@ from kvserve.bench.crosscheck import (  # noqa: E402
     timings_from_kvserve,
 )
 from kvserve.bench.records import read_jsonl  # noqa: E402
+from tests.server_utils import free_port  # noqa: E402
 
 COMPARED = (
     ("ttft_p50_s", "TTFT p50"),

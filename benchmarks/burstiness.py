@@ -25,16 +25,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
 from _report import write_report  # benchmarks/ is on sys.path when a script runs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.server_utils import free_port  # noqa: E402
+from tests.server_utils import running_server  # noqa: E402
 
 BURST_S = 0.001
 
@@ -90,23 +88,8 @@ def main() -> None:
     from kvserve.models import resolve_model
 
     model_dir = str(resolve_model(args.model))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning", *args.server_arg]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     report: dict = {"label": args.label, "model": args.model, "server_args": args.server_arg}
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.5)
+    with running_server(args.model, *args.server_arg, timeout_s=300) as (url, _):
         with tempfile.TemporaryDirectory() as tmp:
             run = load(url, args.model, args.tokenizer or model_dir, args.rate,
                        args.num_requests, Path(tmp) / "open")  # fmt: skip
@@ -120,12 +103,6 @@ def main() -> None:
                 run = load(url, args.model, args.tokenizer or model_dir, "inf",
                            args.num_requests, Path(tmp) / "sat")  # fmt: skip
                 report["saturation"] = {"command": run["command"], **throughput(run["summary"])}
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
     report["command"] = " ".join(sys.argv)
     print(json.dumps(report, indent=1))
     write_report(out, report)

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -45,6 +44,7 @@ from benchmarks._simval_speed import (  # noqa: E402
     seed_mean,
     speed_corrected,
 )
+from tests.server_utils import free_port  # noqa: E402
 
 METRICS = (
     ("ttft_p50_s", ("latency_s", "ttft", "p50")),
@@ -84,12 +84,6 @@ def model_dir(args: argparse.Namespace, out: Path) -> Path:
             max_position_embeddings=1024,
         )
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: Path, engine_args: list[str], port: int, log: Path) -> subprocess.Popen:

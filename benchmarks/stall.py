@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ from _report import write_report  # benchmarks/ is on sys.path when a script run
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.server_utils import free_port  # noqa: E402
+from tests.server_utils import running_server  # noqa: E402
 
 
 def deep_schema(depth: int) -> dict:
@@ -116,24 +115,9 @@ def main() -> None:
     args = parser.parse_args()
     out = args.out or str(ROOT / f"benchmarks/results/stall_{args.label}.json")
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", args.model, "--host", "127.0.0.1",
-           "--port", str(port), "--max-model-len", "1024", "--log-level", "warning",
-           *args.server_arg]  # fmt: skip
-    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     results = []
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.5)
+    serve_args = ("--max-model-len", "1024", *args.server_arg)
+    with running_server(args.model, *serve_args, timeout_s=300) as (url, _):
         victim = Victim(url)
         victim.start()
         time.sleep(4.0)  # warm: the victim's steady decode
@@ -168,12 +152,6 @@ def main() -> None:
             time.sleep(1.0)
         victim.stop.set()
         victim.join(60)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
     report = {
         "label": args.label,
         "model": args.model,
