@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.tensor_parallel_engine import timed_collectives  # noqa: E402
+from tests.server_utils import free_port  # noqa: E402
+
 # Even head counts so 2 ranks split them: ~180M parameters, 0.7 GB in fp32.
 SHAPE = dict(
     hidden_size=1024,
@@ -34,22 +36,6 @@ SHAPE = dict(
 )
 VOCAB = 32000
 BLOCK = 16
-
-
-def _timed_collectives(totals: dict[str, float]) -> None:
-    import torch.distributed as dist
-
-    for name in ("all_reduce", "all_gather"):
-        original = getattr(dist, name)
-
-        def timed(*args, _original=original, **kwargs):
-            t0 = time.perf_counter()
-            out = _original(*args, **kwargs)
-            totals["comm_s"] += time.perf_counter() - t0
-            totals["num_collectives"] += 1
-            return out
-
-        setattr(dist, name, timed)
 
 
 def _rank_main(rank: int, world: int, port: int, cfg: dict, out_path: str) -> None:
@@ -71,7 +57,7 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out_path: str) -> No
             GLOO_SOCKET_IFNAME="lo",
         )
         dist.init_process_group("gloo", init_method="env://")
-        _timed_collectives(totals)
+        timed_collectives(totals)
     model_dir = Path(cfg["model_dir"])
     config = ModelConfig.from_dir(model_dir)
     model = load_tensor_parallel_model(model_dir, config, 4096, rank, world)
@@ -115,12 +101,6 @@ def _rank_main(rank: int, world: int, port: int, cfg: dict, out_path: str) -> No
             {"step_s": step_s, "comm_s": comm_s, "tokens": tokens, "allreduce_s": allreduce_s},
             out_path,
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_config(world: int, threads: int, batch: int, args, model_dir: Path, tmp: Path) -> dict:
