@@ -12,6 +12,9 @@ $(BIN)/kvserve: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade --quiet pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	# AutoAWQ's pure-torch packing code is the GPTQ/AWQ loader tests' reference; its own
+	# requirements (triton, datasets, a CUDA stack) are not needed for that, hence --no-deps.
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt autoawq
 	touch $(BIN)/kvserve
 
 install: $(BIN)/kvserve

@@ -149,7 +149,7 @@ def scheme_from_config(qconfig: dict, where: str) -> dict[str, TensorScheme]:
 _RUNS = (
     "kvserve runs compressed-tensors int-quantized / pack-quantized checkpoints: int8 symmetric or "
     "int4 (symmetric or with zero-points), per channel, per tensor or per group of a multiple of "
-    "32, with no or dynamic int8 activations"
+    "32, with no or dynamic int8 activations, and GPTQ / AWQ int4 checkpoints"
 )
 
 

@@ -26,6 +26,8 @@ from kvserve.quant.artifact import (
     scheme_from_config,
     target_scheme,
 )
+from kvserve.quant.hf_checkpoints import METHODS as HF_METHODS
+from kvserve.quant.hf_checkpoints import hf_quantized_tensors
 from kvserve.quant.rtn import QuantizedTensor, quantize
 from kvserve.quant.scheme import QuantizationError, TensorScheme, WeightScheme
 
@@ -216,12 +218,14 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 def artifact_tensors(
     model_dir: Path, checkpoint: dict[str, torch.Tensor]
 ) -> dict[str, QuantizedTensor] | None:
-    """For a compressed-tensors checkpoint: {HF weight name: QuantizedTensor}, and `checkpoint`
-    rewritten in place to hold each one's dequantised `weight` (so the float loader can run) and
-    none of the compressed entries. None for a float checkpoint."""
+    """For a compressed-tensors, GPTQ or AWQ checkpoint: {HF weight name: QuantizedTensor}, and
+    `checkpoint` rewritten in place to hold each one's dequantised `weight` (so the float loader can
+    run) and none of the compressed entries. None for a float checkpoint."""
     qconfig = read_quantization_config(model_dir)
     if qconfig is None:
         return None
+    if qconfig.get("quant_method") in HF_METHODS:
+        return hf_quantized_tensors(qconfig, checkpoint, str(model_dir))
     targets = scheme_from_config(qconfig, str(model_dir))
     out = {}
     for prefix in quantized_prefixes(checkpoint):

@@ -83,13 +83,20 @@ def quantization_manifest(model_dir: Path, at_load: str | None) -> dict | None:
     if qconfig is None and at_load is None:
         return None
     from kvserve.quant.compare import recorded_evaluation
+    from kvserve.quant.hf_checkpoints import METHODS, describe
     from kvserve.quant.kernels import kernel_isa
 
     ours = (qconfig or {}).get("kvserve", {})
+    if at_load:
+        scheme, method = at_load, "rtn"
+    elif qconfig.get("quant_method") in METHODS:  # a GPTQ or AWQ checkpoint
+        scheme, method = describe(qconfig), qconfig["quant_method"]
+    else:
+        scheme, method = ours.get("scheme") or qconfig.get("format"), ours.get("method")
     return {
-        "scheme": at_load or ours.get("scheme") or qconfig.get("format"),
+        "scheme": scheme,
         "source": "rtn at load" if at_load else "checkpoint",
-        "method": "rtn" if at_load else ours.get("method"),
+        "method": method,
         "kernel_isa": kernel_isa(),  # "scalar" or "unavailable": a slower stand-in runs
         "evaluation": recorded_evaluation(model_dir),
     }
