@@ -84,15 +84,21 @@ def drift(probes: list[dict]) -> dict:
     return out
 
 
-def measure_steps(model: str, weights: str, batches: str, context: int, out: Path, args) -> dict:
-    """Measured decode step medians {batch: (seconds, mean decode context)}."""
+def measure_steps(
+    model: str, weights: str, batches: str, context: int, out: Path, args, long: bool
+) -> dict:
+    """Measured decode step medians {batch: (seconds, mean decode context)}. At the longest
+    context the prefill dominates the wall time (B = 4 x 2000 tokens: ~50 s here), so it runs
+    `--long-iters` iterations after `--long-warmup-iters` (the decode steps are the medians of
+    all of them either way)."""
+    iters, warmup = (args.long_iters, args.long_warmup_iters) if long else (args.iters, 1)
     run = out / f"latency_{weights.replace('=', '-').replace(',', '_')}_{context}"
     extra = [] if weights == "fp32" else ["--quantization", weights]
     prompt = context - args.output_len // 2  # the mean decode context is prompt + output / 2
     kvserve(
         "bench", "latency", "--model", model, "--batch-sizes", batches,
         "--prompt-lens", str(prompt), "--output-lens", str(args.output_len),
-        "--iters", str(args.iters), "--warmup-iters", "1", "--check-prompts", "1",
+        "--iters", str(iters), "--warmup-iters", str(warmup), "--check-prompts", "1",
         "--dtype", "float32", "--hardware", "none", "--no-plot",
         "--kv-cache-memory", str(args.kv_cache_memory), "--out", str(run), *extra,
     )  # fmt: skip
@@ -159,6 +165,8 @@ def main() -> int:
     p.add_argument("--long-batches", default="1,4", help="batches at the longest context")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--long-iters", type=int, default=1, help="iterations at the longest context")
+    p.add_argument("--long-warmup-iters", type=int, default=0)
     p.add_argument("--kv-cache-memory", default="3GB")
     p.add_argument("--gemm-budget-s", type=float, default=10.0, help="the roofline's GEMM sweep")
     p.add_argument("--profile", default=None, help="a measured profile (default: measure now)")
@@ -186,7 +194,8 @@ def main() -> int:
             args.batches)  # fmt: skip
         order = weights_list if i % 2 == 0 else weights_list[::-1]  # A B C, then C B A
         for weights in order:
-            steps = measure_steps(args.model, weights, batches, context, out, args)
+            long = context == max(contexts) and len(contexts) > 1
+            steps = measure_steps(args.model, weights, batches, context, out, args, long)
             forwards = {}
             if not args.no_forward:  # the model's part of the same steps, timed alone, now
                 from kvserve.measure import MeasureConfig
