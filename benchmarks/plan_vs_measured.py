@@ -1,8 +1,10 @@
 """The planner's decode step against the measured one, on this machine, in one sitting.
 
 1. A drift probe (the GEMV bandwidth, the host cost per layer of the fused step and of the per-op
-   path), repeated after each phase, so that the machine's speed moving under the run is in the
-   JSON (`probes`, `drift`) rather than in the ratios unnoticed.
+   path) before and after the profile and before and after each format's steps, so that the
+   machine's speed moving under the run is in the JSON (`probes`, `drift`, and per row
+   `gemv_speed_vs_profile`: the probes around its steps over those around the profile) rather
+   than in the ratios unnoticed.
 2. `kvserve plan --measure --measure-model MODEL --measure-contexts C1,C2 --save PROFILE`: the
    roofline and the engine's own kernels for each step shape it runs (docs/planning.md, "A
    measured engine profile"), the decode attention timed at the contexts predicted below.
@@ -60,7 +62,8 @@ def probe(label: str) -> dict:
     cfg = MeasureConfig(min_time_s=0.3, min_samples=5)
     with torch.inference_mode():
         gemv = measure_gemv(cfg)
-        host = {(p.kind, p.num_columns): p.median_s for p in measure_dispatch(cfg, rows=(16,))}
+        points = measure_dispatch(cfg, rows=(16,), fused_shape_rows=(1,))
+        host = {(p.kind, p.num_columns): p.median_s for p in points}
     out = {
         "label": label,
         "time": time.strftime("%H:%M:%S", time.gmtime()),
@@ -186,6 +189,7 @@ def main() -> int:
     probes = [probe("start")]
     profile_path = measure_profile(args, out, formats, contexts)
     probes.append(probe("after the profile"))
+    profile_gemv = (probes[0]["gemv_bytes_per_s"] + probes[1]["gemv_bytes_per_s"]) / 2
     profile = get_profile(str(profile_path))
     spec = load_model(args.model)
     rows = []
@@ -195,6 +199,8 @@ def main() -> int:
         order = weights_list if i % 2 == 0 else weights_list[::-1]  # A B C, then C B A
         for weights in order:
             long = context == max(contexts) and len(contexts) > 1
+            before = probe(f"before {weights} at {context}")
+            probes.append(before)
             steps = measure_steps(args.model, weights, batches, context, out, args, long)
             forwards = {}
             if not args.no_forward:  # the model's part of the same steps, timed alone, now
@@ -205,13 +211,17 @@ def main() -> int:
                 quant = None if weights == "fp32" else weights
                 cfg = MeasureConfig(min_time_s=0.5, min_samples=5)
                 forwards = time_model_forwards(args.model, shapes, quant, cfg)
+            after = probe(f"after {weights} at {context}")
+            probes.append(after)
+            # the machine's speed while these steps ran, relative to the profile's minutes
+            speed = (before["gemv_bytes_per_s"] + after["gemv_bytes_per_s"]) / 2 / profile_gemv
             for batch, (measured_s, t) in sorted(steps.items()):
                 row = {"weights": weights, "batch": batch, "context": t, "measured_s": measured_s,
-                       "timed_at": time.strftime("%H:%M:%S", time.gmtime())}  # fmt: skip
+                       "timed_at": time.strftime("%H:%M:%S", time.gmtime()),
+                       "gemv_speed_vs_profile": speed}  # fmt: skip
                 if (batch, int(t)) in forwards:
                     row["forward_s"] = forwards[(batch, int(t))]
                 rows.append(row | plan_step(spec, profile, weights, batch, t))
-        probes.append(probe(f"after context {context}"))
     explain(rows)
     doc = {
         "what": "kvserve plan's decode step (the measured engine profile; the roofline beside it) "

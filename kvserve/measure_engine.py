@@ -73,8 +73,8 @@ def measure_linear(
         num_bytes += tensor_format.num_bytes(TensorShape("w", "linear", out_f, in_f))
         flops_per_row += 2 * out_f * in_f
     points = []
-    for n in rows:
-        if time.perf_counter() > deadline:
+    for i, n in enumerate(rows):
+        if i and time.perf_counter() > deadline:  # every format gets its first row count
             break
 
         def calls(mods: list, n: int = n) -> Callable[[], None]:
@@ -155,7 +155,8 @@ def measure_attention(
                 MeasuredPoint("attention-time", n, 0.0, 0.0, 0.0, times[-1] / num_layers, context)
             )
         extra_bytes = n * (long - short) * token_bytes * num_layers
-        rate = extra_bytes / max(times[-1] - times[0], 1e-9)
+        # (a noisy pair at tiny sizes can come out reversed: the rate stays positive)
+        rate = extra_bytes / max(times[-1] - times[0], 0.01 * times[-1], 1e-9)
         points.append(MeasuredPoint("attention", n, 0.0, rate, 0.0, times[-1]))
     return points
 
@@ -212,17 +213,22 @@ def fused_rows() -> int:
 
 
 def measure_dispatch(
-    cfg: MeasureConfig, dispatch_layers: int = 8, rows: tuple[int, ...] = DISPATCH_ROWS
+    cfg: MeasureConfig,
+    dispatch_layers: int = 8,
+    rows: tuple[int, ...] = DISPATCH_ROWS,
+    fused_shape_rows: tuple[int, ...] | None = None,
 ) -> list[MeasuredPoint]:
     """Per batch size, from the tiny decoder at 1 and 1 + dispatch_layers layers: the per-op path
     (its fused step off) at `rows`: `dispatch` (seconds per decoder layer) and `dispatch-fixed`
     (the rest of a forward); the fused step at 1, 2 and `fused_rows()` rows, where it runs:
     `fused-dispatch` and `fused-fixed` (its cost per layer inside the native call, and the rest
-    of the step: embedding, RoPE tables, metadata, the call, the head)."""
+    of the step: embedding, RoPE tables, metadata, the call, the head); `fused_shape_rows`
+    overrides those rows (a quick probe)."""
     max_fused = fused_rows()
     shapes = [("dispatch", False, rows)]
     if max_fused:
-        shapes.append(("fused-dispatch", True, tuple(sorted({1, min(2, max_fused), max_fused}))))
+        fused_rows_ = fused_shape_rows or tuple(sorted({1, min(2, max_fused), max_fused}))
+        shapes.append(("fused-dispatch", True, tuple(n for n in fused_rows_ if n <= max_fused)))
     points = []
     for kind, fused, shape_rows in shapes:
         (one, m_one), (many, m_many) = (

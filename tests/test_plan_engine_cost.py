@@ -104,7 +104,7 @@ def test_measure_engine_times_the_engines_own_modules():
 
     cfg = MeasureConfig(gemv_rows=128, gemv_cols=64, warmup=1, min_samples=2, min_time_s=0.0,
                         attention_contexts=(16, 64), attention_cache_bytes=1e6)  # fmt: skip
-    points = measure_engine(cfg, ("fp32", "int8"), budget_s=30.0)
+    points = measure_engine(cfg, ("fp32", "int8"), budget_s=300.0)
     kinds = {p.kind for p in points}
     expected = {"dispatch", "dispatch-fixed", "attention", "attention-time", "linear:fp32",
                 "linear:int8"}  # fmt: skip

@@ -54,3 +54,17 @@ def test_a_miss_is_split_by_the_forward_timed_alone():
     bare = row(0.030, "memory")
     explain([bare])
     assert bare["cause"] == "unexplained (the forward was not timed alone)"
+
+
+def test_a_gap_that_the_machines_drift_explains_is_named_not_corrected():
+    # the steps ran while the GEMV probe was 1.3x faster than around the profile: 0.8 -> ~1.04
+    fast = row(0.0104, "memory", forward_s=0.0104)
+    fast["gemv_speed_vs_profile"] = 1.3
+    explain([fast])
+    assert fast["measured_over_plan"] == 0.0104 / 0.013  # the ratio itself stays as measured
+    assert "machine drift: the GEMV probe ran 1.30x the profile's speed" in fast["cause"]
+    assert "~ 1.04, within 15%" in fast["cause"]
+    steady = row(0.0104, "memory", forward_s=0.0104)
+    steady["gemv_speed_vs_profile"] = 1.02
+    explain([steady])
+    assert "machine drift" not in steady["cause"]
