@@ -1,72 +1,110 @@
-"""The planner's decode step against the measured one, on this machine.
+"""The planner's decode step against the measured one, on this machine, in one sitting.
 
-1. `kvserve plan --measure --save PROFILE`: this machine's GEMV bandwidth and GEMM FLOP/s.
-2. The planner's arithmetic (kvserve.plan.arith.RooflineCost, what `kvserve plan --hardware
-   PROFILE` uses) predicts one decode step for batch 1, 4, 16 at contexts 128 and 2000:
-   max(bytes / bandwidth, FLOPs / peak), bytes = W + B k t, FLOPs = B (2 N + 4 L d t).
-3. `kvserve bench latency` measures the decode steps (median) at the same batch and context.
-4. The table: plan, measured, measured / plan, and where the gap exceeds 15% its cause: a fixed
-   per-step cost (dispatch, Python, sampling: the batch-1 short-context excess, carried to every
-   point as "plan + fixed"), or attention efficiency (the long-context excess the plan's KV
-   bytes do not explain), or kernel efficiency where the plan says compute-bound.
+1. A drift probe (the GEMV bandwidth, the host cost per layer of the fused step and of the per-op
+   path) before and after the profile and before and after each format's steps, so that the
+   machine's speed moving under the run is in the JSON (`probes`, `drift`, and per row
+   `gemv_speed_vs_profile`: the probes around its steps over those around the profile) rather
+   than in the ratios unnoticed.
+2. `kvserve plan --measure --measure-model MODEL --measure-contexts C1,C2 --save PROFILE`: the
+   roofline and the engine's own kernels for each step shape it runs (docs/planning.md, "A
+   measured engine profile"), the decode attention timed at the contexts predicted below.
+3. The plan (what `kvserve plan --hardware PROFILE` computes: kvserve.plan.engine_cost, and the
+   bare roofline beside it) for batch 1, 4, 16 at contexts 128 and 2000, for each weight format.
+4. `kvserve bench latency` measures the decode steps (median) at the same batch and context, the
+   formats in A B C order at the first context and C B A at the next (a linear drift then biases
+   no format); right after each, the model's forward alone is timed (`forward`), which splits a
+   miss into the model's part and the engine's host work outside it.
+5. The table: plan, the bound it names (the largest part of the step: `memory` = the bytes at the
+   GEMV bandwidth, `kernel` = what the measured kernels take beyond that, `dispatch` = host cost),
+   measured, measured / plan, and the cause of every gap over 15% and of every step that is not
+   memory-bound.
 
 Weight formats (`--weights`, a ';' list of the engine's `--quantization` values): fp32, int8 and
-`linear=int4-g32,head=int8` by default; the plan prices the same tensors in the same formats
-(what the engine does not quantise stays fp32).
+`linear=int4-g32,head=int8` by default; the plan prices the same tensors in the same formats.
 
-    kv-bench .venv/bin/python benchmarks/plan_vs_measured.py
+    kv-bench /work/main/.venv/bin/python benchmarks/plan_vs_measured.py
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._plan_explain import TOLERANCE, explain, print_table  # noqa: E402
 from kvserve.plan import KVFormat, arith, load_model, parse_weight_format  # noqa: E402
 from kvserve.plan.engine_cost import EngineCost  # noqa: E402
 from kvserve.plan.hardware import get_profile  # noqa: E402
 
-
-def time_model_forward(*args, **kwargs) -> float:
-    from kvserve.measure_engine import time_model_forward as timed
-
-    return timed(*args, **kwargs)
-
-
-TOLERANCE = 0.15
+COMMANDS: list[str] = []
 
 
 def kvserve(*args: str) -> None:
-    print("+ kvserve " + " ".join(args), flush=True)
+    COMMANDS.append("kvserve " + " ".join(args))
+    print("+ " + COMMANDS[-1], flush=True)
     subprocess.run([sys.executable, "-m", "kvserve", *args], check=True, cwd=ROOT)
 
 
-def quantization_supported() -> bool:
-    from kvserve.engine.args import build_engine_config
+def probe(label: str) -> dict:
+    """The machine's speed now: GEMV bandwidth, and the host cost per layer of the fused step (1
+    row) and of the per-op path (16 rows), from the same code `--measure` runs, shortened."""
+    import torch
 
-    return "quantization" in inspect.signature(build_engine_config).parameters
+    from kvserve.measure import MeasureConfig, measure_gemv
+    from kvserve.measure_engine import measure_dispatch
+
+    cfg = MeasureConfig(min_time_s=0.3, min_samples=5)
+    with torch.inference_mode():
+        gemv = measure_gemv(cfg)
+        points = measure_dispatch(cfg, rows=(16,), fused_shape_rows=(1,))
+        host = {(p.kind, p.num_columns): p.median_s for p in points}
+    out = {
+        "label": label,
+        "time": time.strftime("%H:%M:%S", time.gmtime()),
+        "gemv_bytes_per_s": gemv.bytes_per_s,
+        "per_op_layer_s_16_rows": host[("dispatch", 16)],
+        "fused_layer_s_1_row": host.get(("fused-dispatch", 1)),
+    }
+    print(f"probe {label}: " + ", ".join(f"{k} {v:.4g}" for k, v in out.items()
+                                         if isinstance(v, float)), flush=True)  # fmt: skip
+    return out
 
 
-def measure(model: str, weights: str, batches: str, context: int, out: Path, args) -> dict:
-    """Measured decode step medians {batch: (seconds, mean decode context)}."""
-    run = out / f"latency_{weights}_{context}"
+def drift(probes: list[dict]) -> dict:
+    """Each probe quantity's largest / smallest over the run (1.0 = steady)."""
+    out = {}
+    for key in ("gemv_bytes_per_s", "per_op_layer_s_16_rows", "fused_layer_s_1_row"):
+        values = [p[key] for p in probes if p.get(key)]
+        if values:
+            out[key] = {"min": min(values), "max": max(values), "max_over_min": max(values) /
+                        min(values)}  # fmt: skip
+    return out
+
+
+def measure_steps(
+    model: str, weights: str, batches: str, context: int, out: Path, args, long: bool
+) -> dict:
+    """Measured decode step medians {batch: (seconds, mean decode context)}. At the longest
+    context the prefill dominates the wall time (B = 4 x 2000 tokens: ~50 s here), so it runs
+    `--long-iters` iterations after `--long-warmup-iters` (the decode steps are the medians of
+    all of them either way)."""
+    iters, warmup = (args.long_iters, args.long_warmup_iters) if long else (args.iters, 1)
+    run = out / f"latency_{weights.replace('=', '-').replace(',', '_')}_{context}"
     extra = [] if weights == "fp32" else ["--quantization", weights]
     prompt = context - args.output_len // 2  # the mean decode context is prompt + output / 2
-    if not (args.reuse and (run / "latency.json").is_file()):
-        kvserve(
+    kvserve(
         "bench", "latency", "--model", model, "--batch-sizes", batches,
         "--prompt-lens", str(prompt), "--output-lens", str(args.output_len),
-        "--iters", str(args.iters), "--warmup-iters", "1", "--check-prompts", "1",
+        "--iters", str(iters), "--warmup-iters", str(warmup), "--check-prompts", "1",
         "--dtype", "float32", "--hardware", "none", "--no-plot",
         "--kv-cache-memory", str(args.kv_cache_memory), "--out", str(run), *extra,
-        )  # fmt: skip
+    )  # fmt: skip
     doc = json.loads((run / "latency.json").read_text())
     return {
         pt["batch_size"]: (pt["decode"]["step_s"]["p50"], pt["prompt_len"] + pt["output_len"] / 2)
@@ -97,13 +135,24 @@ def plan_step(spec, profile, weights: str, batch: int, context: float) -> dict:
     out = {"roofline_s": roofline.decode_step_s(batch, context),
            "roofline_bound": roofline.decode_bound(batch, context), "plan_format": fmt.name}  # fmt: skip
     engine = EngineCost.from_profile(spec, fmt, kv, profile)
-    if engine is not None:
-        out |= {"plan_s": engine.decode_step_s(batch, context),
-                "bound": engine.decode_bound(batch, context),
-                "terms_s": engine.terms_s(batch, context), "sources": engine.sources()}  # fmt: skip
-    else:
-        out |= {"plan_s": out["roofline_s"], "bound": out["roofline_bound"]}
-    return out
+    if engine is None:
+        return out | {"plan_s": out["roofline_s"], "bound": out["roofline_bound"]}
+    return out | {
+        "plan_s": engine.decode_step_s(batch, context),
+        "bound": engine.decode_bound(batch, context),
+        "path": engine.path(batch),
+        "terms_s": engine.terms_s(batch, context),
+        "sources": engine.sources(),
+    }
+
+
+def measure_profile(args, out: Path, formats: str, contexts: list[int]) -> Path:
+    path = Path(args.profile) if args.profile else out / "this-machine.json"
+    if not args.profile:
+        kvserve("plan", "--measure", "--measure-formats", formats, "--measure-model", args.model,
+                "--measure-contexts", ",".join(str(c) for c in sorted(set(contexts))),
+                "--budget-s", str(args.gemm_budget_s), "--save", str(path))  # fmt: skip
+    return path
 
 
 def main() -> int:
@@ -116,113 +165,83 @@ def main() -> int:
     )
     p.add_argument("--batches", default="1,4,16")
     p.add_argument("--contexts", default="128,2000")
-    p.add_argument("--long-batches", default=None, help="batches at the long context (all)")
+    p.add_argument("--long-batches", default="1,4", help="batches at the longest context")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--long-iters", type=int, default=1, help="iterations at the longest context")
+    p.add_argument("--long-warmup-iters", type=int, default=0)
     p.add_argument("--kv-cache-memory", default="3GB")
+    p.add_argument("--gemm-budget-s", type=float, default=10.0, help="the roofline's GEMM sweep")
     p.add_argument("--profile", default=None, help="a measured profile (default: measure now)")
-    p.add_argument("--reuse", action="store_true", help="reuse latency runs already in --out")
     p.add_argument("--no-forward", action="store_true", help="skip timing the model's forward")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tmp" / "plan"))
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "plan_vs_measured.json"))
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile_path = Path(args.profile) if args.profile else out / "this-machine.json"
-    if not args.profile:
-        formats = ",".join(sorted({"fp32"} | {
-            f.split("=")[1] for w in args.weights.split(";") if w != "fp32"
-            for f in (w.split(",") if "=" in w else [f"linear={w}"])
-        }))  # fmt: skip
-        kvserve("plan", "--measure", "--measure-formats", formats, "--measure-model", args.model,
-                "--save", str(profile_path))  # fmt: skip
+    started = time.time()
+    weights_list = args.weights.split(";")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    formats = ",".join(sorted({"fp32"} | {
+        f.split("=")[1] for w in weights_list if w != "fp32"
+        for f in (w.split(",") if "=" in w else [f"linear={w}"])
+    }))  # fmt: skip
+    probes = [probe("start")]
+    profile_path = measure_profile(args, out, formats, contexts)
+    probes.append(probe("after the profile"))
+    profile_gemv = (probes[0]["gemv_bytes_per_s"] + probes[1]["gemv_bytes_per_s"]) / 2
     profile = get_profile(str(profile_path))
     spec = load_model(args.model)
-    contexts = [int(c) for c in args.contexts.split(",")]
-    rows, skipped = [], []
-    for weights in args.weights.split(";"):
-        if weights != "fp32" and not quantization_supported():
-            skipped.append({"weights": weights, "why": "this engine has no quantization option"})
-            continue
-        for context in contexts:
-            batches = args.batches
-            if context == max(contexts) and args.long_batches:
-                batches = args.long_batches
-            for batch, (measured_s, t) in sorted(measure(
-                args.model, weights, batches, context, out, args
-            ).items()):  # fmt: skip
-                row = {"weights": weights, "batch": batch, "context": t, "measured_s": measured_s}
-                if not args.no_forward:  # the model's part of the step, timed alone
-                    quant = None if weights == "fp32" else weights
-                    row["forward_s"] = time_model_forward(args.model, batch, int(t), quant)
+    rows = []
+    for i, context in enumerate(contexts):
+        batches = args.long_batches if context == max(contexts) and args.long_batches else (
+            args.batches)  # fmt: skip
+        order = weights_list if i % 2 == 0 else weights_list[::-1]  # A B C, then C B A
+        for weights in order:
+            long = context == max(contexts) and len(contexts) > 1
+            before = probe(f"before {weights} at {context}")
+            probes.append(before)
+            steps = measure_steps(args.model, weights, batches, context, out, args, long)
+            forwards = {}
+            if not args.no_forward:  # the model's part of the same steps, timed alone, now
+                from kvserve.measure import MeasureConfig
+                from kvserve.measure_engine import time_model_forwards
+
+                shapes = [(b, int(t)) for b, (_, t) in sorted(steps.items())]
+                quant = None if weights == "fp32" else weights
+                cfg = MeasureConfig(min_time_s=0.5, min_samples=5)
+                forwards = time_model_forwards(args.model, shapes, quant, cfg)
+            after = probe(f"after {weights} at {context}")
+            probes.append(after)
+            # the machine's speed while these steps ran, relative to the profile's minutes
+            speed = (before["gemv_bytes_per_s"] + after["gemv_bytes_per_s"]) / 2 / profile_gemv
+            for batch, (measured_s, t) in sorted(steps.items()):
+                row = {"weights": weights, "batch": batch, "context": t, "measured_s": measured_s,
+                       "timed_at": time.strftime("%H:%M:%S", time.gmtime()),
+                       "gemv_speed_vs_profile": speed}  # fmt: skip
+                if (batch, int(t)) in forwards:
+                    row["forward_s"] = forwards[(batch, int(t))]
                 rows.append(row | plan_step(spec, profile, weights, batch, t))
     explain(rows)
     doc = {
-        "what": "kvserve plan's decode step (roofline on the measured profile) vs kvserve bench "
-        "latency's measured decode step (median), this machine",
+        "what": "kvserve plan's decode step (the measured engine profile; the roofline beside it) "
+        "vs kvserve bench latency's measured decode step (median), this machine, one sitting",
         "model": args.model,
-        "profile": profile.to_dict() if hasattr(profile, "to_dict") else str(profile_path),
+        "commands": COMMANDS,
+        "wall_s": time.time() - started,
+        "probes": probes,
+        "drift": drift(probes),
+        "profile": profile.to_dict(),
         "tolerance": TOLERANCE,
         "rows": rows,
-        "skipped": skipped,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(doc, indent=1))
     print_table(rows)
-    for s in skipped:
-        print(f"skipped {s['weights']}: {s['why']}")
+    for key, d in doc["drift"].items():
+        print(f"drift over the run: {key} max/min {d['max_over_min']:.3f}")
     print(f"written to {args.json}")
     return 0
-
-
-def explain(rows: list[dict]) -> None:
-    """Ratios to the roofline and to the measured engine profile's plan, and for a gap over the
-    tolerance its cause, with the evidence: the model's forward timed alone (`forward_s`) splits
-    the measured step into the model's part and the engine's host work outside it."""
-    for r in rows:
-        r["measured_over_roofline"] = r["measured_s"] / r["roofline_s"]
-        r["measured_over_plan"] = r["measured_s"] / r["plan_s"]
-        terms = r.get("terms_s", {})
-        plan_forward = terms.get("weights", 0) + terms.get("kv", 0) + terms.get("dispatch", 0)
-        forward = r.get("forward_s")
-        if forward:
-            r["outside_forward_s"] = r["measured_s"] - forward
-            r["forward_over_plan_forward"] = forward / plan_forward if plan_forward else None
-        if abs(r["measured_over_plan"] - 1) <= TOLERANCE:
-            r["cause"] = "within 15%"
-        elif r["bound"] == "compute":
-            r["cause"] = "kernel efficiency: compute-bound, below the measured GEMM peak"
-        elif not forward or not plan_forward:
-            r["cause"] = "unexplained (the forward was not timed alone)"
-        elif abs(forward / plan_forward - 1) <= TOLERANCE:
-            r["cause"] = (
-                f"engine host work outside the forward: {r['outside_forward_s'] * 1e3:.1f} ms "
-                "(scheduler, sampler, outputs), which the plan does not count"
-            )
-        elif forward > plan_forward:
-            where = "attention at long context or " if r["context"] > 1000 else ""
-            r["cause"] = (
-                f"kernel efficiency: the model's forward takes {forward * 1e3:.1f} ms, the plan's "
-                f"measured kernels {plan_forward * 1e3:.1f} ms ({where}its small matrices)"
-            )
-        else:
-            r["cause"] = (
-                f"the plan's kernels ({plan_forward * 1e3:.1f} ms) run slower than the model's "
-                f"forward ({forward * 1e3:.1f} ms): the measured matrix is not the model's"
-            )
-
-
-def print_table(rows: list[dict]) -> None:
-    print(f"{'weights':<26} {'batch':>5} {'context':>7} {'roofline':>9} {'plan':>9} {'bound':>8} "
-          f"{'measured':>9} {'forward':>9} {'m/roof':>6} {'m/plan':>6}  cause")  # fmt: skip
-    for r in rows:
-        fwd = f"{r['forward_s'] * 1e3:>7.2f}ms" if r.get("forward_s") else f"{'-':>9}"
-        print(
-            f"{r['weights']:<26} {r['batch']:>5} {r['context']:>7.0f} "
-            f"{r['roofline_s'] * 1e3:>7.2f}ms {r['plan_s'] * 1e3:>7.2f}ms {r['bound']:>8} "
-            f"{r['measured_s'] * 1e3:>7.2f}ms {fwd} {r['measured_over_roofline']:>6.2f} "
-            f"{r['measured_over_plan']:>6.2f}  {r['cause']}"
-        )
 
 
 if __name__ == "__main__":

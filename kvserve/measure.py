@@ -45,13 +45,16 @@ class MeasureConfig:
     min_time_s: float = 0.5  # per point
     sample_s: float = 1e-3  # calls are grouped so one sample lasts at least this long
     budget_s: float = 45.0  # larger column counts are skipped once this is spent
-    # engine decode attention (kvserve.measure_engine): two contexts, caches of about this size
-    attention_contexts: tuple[int, int] = (128, 2048)
+    # engine decode attention (kvserve.measure_engine): timed at each of these contexts (at least
+    # two), over caches of about this size at the longest
+    attention_contexts: tuple[int, ...] = (128, 512, 2048)
     attention_cache_bytes: float = 256e6
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
+        if len(set(self.attention_contexts)) < 2 or min(self.attention_contexts) < 1:
+            raise ValueError("attention_contexts: at least two distinct positive contexts")
 
 
 def default_config(device: str = "cpu", dtype: str | None = None) -> MeasureConfig:

@@ -73,8 +73,8 @@ def measure_linear(
         num_bytes += tensor_format.num_bytes(TensorShape("w", "linear", out_f, in_f))
         flops_per_row += 2 * out_f * in_f
     points = []
-    for n in rows:
-        if time.perf_counter() > deadline:
+    for i, n in enumerate(rows):
+        if i and time.perf_counter() > deadline:  # every format gets its first row count
             break
 
         def calls(mods: list, n: int = n) -> Callable[[], None]:
@@ -108,22 +108,30 @@ def measure_attention(
     rows: tuple[int, ...] = DISPATCH_ROWS,
     num_kv_heads: int = 4,
     head_dim: int = 64,
+    num_heads: int | None = None,
 ) -> list[MeasuredPoint]:
     """The engine's decode attention (the backend `auto` picks: the in-place CPU kernel for
-    fp32) at the two `cfg.attention_contexts`, over as many layers' paged caches as make about
-    `cfg.attention_cache_bytes` (so that they stream from memory, as a model's do): bytes/s =
-    the extra cache bytes the longer context reads over the extra time, per batch size."""
+    fp32, the same C function the fused step calls) at each of `cfg.attention_contexts`, over as
+    many layers' paged caches as make about `cfg.attention_cache_bytes` at the longest context
+    (so that they stream from memory, as a model's do), per batch size:
+
+    - `attention-time`: seconds per layer at (rows, context) (`context_tokens`), which the
+      planner interpolates in context (the cache read at the context it is predicted for);
+    - `attention`: the extra cache bytes of the longest context over the shortest, over the
+      extra time (a rate, for profiles read by older planners)."""
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
     from kvserve.model.kv_cache import allocate_layers
 
     cpu = torch.device("cpu")
     backend = get_attention_backend("auto", cpu, torch.float32)
-    block_size, num_heads = 16, 2 * num_kv_heads
-    short, long = cfg.attention_contexts
+    block_size, num_heads = 16, num_heads or 2 * num_kv_heads
+    contexts = sorted(cfg.attention_contexts)
+    short, long = contexts[0], contexts[-1]
     per_seq = long // block_size + 1
+    token_bytes = 2 * num_kv_heads * head_dim * 4  # K and V of one token of one layer, fp32
     points = []
     for n in rows:
-        per_layer = n * per_seq * block_size * 2 * num_kv_heads * head_dim * 4
+        per_layer = n * per_seq * block_size * token_bytes
         num_layers = int(min(64, max(1, cfg.attention_cache_bytes // per_layer)))
         _, caches = allocate_layers(
             num_layers, n * per_seq + 1, block_size, num_kv_heads, head_dim, torch.float32,
@@ -134,7 +142,7 @@ def measure_attention(
             c.v.normal_()
         q = torch.randn(n, num_heads, head_dim)  # [B, heads, head_dim]
         times = []
-        for context in (short, long):
+        for context in contexts:
             blocks = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
             meta = build_attention_metadata([(context - 1, 1, b) for b in blocks], block_size, cpu)
 
@@ -143,15 +151,22 @@ def measure_attention(
                     backend(q, c, meta, head_dim**-0.5)
 
             times.append(time_median_s(call, cfg))
-        extra_bytes = n * (long - short) * 2 * num_kv_heads * head_dim * 4 * num_layers
-        rate = extra_bytes / max(times[1] - times[0], 1e-9)
-        points.append(MeasuredPoint("attention", n, 0.0, rate, 0.0, times[1]))
+            points.append(
+                MeasuredPoint("attention-time", n, 0.0, 0.0, 0.0, times[-1] / num_layers, context)
+            )
+        extra_bytes = n * (long - short) * token_bytes * num_layers
+        # (a noisy pair at tiny sizes can come out reversed: the rate stays positive)
+        rate = extra_bytes / max(times[-1] - times[0], 0.01 * times[-1], 1e-9)
+        points.append(MeasuredPoint("attention", n, 0.0, rate, 0.0, times[-1]))
     return points
 
 
-def _tiny_decoder(num_layers: int) -> Callable[[int], Callable[[], object]]:
-    """A random tiny DecoderLM in the engine's CPU layout; returns make_step(batch) -> one decode
-    forward (+ logits of every row) at context 64."""
+def _tiny_decoder(
+    num_layers: int, fused: bool
+) -> tuple[Callable[[int], Callable[[], object]], object]:
+    """A random tiny DecoderLM in the engine's CPU layout, its fused decode step on or off;
+    returns (make_step(batch) -> one decode forward (+ logits of every row) at context 64, the
+    model: `model.fused.num_steps` counts the steps that ran fused)."""
     from kvserve.config import ModelConfig
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
     from kvserve.model.decoder import DecoderLM
@@ -165,6 +180,7 @@ def _tiny_decoder(num_layers: int) -> Callable[[int], Callable[[], object]]:
     )  # fmt: skip
     model = DecoderLM(config, get_arch("llama"), 256).eval()
     model.use_cpu_weights()
+    model.fused_decode = model.fused_decode and fused  # as the engine decides, or the per-op path
     block_size, context = 16, 64
     num_blocks = 16 * (context // block_size + 1) + 1
     _, caches = allocate_layers(
@@ -186,24 +202,47 @@ def _tiny_decoder(num_layers: int) -> Callable[[int], Callable[[], object]]:
 
         return step
 
-    return make_step
+    return make_step, model
+
+
+def fused_rows() -> int:
+    """The most decode rows the engine's fused decode step takes here (0: not built)."""
+    from kvserve.model import fused_decode
+
+    return fused_decode.max_rows()
 
 
 def measure_dispatch(
-    cfg: MeasureConfig, dispatch_layers: int = 8, rows: tuple[int, ...] = DISPATCH_ROWS
+    cfg: MeasureConfig,
+    dispatch_layers: int = 8,
+    rows: tuple[int, ...] = DISPATCH_ROWS,
+    fused_shape_rows: tuple[int, ...] | None = None,
 ) -> list[MeasuredPoint]:
-    """Per batch size: `dispatch` (seconds per decoder layer) and `dispatch-fixed` (the rest of a
-    forward) from the tiny decoder at 1 and 1 + dispatch_layers layers."""
-    one, many = _tiny_decoder(1), _tiny_decoder(1 + dispatch_layers)
+    """Per batch size, from the tiny decoder at 1 and 1 + dispatch_layers layers: the per-op path
+    (its fused step off) at `rows`: `dispatch` (seconds per decoder layer) and `dispatch-fixed`
+    (the rest of a forward); the fused step at 1, 2 and `fused_rows()` rows, where it runs:
+    `fused-dispatch` and `fused-fixed` (its cost per layer inside the native call, and the rest
+    of the step: embedding, RoPE tables, metadata, the call, the head); `fused_shape_rows`
+    overrides those rows (a quick probe)."""
+    max_fused = fused_rows()
+    shapes = [("dispatch", False, rows)]
+    if max_fused:
+        fused_rows_ = fused_shape_rows or tuple(sorted({1, min(2, max_fused), max_fused}))
+        shapes.append(("fused-dispatch", True, tuple(n for n in fused_rows_ if n <= max_fused)))
     points = []
-    for n in rows:
-        t_one = time_median_s(one(n), cfg)
-        t_many = time_median_s(many(n), cfg)
-        per_layer = max(0.0, (t_many - t_one) / dispatch_layers)
-        points.append(MeasuredPoint("dispatch", n, 0.0, 0.0, 0.0, per_layer))
-        points.append(
-            MeasuredPoint("dispatch-fixed", n, 0.0, 0.0, 0.0, max(0.0, t_one - per_layer))
-        )
+    for kind, fused, shape_rows in shapes:
+        (one, m_one), (many, m_many) = (
+            _tiny_decoder(1, fused), _tiny_decoder(1 + dispatch_layers, fused)
+        )  # fmt: skip
+        for n in shape_rows:
+            t_one = time_median_s(one(n), cfg)
+            t_many = time_median_s(many(n), cfg)
+            if fused and not (m_one.fused and m_many.fused and m_many.fused.num_steps):
+                break  # the fused step did not build here: there is no such step shape
+            per_layer = max(0.0, (t_many - t_one) / dispatch_layers)
+            fixed_kind = "dispatch-fixed" if kind == "dispatch" else "fused-fixed"
+            points.append(MeasuredPoint(kind, n, 0.0, 0.0, 0.0, per_layer))
+            points.append(MeasuredPoint(fixed_kind, n, 0.0, 0.0, 0.0, max(0.0, t_one - per_layer)))
     return points
 
 
@@ -219,7 +258,11 @@ def measure_engine(
     deadline = time.perf_counter() + budget_s
     points: list[MeasuredPoint] = []
     with torch.inference_mode():
-        for p in measure_dispatch(cfg) + measure_attention(cfg):
+        heads = {}
+        if model is not None:  # the model's own attention shape
+            heads = dict(num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                         num_heads=model.num_heads)  # fmt: skip
+        for p in measure_dispatch(cfg) + measure_attention(cfg, **heads):
             points.append(p)
             if progress:
                 progress(p)
@@ -238,10 +281,21 @@ def time_model_forward(
     quantization: str | None = None,
     cfg: MeasureConfig | None = None,
 ) -> float:
-    """Median seconds of one decode forward (+ the head on every row) of the checkpoint in
-    `model_dir`, loaded as the engine loads it (its own weights and quantisation), for `batch`
-    sequences at `context` cached tokens: the model's part of a decode step, without the
-    scheduler, the sampler or the engine's bookkeeping (benchmarks/plan_vs_measured.py)."""
+    """Median seconds of one decode forward (+ the head on every row); see time_model_forwards."""
+    return time_model_forwards(model_dir, [(batch, context)], quantization, cfg)[(batch, context)]
+
+
+def time_model_forwards(
+    model_dir: str,
+    shapes: list[tuple[int, int]],
+    quantization: str | None = None,
+    cfg: MeasureConfig | None = None,
+) -> dict[tuple[int, int], float]:
+    """{(batch, context): median seconds of one decode forward (+ the head on every row)} of the
+    checkpoint in `model_dir`, loaded once as the engine loads it (its own weights and
+    quantisation), for `batch` sequences at `context` cached tokens: the model's part of a
+    decode step (the fused step where the engine takes it), without the scheduler, the sampler
+    or the engine's bookkeeping (benchmarks/plan_vs_measured.py)."""
     from kvserve.config import ModelConfig
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
     from kvserve.model.kv_cache import allocate_layers
@@ -250,23 +304,29 @@ def time_model_forward(
     cfg = cfg or MeasureConfig(min_time_s=1.0, min_samples=5)
     config = ModelConfig.from_dir(model_dir)
     block_size = 16
-    per_seq = context // block_size + 1
     cpu = torch.device("cpu")
+    longest = max(c for _, c in shapes)
+    out = {}
     with torch.inference_mode():
-        model = load_model(model_dir, config, context + 1, "float32", "cpu", quantization).eval()
-        _, caches = allocate_layers(
-            config.num_layers, batch * per_seq + 1, block_size, config.num_kv_heads,
-            config.head_dim, torch.float32, "auto", cpu,
-        )  # fmt: skip
+        model = load_model(model_dir, config, longest + 1, "float32", "cpu", quantization).eval()
         backend = get_attention_backend("auto", cpu, torch.float32)
-        chunks = [
-            (context, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(batch)
-        ]
-        ids = torch.zeros(batch, dtype=torch.long)
-        positions = torch.full((batch,), context, dtype=torch.long)
+        for batch, context in shapes:
+            per_seq = context // block_size + 1
+            _, caches = allocate_layers(
+                config.num_layers, batch * per_seq + 1, block_size, config.num_kv_heads,
+                config.head_dim, torch.float32, "auto", cpu,
+            )  # fmt: skip
+            chunks = [
+                (context, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
+                for i in range(batch)
+            ]
+            ids = torch.zeros(batch, dtype=torch.long)
+            positions = torch.full((batch,), context, dtype=torch.long)
 
-        def step() -> object:
-            meta = build_attention_metadata(chunks, block_size, cpu)
-            return model.compute_logits(model(ids, positions, caches, meta, backend))
+            def step(chunks=chunks, ids=ids, positions=positions, caches=caches) -> object:
+                meta = build_attention_metadata(chunks, block_size, cpu)
+                return model.compute_logits(model(ids, positions, caches, meta, backend))
 
-        return time_median_s(step, cfg)
+            out[(batch, context)] = time_median_s(step, cfg)
+            del caches
+    return out

@@ -68,10 +68,16 @@ def test_bound_names_the_largest_part():
     cost = EngineCost.from_profile(TIED, fmt, 0.0, profile(MEASURED))
     # the tiny model's ~300 kB of weights stream in ~0.3 ms: the host cost (1.2 ms) is larger
     assert cost.decode_bound(1, 0) == "dispatch"
-    slow = tuple(p for p in MEASURED if not p.kind.startswith("linear")) + (
-        point("linear:fp32", 1, 1e6),
-    )
-    assert EngineCost.from_profile(TIED, fmt, 0.0, profile(slow)).decode_bound(1, 0) == "memory"
+    no_linears = tuple(p for p in MEASURED if not p.kind.startswith("linear"))
+    # a kernel 1000x slower than the GEMV bandwidth: the step is its inefficiency, not memory
+    slow = no_linears + (point("linear:fp32", 1, 1e6),)
+    assert EngineCost.from_profile(TIED, fmt, 0.0, profile(slow)).decode_bound(1, 0) == "kernel"
+    # the same bytes at the GEMV bandwidth but with a host cost 1000x smaller: memory-bound
+    fast_host = tuple(
+        point(p.kind, p.num_columns, median_s=p.median_s / 1000) for p in no_linears[1:]
+    ) + (point("linear:fp32", 1, GEMV_BW),)
+    bound = EngineCost.from_profile(TIED, fmt, 0.0, profile(fast_host)).decode_bound(1, 0)
+    assert bound == "memory"
 
 
 def test_a_profile_without_dispatch_points_keeps_the_roofline():
@@ -98,10 +104,20 @@ def test_measure_engine_times_the_engines_own_modules():
 
     cfg = MeasureConfig(gemv_rows=128, gemv_cols=64, warmup=1, min_samples=2, min_time_s=0.0,
                         attention_contexts=(16, 64), attention_cache_bytes=1e6)  # fmt: skip
-    points = measure_engine(cfg, ("fp32", "int8"), budget_s=30.0)
+    points = measure_engine(cfg, ("fp32", "int8"), budget_s=300.0)
     kinds = {p.kind for p in points}
-    assert kinds == {"dispatch", "dispatch-fixed", "attention", "linear:fp32", "linear:int8"}
+    expected = {"dispatch", "dispatch-fixed", "attention", "attention-time", "linear:fp32",
+                "linear:int8"}  # fmt: skip
+    from kvserve.measure_engine import fused_rows
+
+    if fused_rows():  # the C kernels built here: the fused step is a step shape of its own
+        expected |= {"fused-dispatch", "fused-fixed"}
+        fused = sorted(p.num_columns for p in points if p.kind == "fused-dispatch")
+        assert fused[-1] == fused_rows() and fused[0] == 1
+    assert kinds == expected
     assert all(p.bytes_per_s > 0 for p in points if p.kind == "attention")
+    timed = [(p.num_columns, p.context_tokens) for p in points if p.kind == "attention-time"]
+    assert sorted(timed) == [(n, c) for n in (1, 4, 16) for c in (16, 64)]
     fp32 = [p for p in points if p.kind == "linear:fp32"]
     assert [p.num_columns for p in fp32] == [1, 2, 4, 8, 16, 32]
     # bytes/s x seconds = the matrix's fp32 bytes; int8 counts codes + one fp16 scale per row

@@ -136,6 +136,12 @@ def register(subparsers: Any) -> None:
         help="time the engine linears over this model's own matrices (default: one large one)",
     )
     g.add_argument(
+        "--measure-contexts",
+        default="128,512,2048",
+        metavar="TOKENS",
+        help="contexts at which to time the engine's decode attention (CPU; at least two)",
+    )
+    g.add_argument(
         "--dtype",
         choices=("fp32", "bf16", "fp16"),
         help="dtype to measure (fp32 on cpu, bf16 on an accelerator)",
@@ -224,6 +230,13 @@ def _measure(args: argparse.Namespace) -> Any:
     cfg = default_config(args.device, args.dtype)
     if args.budget_s is not None:
         cfg = replace(cfg, budget_s=args.budget_s)
+    try:
+        contexts = tuple(int(c) for c in args.measure_contexts.split(",") if c.strip())
+        cfg = replace(cfg, attention_contexts=contexts)
+    except ValueError as exc:
+        from kvserve.plan import PlanError
+
+        raise PlanError(f"--measure-contexts {args.measure_contexts!r}: {exc}") from exc
     out = sys.stderr if args.json else sys.stdout
     print(f"measuring {args.device} in {cfg.dtype} (about a minute at most)...", file=out)
 
@@ -232,8 +245,15 @@ def _measure(args: argparse.Namespace) -> Any:
             print(f"  {'decode attention':<24} {p.num_columns:>3} rows {fmt_bw(p.bytes_per_s):>12}",
                   file=out)  # fmt: skip
             return
-        if p.kind.startswith("dispatch"):
-            what = "host cost per layer" if p.kind == "dispatch" else "host cost per forward"
+        if p.kind == "attention-time":
+            what = f"attention at {p.context_tokens}"
+            print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer",
+                  file=out)  # fmt: skip
+            return
+        if "dispatch" in p.kind or p.kind.endswith("-fixed"):
+            path = "fused step" if p.kind.startswith("fused") else "per-op"
+            what = "per layer" if p.kind.endswith("dispatch") else "per step"
+            what = f"host {what} ({path})"
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
             return
         what = "GEMV" if p.kind == "gemv" else f"GEMM {p.num_columns:>5} columns"
@@ -257,15 +277,21 @@ def _measure(args: argparse.Namespace) -> Any:
 
             spec = load_model(_builtin_to_dir(args.measure_model))
         points = measure_engine(cfg, formats, progress=show, model=spec)
+        fused = [p.num_columns for p in points if p.kind == "fused-dispatch"]
         profile = replace(
             profile,
             points=profile.points + tuple(points),
+            decode_fused_rows=max(fused, default=0),
             source=profile.source
             + "; engine linears ("
             + ", ".join(formats)
             + ") over "
             + (f"{spec.name}'s matrices" if spec else "one large matrix")
-            + ", decode attention and host cost per layer (kvserve.measure_engine)",
+            + ", decode attention at contexts "
+            + ",".join(str(c) for c in cfg.attention_contexts)
+            + ", host cost per layer of the per-op path"
+            + (f" and of the fused step (<= {max(fused)} rows)" if fused else "")
+            + " (kvserve.measure_engine)",
         )
     path = save_profile(profile, args.save)
     print(

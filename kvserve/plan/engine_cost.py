@@ -2,19 +2,29 @@
 
 The roofline says a decode step streams W + B k t bytes at the GEMV bandwidth. On a CPU the engine
 does not: its small-batch linear kernels stream weights slower than a GEMV as the batch grows, and
-every layer pays a host cost (Python, op dispatch) that no byte count sees: on the 2-core EPYC a
-SmolLM2-135M fp32 step took 1.7-3.8x the roofline. `kvserve plan --measure` times the engine's own
-linear module per weight format and batch size, and its own decoder at a tiny width (the host
-cost per layer and per forward); with those points the planner's step is
+every layer pays a host cost (Python, op dispatch) that no byte count sees. `kvserve plan --measure`
+times the engine's own kernels for each step shape the engine runs (kvserve/measure_engine.py), and
+with those points the planner's step is
 
     step(B, t) = sum over weight categories of bytes / rate_fmt(B)     (linears and head)
-               + B k t / rate_attention(B)                          (the KV cache)
-               + L x layer_dispatch(B) + forward_fixed(B)             (host cost)
+               + L x attention_excess(B, t)                         (the KV cache read)
+               + L x layer_host(B) + step_host(B)                   (host cost)
 
-floored by the FLOPs at the measured peak. Rates and host costs are interpolated in log2(B)
-between the measured batch sizes and held constant beyond them. A format without linear points
-streams at the GEMV bandwidth, and the cache without attention points too (the plan says which
-number each term uses in `sources`).
+floored by the FLOPs at the measured peak. Two step shapes:
+
+- **fused** (B <= the profile's `decode_fused_rows`, fp32 KV): every layer in one native call;
+  its host cost is the fused step's (`fused-dispatch`, `fused-fixed`), its linears the small-row
+  GEMV (the `linear:FMT` points at <= decode_fused_rows rows);
+- **per-op** (larger B, or a quantised KV cache): one dispatched call per op (`dispatch`,
+  `dispatch-fixed`), the batched linear kernels (the `linear:FMT` points above those rows).
+
+Rates and host costs are interpolated in log2(B) between the measured batch sizes of the step's
+own shape and held constant beyond them. The cache read is the engine's decode attention timed at
+each measured context (`attention-time`: seconds per layer at rows B, context t), less its
+zero-context intercept (the per-call cost the host terms count), linear in t between and beyond
+the measured contexts. Older profiles still load: without fused points every step is priced on
+the per-op points, without attention-time points the cache streams at the measured attention rate
+(`attention`) or the GEMV bandwidth; `sources()` says which.
 """
 
 from __future__ import annotations
@@ -27,8 +37,10 @@ from kvserve.plan.formats import WeightFormat
 from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.model import ModelSpec
 
+Points = tuple[tuple[int, float], ...]
 
-def _interp_log2(points: tuple[tuple[int, float], ...], x: float) -> float:
+
+def _interp_log2(points: Points, x: float) -> float:
     """Linear in log2(x) between measured (x, y) points, constant beyond the ends."""
     pts = sorted(points)
     if x <= pts[0][0]:
@@ -42,6 +54,38 @@ def _interp_log2(points: tuple[tuple[int, float], ...], x: float) -> float:
     return pts[-1][1]
 
 
+def _interp_linear(points: Points, x: float) -> float:
+    """Linear between measured (x, y) points and beyond the ends (the nearest two's slope)."""
+    pts = sorted(points)
+    if len(pts) == 1:
+        return pts[0][1] * x / pts[0][0] if pts[0][0] else pts[0][1]
+    i = 0
+    while i < len(pts) - 2 and x > pts[i + 1][0]:
+        i += 1
+    (x0, y0), (x1, y1) = pts[i], pts[i + 1]
+    return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
+
+
+def attention_excess_s(points: Points, context: float) -> float:
+    """Seconds per layer the cache read adds at `context` over a zero-length context, from
+    (context, seconds per layer) points of one row count: the linear interpolation less its
+    intercept at context 0 (clamped to [0, the first point's time])."""
+    pts = sorted(points)
+    if len(pts) == 1:
+        return max(0.0, _interp_linear(pts, context))
+    intercept = min(max(0.0, _interp_linear(pts[:2], 0.0)), pts[0][1])
+    return max(0.0, _interp_linear(pts, context) - intercept)
+
+
+def _side(points: Points, batch: float, boundary: int) -> Points:
+    """The points measured on the same side of `boundary` rows as `batch` (another kernel runs
+    on the other side); all of them when that side has none or there is no boundary."""
+    if not boundary:
+        return points
+    same = tuple(p for p in points if (p[0] <= boundary) == (batch <= boundary))
+    return same or points
+
+
 @dataclass(frozen=True)
 class EngineCost:
     """A decode-step model from measured engine points, for one model and weight format."""
@@ -49,12 +93,17 @@ class EngineCost:
     model: ModelSpec
     bytes_by_format: tuple[tuple[str, float], ...]  # (tensor format name, bytes) of W
     kv_bytes_per_token: float
-    bandwidth_bytes_per_s: float  # GEMV: the KV cache and formats without linear points
+    bandwidth_bytes_per_s: float  # GEMV: the memory-bound ideal; formats without linear points
     peak_flops_per_s: float
-    linear_rates: dict[str, tuple[tuple[int, float], ...]]  # format -> (rows, bytes/s)
-    layer_dispatch_s: tuple[tuple[int, float], ...]  # (rows, seconds per layer)
-    forward_fixed_s: tuple[tuple[int, float], ...]  # (rows, seconds per forward)
-    attention_rates: tuple[tuple[int, float], ...] = ()  # (rows, KV bytes/s); () = GEMV
+    linear_rates: dict[str, Points]  # format -> (rows, bytes/s)
+    layer_dispatch_s: Points  # per-op path: (rows, seconds per layer)
+    forward_fixed_s: Points  # per-op path: (rows, seconds per forward)
+    attention_rates: Points = ()  # (rows, KV bytes/s); () = GEMV
+    fused_rows: int = 0  # steps of at most this many rows run fused (0: none)
+    fused_layer_s: Points = ()  # fused path: (rows, seconds per layer)
+    fused_fixed_s: Points = ()  # fused path: (rows, seconds per step outside the layers)
+    attention_times: tuple[tuple[int, Points], ...] = ()  # (rows, ((context, s per layer), ...))
+    small_rows: int = 0  # the linear kernels change above this many rows (0: one kernel)
 
     @classmethod
     def from_profile(
@@ -64,23 +113,29 @@ class EngineCost:
         kv_bytes_per_token: float,
         hardware: HardwareProfile,
         bandwidth_bytes_per_s: float | None = None,
+        fused_eligible: bool = True,
     ) -> EngineCost | None:
-        """None when the profile has no dispatch points (a datasheet or an older measurement)."""
+        """None when the profile has no dispatch points (a datasheet or an older measurement).
+        `fused_eligible`: whether the engine can run this plan's decode steps fused (it needs an
+        fp32 KV cache; docs/planning.md)."""
         rates: dict[str, list[tuple[int, float]]] = {}
-        dispatch, fixed, attention = [], [], []
+        by_kind: dict[str, list[tuple[int, float]]] = {}
+        times: dict[int, list[tuple[int, float]]] = {}
         for p in hardware.points:
             if p.kind.startswith("linear:"):
-                rates.setdefault(p.kind.removeprefix("linear:"), []).append(
-                    (p.num_columns, p.bytes_per_s)
-                )
-            elif p.kind == "dispatch":
-                dispatch.append((p.num_columns, p.median_s))
-            elif p.kind == "dispatch-fixed":
-                fixed.append((p.num_columns, p.median_s))
+                fmt_name = p.kind.removeprefix("linear:")
+                rates.setdefault(fmt_name, []).append((p.num_columns, p.bytes_per_s))
+            elif p.kind == "attention-time":
+                times.setdefault(p.num_columns, []).append((p.context_tokens, p.median_s))
             elif p.kind == "attention":
-                attention.append((p.num_columns, p.bytes_per_s))
+                by_kind.setdefault(p.kind, []).append((p.num_columns, p.bytes_per_s))
+            else:
+                by_kind.setdefault(p.kind, []).append((p.num_columns, p.median_s))
+        dispatch, fixed = by_kind.get("dispatch", []), by_kind.get("dispatch-fixed", [])
         if not dispatch or not fixed:
             return None
+        fused_layer, fused_fixed = by_kind.get("fused-dispatch", []), by_kind.get("fused-fixed", [])
+        fused_rows = hardware.decode_fused_rows if fused_layer and fused_fixed else 0
         by_format: dict[str, float] = {}
         for category, num_bytes in fmt.bytes_by_category(model).items():
             name = fmt.for_category(category).name
@@ -94,31 +149,56 @@ class EngineCost:
             {k: tuple(v) for k, v in rates.items()},
             tuple(dispatch),
             tuple(fixed),
-            tuple(attention),
+            tuple(by_kind.get("attention", [])),
+            fused_rows if fused_eligible else 0,
+            tuple(fused_layer),
+            tuple(fused_fixed),
+            tuple((rows, tuple(sorted(pts))) for rows, pts in sorted(times.items())),
+            hardware.decode_fused_rows,
         )
 
-    def terms_s(self, batch: float, mean_context: float) -> dict[str, float]:
-        """The step's parts in seconds: weights, kv, dispatch, and the FLOPs floor (compute)."""
-        weights = 0.0
-        for name, num_bytes in self.bytes_by_format:
-            rate = self.linear_rates.get(name)
-            weights += num_bytes / (
-                _interp_log2(rate, batch) if rate else self.bandwidth_bytes_per_s
+    def path(self, batch: float) -> str:
+        """The step shape the engine runs for `batch` decode rows: "fused" or "per-op"."""
+        return "fused" if self.fused_rows and batch <= self.fused_rows else "per-op"
+
+    def _kv_s(self, batch: float, mean_context: float) -> float:
+        if self.attention_times:
+            per_rows = tuple(
+                (rows, attention_excess_s(pts, mean_context)) for rows, pts in self.attention_times
             )
+            return self.model.num_layers * _interp_log2(per_rows, batch)
         kv_rate = (
             _interp_log2(self.attention_rates, batch)
             if self.attention_rates
             else self.bandwidth_bytes_per_s
         )
-        kv = batch * self.kv_bytes_per_token * mean_context / kv_rate
-        dispatch = self.model.num_layers * _interp_log2(self.layer_dispatch_s, batch)
-        dispatch += _interp_log2(self.forward_fixed_s, batch)
+        return batch * self.kv_bytes_per_token * mean_context / kv_rate
+
+    def terms_s(self, batch: float, mean_context: float) -> dict[str, float]:
+        """The step's parts in seconds: weights, kv, dispatch, the FLOPs floor (compute), and
+        `bandwidth`: the weights and cache at the GEMV bandwidth (the memory-bound ideal)."""
+        weights = 0.0
+        for name, num_bytes in self.bytes_by_format:
+            rate = self.linear_rates.get(name)
+            weights += num_bytes / (
+                _interp_log2(_side(rate, batch, self.small_rows), batch)
+                if rate
+                else self.bandwidth_bytes_per_s
+            )
+        if self.path(batch) == "fused":
+            layer, fixed = self.fused_layer_s, self.fused_fixed_s
+        else:
+            layer, fixed = self.layer_dispatch_s, self.forward_fixed_s  # all per-op points
+        dispatch = self.model.num_layers * _interp_log2(layer, batch) + _interp_log2(fixed, batch)
         flops = arith.decode_step_flops(self.model, batch, mean_context)
+        total_bytes = sum(b for _, b in self.bytes_by_format)
+        total_bytes += batch * self.kv_bytes_per_token * mean_context
         return {
             "weights": weights,
-            "kv": kv,
+            "kv": self._kv_s(batch, mean_context),
             "dispatch": dispatch,
             "compute": flops / self.peak_flops_per_s,
+            "bandwidth": total_bytes / self.bandwidth_bytes_per_s,
         }
 
     def decode_step_s(self, batch: float, mean_context: float) -> float:
@@ -126,26 +206,51 @@ class EngineCost:
         return max(t["weights"] + t["kv"] + t["dispatch"], t["compute"])
 
     def decode_bound(self, batch: float, mean_context: float) -> str:
-        """ "memory" (weights + KV streaming is the largest part), "dispatch" (host cost is) or
-        "compute" (the FLOPs floor sets the step)."""
+        """The largest part of the step: "memory" (the weights and cache at the GEMV bandwidth),
+        "kernel" (what the measured kernels take beyond that: kernel efficiency), "dispatch"
+        (host cost), or "compute" (the FLOPs floor sets the step)."""
         t = self.terms_s(batch, mean_context)
-        if t["compute"] >= t["weights"] + t["kv"] + t["dispatch"]:
+        streaming = t["weights"] + t["kv"]
+        if t["compute"] >= streaming + t["dispatch"]:
             return "compute"
-        return "memory" if t["weights"] + t["kv"] >= t["dispatch"] else "dispatch"
+        memory = min(t["bandwidth"], streaming)
+        parts = {"memory": memory, "kernel": streaming - memory, "dispatch": t["dispatch"]}
+        return max(parts, key=parts.__getitem__)
 
     def sources(self) -> dict[str, str]:
         """Which measured number each term uses (the plan prints it)."""
         out = {}
         for name, _ in self.bytes_by_format:
-            out[f"weights ({name})"] = (
-                "the engine's linear kernel, measured per batch size"
-                if name in self.linear_rates
-                else "GEMV bandwidth (no linear points for this format)"
+            if name not in self.linear_rates:
+                out[f"weights ({name})"] = "GEMV bandwidth (no linear points for this format)"
+            elif self.small_rows:
+                out[f"weights ({name})"] = (
+                    "the engine's linear kernel, measured per batch size (the small-row GEMV at "
+                    f"<= {self.small_rows} rows, the batched kernel above)"
+                )
+            else:
+                out[f"weights ({name})"] = "the engine's linear kernel, measured per batch size"
+        if self.attention_times:
+            contexts = sorted({c for _, pts in self.attention_times for c, _ in pts})
+            out["kv"] = (
+                "the engine's decode attention timed at contexts "
+                + ", ".join(str(c) for c in contexts)
+                + ", per batch size"
             )
-        out["kv"] = (
-            "the engine's decode attention, measured per batch size"
-            if self.attention_rates
-            else "GEMV bandwidth"
-        )
-        out["dispatch"] = "the engine's decoder at a tiny width, per layer and per forward"
+        elif self.attention_rates:
+            out["kv"] = "the engine's decode attention, measured per batch size"
+        else:
+            out["kv"] = "GEMV bandwidth"
+        if self.fused_rows:
+            out["dispatch"] = (
+                f"the fused decode step (<= {self.fused_rows} rows) and the per-op decoder "
+                "(more rows), each at a tiny width, per layer and per step"
+            )
+        else:
+            out["dispatch"] = "the engine's decoder at a tiny width, per layer and per forward" + (
+                ""
+                if self.fused_layer_s
+                else " (no fused-step points in this profile: every step priced per-op; "
+                "re-measure with `kvserve plan --measure` for the fused decode step)"
+            )
         return out

@@ -18,14 +18,16 @@ from kvserve.plan.model import PlanError
 @dataclass(frozen=True)
 class MeasuredPoint:
     """One timed kernel from `kvserve plan --measure`: a GEMV (num_columns = 1, reads a weight
-    matrix) or a GEMM over `num_columns` batch columns."""
+    matrix), a GEMM over `num_columns` batch columns, or an engine point (kvserve.measure_engine,
+    docs/planning.md: num_columns = the step's rows; `context_tokens` for attention-time)."""
 
-    kind: str  # "gemv" | "gemm"
+    kind: str  # "gemv" | "gemm" | "linear:FMT" | "dispatch" | "fused-dispatch" | ...
     num_columns: int
     flops_per_s: float
     bytes_per_s: float
     intensity_flops_per_byte: float
     median_s: float
+    context_tokens: int = 0  # the cached tokens per row (attention-time points); 0: not applicable
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class HardwareProfile:
     measured: bool = False
     source: str = ""
     points: tuple[MeasuredPoint, ...] = field(default=())
+    # the most decode rows the engine's fused decode step (one native call for every layer) took
+    # when this profile was measured; 0: no fused step (or a profile from before it existed)
+    decode_fused_rows: int = 0
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "bandwidth_bytes_per_s", "peak_flops_per_s"):

@@ -120,7 +120,7 @@ class Latency:
     ttft_cached_s: float  # the shared prefix already cached
     tpot_solo_s: float
     tokens_per_s_solo: float
-    solo_bound: str  # "memory" | "compute"
+    solo_bound: str  # "memory" | "compute" (measured engine profile: also "kernel", "dispatch")
     e2e_solo_s: float
     tpot_max_batch_s: float | None
     tokens_per_s_max_batch: float | None  # aggregate, B / step
@@ -399,7 +399,8 @@ def make_plan(
     comm = parallel.comm(model, activation_bytes(fmt)) if parallel and tp > 1 else None
     engine = None
     if tp == 1:  # the measured engine profile is one device's (docs/planning.md)
-        engine = EngineCost.from_profile(rank, fmt, k, hardware, bw)
+        # the fused decode step needs an fp32 KV cache (kvserve/model/fused_decode.py)
+        engine = EngineCost.from_profile(rank, fmt, k, hardware, bw, kv_dtype == "fp32")
     cost = arith.RooflineCost(
         rank, weight_bytes, k, bw, hardware.peak_flops_per_s, a.mfu, comm, engine
     )

@@ -1,0 +1,70 @@
+"""benchmarks/plan_vs_measured.py's verdict per cell (benchmarks/_plan_explain.py): a step within
+the tolerance says so, a step that is not memory-bound names its cause (dispatch overhead, kernel
+efficiency) with the plan's numbers, and a miss is split with the forward timed alone."""
+
+from __future__ import annotations
+
+from benchmarks._plan_explain import explain
+
+
+def row(measured_s: float, bound: str, forward_s: float | None = None, **terms: float) -> dict:
+    t = {"weights": 0.010, "kv": 0.001, "dispatch": 0.002, "compute": 0.001, "bandwidth": 0.010}
+    t |= terms
+    plan_s = t["weights"] + t["kv"] + t["dispatch"]
+    r = {"weights": "fp32", "batch": 1, "context": 128.0, "measured_s": measured_s,
+         "roofline_s": t["bandwidth"], "plan_s": plan_s, "bound": bound, "terms_s": t,
+         "path": "fused"}  # fmt: skip
+    if forward_s is not None:
+        r["forward_s"] = forward_s
+    return r
+
+
+def test_a_memory_bound_step_within_the_tolerance_says_so():
+    (r,) = rows = [row(0.0135, "memory")]
+    explain(rows)
+    assert r["within_tolerance"] and r["cause"] == "memory-bound, within 15%"
+    assert r["measured_over_plan"] == 0.0135 / 0.013
+
+
+def test_a_dispatch_or_kernel_bound_step_names_its_cause_even_within_the_tolerance():
+    rows = [
+        row(0.013, "dispatch", weights=0.001, bandwidth=0.001, dispatch=0.011),
+        row(0.013, "kernel", weights=0.010, bandwidth=0.004),
+    ]
+    explain(rows)
+    assert rows[0]["cause"].startswith("dispatch overhead: host cost 11.0 ms")
+    assert "fused path" in rows[0]["cause"]
+    assert rows[1]["cause"].startswith("kernel efficiency")
+    assert "11.0 ms where the bytes need 4.0 ms at the GEMV bandwidth" in rows[1]["cause"]
+
+
+def test_a_miss_is_split_by_the_forward_timed_alone():
+    # the forward matches the plan (13 ms): the 7 ms more are the engine's work outside it
+    (host,) = rows = [row(0.020, "memory", forward_s=0.013)]
+    explain(rows)
+    assert not host["within_tolerance"]
+    assert host["cause"].startswith("engine host work outside the forward: 7.0 ms")
+    # the forward itself is slower than the plan's kernels at long context
+    slow = row(0.020, "memory", forward_s=0.019)
+    slow["context"] = 2000.0
+    explain([slow])
+    assert "the model's forward takes 19.0 ms" in slow["cause"]
+    assert "the cache read at long context" in slow["cause"]
+    # nothing to split it with
+    bare = row(0.030, "memory")
+    explain([bare])
+    assert bare["cause"] == "unexplained (the forward was not timed alone)"
+
+
+def test_a_gap_that_the_machines_drift_explains_is_named_not_corrected():
+    # the steps ran while the GEMV probe was 1.3x faster than around the profile: 0.8 -> ~1.04
+    fast = row(0.0104, "memory", forward_s=0.0104)
+    fast["gemv_speed_vs_profile"] = 1.3
+    explain([fast])
+    assert fast["measured_over_plan"] == 0.0104 / 0.013  # the ratio itself stays as measured
+    assert "machine drift: the GEMV probe ran 1.30x the profile's speed" in fast["cause"]
+    assert "~ 1.04, within 15%" in fast["cause"]
+    steady = row(0.0104, "memory", forward_s=0.0104)
+    steady["gemv_speed_vs_profile"] = 1.02
+    explain([steady])
+    assert "machine drift" not in steady["cause"]
