@@ -8,11 +8,17 @@ every setting, quiet then busy, in the same order, so the spread between rounds 
 worker's CPU time over its wall time during the timed window. The goal (docs/performance.md "Threads"):
 with one busy core, TPOT grows by at most the share of CPU lost (<= 2x).
 
-Settings: `libgomp` is torch's OpenMP runtime untouched (no variable set: 2 threads, spin 300,000
-iterations before sleeping); `kvserve` is what the `kvserve` command line applies when the variables
+`--target server` measures `kvserve serve MODEL` (engine core in its own process, the default)
+instead, loaded by `kvserve bench serve` (completions, 128-token prompts, 64 forced output tokens, the
+same rate and count; its TPOT p50); `cores` is then not measured.
+
+Settings: `libgomp` is torch's OpenMP runtime as it comes (2 threads, each spinning 300,000 iterations
+before it sleeps; the count is set explicitly, to the value libgomp uses when it is unset, so that
+kvserve's default stays out); `kvserve` is what the `kvserve` command line applies when the variables
 are unset (kvserve.threads.THREAD_DEFAULTS); the others set one variable each.
 
-    kv-bench .venv/bin/python benchmarks/neighbour.py --model /tmp/kv/smol-gpt2 --rounds 2 [--out FILE]
+    PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/neighbour.py --model /tmp/kv/smol-gpt2 \
+        [--rounds 2] [--settings libgomp,kvserve] [--target server] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,13 +29,21 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import httpx
 from _report import write_report  # benchmarks/ is on sys.path when a script runs
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.server_utils import free_port  # noqa: E402
+
 SETTINGS = {
-    "libgomp": {},
-    "kvserve": {},  # the worker applies kvserve.threads' defaults before torch loads
+    "libgomp": {"GOMP_SPINCOUNT": "300000"},  # libgomp's own when unset (<= 1 thread per CPU)
+    "kvserve": {},  # kvserve.threads' defaults, applied before torch loads
     "omp1": {"OMP_NUM_THREADS": "1"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "spin100": {"GOMP_SPINCOUNT": "100"},
@@ -79,15 +93,52 @@ def worker(args: argparse.Namespace) -> dict:
             "env": {k: os.environ[k] for k in _THREAD_VARIABLES if k in os.environ}}  # fmt: skip
 
 
+def serve_case(args: argparse.Namespace, env: dict[str, str]) -> dict:
+    """One `kvserve serve` under `env`, loaded by `kvserve bench serve`; its TPOT p50."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "kvserve.cli", "serve", args.model, "--port", str(port),
+             "--no-prefix-caching", "--log-level", "warning"]  # fmt: skip
+    server = subprocess.Popen(serve, env=env | {"TOKENIZERS_PARALLELISM": "false"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        threads = httpx.get(f"{url}/debug/steps?since=1000000000").json()["engine"].get("threads")
+        with tempfile.TemporaryDirectory() as out:
+            bench = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", url,
+                     "--endpoint", "completions", "--input-len", "128", "--output-len",
+                     str(args.new_tokens), "--mode", "forced", "--request-rate", str(args.rate),
+                     "--num-requests", str(args.num_requests), "--warmup", "1", "--out", out,
+                     "--no-plots", "--no-progress"]  # fmt: skip
+            subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+            summary = json.loads((Path(out) / "summary.json").read_text())
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    tpot = summary["latency_s"]["tpot"]
+    return {"tpot_p50_ms": tpot["p50"] * 1e3, "tpot_max_ms": tpot["max"] * 1e3 if "max" in tpot
+            else None, "threads": threads, "cores": None,
+            "env": {k: env[k] for k in _THREAD_VARIABLES if k in env}}  # fmt: skip
+
+
 def run_case(args: argparse.Namespace, name: str, busy: bool) -> dict:
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
+        base = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
+        if args.target == "server":
+            return serve_case(args, base | SETTINGS[name])
         cmd = [sys.executable, __file__, "--worker", "--model", args.model,
                "--rate", str(args.rate), "--num-requests", str(args.num_requests),
                "--new-tokens", str(args.new_tokens)]  # fmt: skip
         if name == "kvserve":
             cmd.append("--kvserve-defaults")
-        base = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
         env = base | SETTINGS[name]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -115,6 +166,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--target", choices=["offline", "server"], default="offline")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kvserve-defaults", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="benchmarks/results/neighbour.json")
@@ -130,11 +182,11 @@ def main() -> None:
             for case in ("quiet", "busy"):
                 run[case] = run_case(args, name, busy=case == "busy")
             runs[name].append(run)
+            quiet, busy = run["quiet"], run["busy"]
             print(
-                f"round {round_index} {name:9s} TPOT p50 quiet {run['quiet']['tpot_p50_ms']:6.1f} ms "
-                f"({run['quiet']['cores']:.2f} cores), busy {run['busy']['tpot_p50_ms']:6.1f} ms "
-                f"({run['busy']['cores']:.2f} cores), "
-                f"x{run['busy']['tpot_p50_ms'] / run['quiet']['tpot_p50_ms']:.2f}",
+                f"round {round_index} {name:9s} TPOT p50 quiet {quiet['tpot_p50_ms']:6.1f} ms "
+                f"({quiet['cores'] or 0:.2f} cores), busy {busy['tpot_p50_ms']:6.1f} ms "
+                f"({busy['cores'] or 0:.2f} cores), x{busy['tpot_p50_ms'] / quiet['tpot_p50_ms']:.2f}",
                 flush=True,
             )
     rows = [summarise(name, runs[name]) for name in names]
@@ -146,7 +198,8 @@ def main() -> None:
         ]
         ratio = " / ".join(f"{v:.2f}x" for v in row["busy_over_quiet"])
         print(f"| {row['setting']} | {cells[0]} ms | {cells[1]} ms | {ratio} |")
-    report = {"benchmark": "neighbour", "model": args.model, "rate_req_s": args.rate,
+    report = {"benchmark": "neighbour", "target": args.target, "model": args.model,
+              "rate_req_s": args.rate,
               "num_requests": args.num_requests, "new_tokens": args.new_tokens,
               "rounds": args.rounds, "rows": rows, "runs": runs}  # fmt: skip
     write_report(args.out, report)

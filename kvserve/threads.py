@@ -20,7 +20,7 @@ import sys
 from collections.abc import Iterator, Mapping
 
 # Chosen from benchmarks/neighbour.py, quiet and with one busy core (docs/performance.md "Threads").
-THREAD_DEFAULTS: Mapping[str, str] = {"GOMP_SPINCOUNT": "10000"}
+THREAD_DEFAULTS: Mapping[str, str] = {"GOMP_SPINCOUNT": "1000"}
 
 # Variables that decide the same thing: a user's setting of any one of a group keeps the group's defaults out.
 _GROUPS: tuple[tuple[str, ...], ...] = (
@@ -92,7 +92,7 @@ def spawn_environment() -> Iterator[None]:
 
 
 def describe_threads(num_threads: int, environ: Mapping[str, str] | None = None) -> str:
-    """e.g. '2 OpenMP threads; GOMP_SPINCOUNT=10000 (kvserve default)': the thread count torch uses
+    """e.g. '2 OpenMP threads; GOMP_SPINCOUNT=1000 (kvserve default)': the thread count torch uses
     and every OpenMP variable set in this process, each marked as kvserve's default or the user's."""
     if environ is None:
         loaded = {**_LOADED_WITH, APPLIED_MARKER: ",".join(_LOADED_WITH)} if _LOADED_WITH else {}

@@ -13,14 +13,14 @@ import sys
 import httpx
 import pytest
 
-from kvserve.threads import THREAD_DEFAULTS, THREAD_VARIABLES, thread_defaults_for
+from kvserve.threads import APPLIED_MARKER, THREAD_DEFAULTS, THREAD_VARIABLES, thread_defaults_for
 from tests.server_utils import running_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _clean_env(**overrides: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in (*THREAD_VARIABLES, APPLIED_MARKER)}
     return env | {"OMP_DISPLAY_ENV": "VERBOSE", "TOKENIZERS_PARALLELISM": "false"} | overrides
 
 
@@ -76,7 +76,7 @@ def test_the_users_setting_wins(gpt2_model_dir):
 def server(gpt2_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("threads") / "server.log"
     with pytest.MonkeyPatch.context() as patch:  # the server inherits this process's environment
-        for name in THREAD_VARIABLES:
+        for name in (*THREAD_VARIABLES, APPLIED_MARKER):
             patch.delenv(name, raising=False)
         patch.setenv("OMP_DISPLAY_ENV", "VERBOSE")
         with running_server(gpt2_model_dir, "--engine-core", "process", log_path=log) as (url, _):
