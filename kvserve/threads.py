@@ -19,10 +19,12 @@ import os
 import sys
 from collections.abc import Iterator, Mapping
 
-# Chosen from benchmarks/neighbour.py, quiet and with one busy core (docs/performance.md "Threads").
-THREAD_DEFAULTS: Mapping[str, str] = {"GOMP_SPINCOUNT": "1000"}
+# Chosen from benchmarks/neighbour.py, quiet and with one busy core (docs/performance.md "Threads"): of
+# the settings that kept TPOT within 2x beside a busy core, the best quiet TPOT (tied with a 1,000-spin
+# count, within the rounds' spread); PASSIVE is standard OpenMP, so other runtimes honour it too.
+THREAD_DEFAULTS: Mapping[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
 
-# Variables that decide the same thing: a user's setting of any one of a group keeps the group's defaults out.
+# Variables that decide the same thing: a user's setting of one keeps the group's defaults out.
 _GROUPS: tuple[tuple[str, ...], ...] = (
     ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"),  # how an idle OpenMP thread waits
     ("OMP_NUM_THREADS",),
@@ -92,7 +94,7 @@ def spawn_environment() -> Iterator[None]:
 
 
 def describe_threads(num_threads: int, environ: Mapping[str, str] | None = None) -> str:
-    """e.g. '2 OpenMP threads; GOMP_SPINCOUNT=1000 (kvserve default)': the thread count torch uses
+    """e.g. '2 OpenMP threads; OMP_WAIT_POLICY=PASSIVE (kvserve default)': the thread count torch uses
     and every OpenMP variable set in this process, each marked as kvserve's default or the user's."""
     if environ is None:
         loaded = {**_LOADED_WITH, APPLIED_MARKER: ",".join(_LOADED_WITH)} if _LOADED_WITH else {}

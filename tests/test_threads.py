@@ -5,6 +5,7 @@ printed to stderr when torch loads it), in fresh processes; no timing."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -33,6 +34,14 @@ def _libgomp_settings(text: str) -> list[dict[str, str]]:
     return [dict(re.findall(r"^\s*(\w+) = '([^']*)'", block, re.M)) for block in blocks]
 
 
+# libgomp's spin count (what decides how an idle thread waits) when nothing is set, and with ours
+LIBGOMP_SPIN_UNSET = "300000"  # <= 1 thread per CPU, as here
+SPIN_OF_POLICY = {"PASSIVE": "0", "ACTIVE": "30000000000"}
+OUR_SPIN = (
+    THREAD_DEFAULTS.get("GOMP_SPINCOUNT") or SPIN_OF_POLICY[THREAD_DEFAULTS["OMP_WAIT_POLICY"]]
+)
+
+
 def _one_value(settings: list[dict[str, str]], name: str) -> str:
     (value,) = {seen[name] for seen in settings}  # every runtime of the process read the same
     return value
@@ -57,19 +66,37 @@ def test_a_default_stays_out_when_any_variable_of_its_group_is_set():
     assert "OMP_NUM_THREADS" not in thread_defaults_for({"OMP_NUM_THREADS": "3"})
 
 
+CLI_THEN_ENV = """import json, os
+from kvserve.cli import main
+from kvserve.threads import THREAD_VARIABLES
+try:
+    main(["--version"])
+except SystemExit:
+    pass
+print(json.dumps({name: os.environ.get(name) for name in THREAD_VARIABLES}))"""
+
+
+def test_the_cli_entry_sets_the_defaults_only_where_unset():
+    _, out = _python(CLI_THEN_ENV)
+    assert json.loads(out.splitlines()[-1]) == {k: THREAD_DEFAULTS.get(k) for k in THREAD_VARIABLES}
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        _, out = _python(CLI_THEN_ENV, **{name: "7"})
+        assert json.loads(out.splitlines()[-1]) == {
+            k: "7" if k == name else None for k in THREAD_VARIABLES
+        }
+
+
 def test_the_cli_applies_the_default_when_unset(gpt2_model_dir):
+    assert OUR_SPIN != LIBGOMP_SPIN_UNSET
     seen = _generate(gpt2_model_dir)
-    for name, value in THREAD_DEFAULTS.items():
-        assert _one_value(seen, name) == value, seen
+    assert _one_value(seen, "GOMP_SPINCOUNT") == OUR_SPIN, seen
 
 
 def test_the_users_setting_wins(gpt2_model_dir):
     assert _one_value(_generate(gpt2_model_dir, GOMP_SPINCOUNT="777"), "GOMP_SPINCOUNT") == "777"
-    # OMP_WAIT_POLICY=ACTIVE alone: libgomp picks its own (long) spin count, not ours
     seen = _generate(gpt2_model_dir, OMP_WAIT_POLICY="ACTIVE")
     assert _one_value(seen, "OMP_WAIT_POLICY") == "ACTIVE"
-    if "GOMP_SPINCOUNT" in THREAD_DEFAULTS:
-        assert _one_value(seen, "GOMP_SPINCOUNT") != THREAD_DEFAULTS["GOMP_SPINCOUNT"]
+    assert _one_value(seen, "GOMP_SPINCOUNT") == SPIN_OF_POLICY["ACTIVE"]
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +119,7 @@ def test_the_engine_core_process_inherits_the_default_and_reports_it(server):
     assert f"threads    {engine['threads']}" in text  # the startup summary
     started = _libgomp_settings(text)
     assert started  # at least the engine core's runtime; the API server's too if it loads torch
-    for name, value in THREAD_DEFAULTS.items():
-        assert _one_value(started, name) == value, started
+    assert _one_value(started, "GOMP_SPINCOUNT") == OUR_SPIN, started
 
 
 def _python(code: str, **env: str) -> tuple[list[dict[str, str]], str]:
@@ -106,10 +132,10 @@ def _python(code: str, **env: str) -> tuple[list[dict[str, str]], str]:
 def test_the_offline_api_loads_torch_with_the_default_and_gives_the_environment_back():
     code = "import os\nfrom kvserve import LLM\nprint(sorted(k for k in os.environ if 'OMP' in k))"
     seen, left = _python(code)
-    assert all(_one_value(seen, name) == value for name, value in THREAD_DEFAULTS.items()), seen
+    assert _one_value(seen, "GOMP_SPINCOUNT") == OUR_SPIN, seen
     assert left == "['OMP_DISPLAY_ENV']"  # a program the user starts next sees what it saw before
     assert _one_value(_python(code, GOMP_SPINCOUNT="777")[0], "GOMP_SPINCOUNT") == "777"
     # torch imported first: too late for this process, and nothing is set for its children either
     seen, left = _python("import torch\n" + code)
-    assert _one_value(seen, "GOMP_SPINCOUNT") == "300000"  # libgomp's own (<= 1 thread per CPU)
+    assert _one_value(seen, "GOMP_SPINCOUNT") == LIBGOMP_SPIN_UNSET
     assert left == "['OMP_DISPLAY_ENV']"
