@@ -139,3 +139,24 @@ def test_the_offline_api_loads_torch_with_the_default_and_gives_the_environment_
     seen, left = _python("import torch\n" + code)
     assert _one_value(seen, "GOMP_SPINCOUNT") == LIBGOMP_SPIN_UNSET
     assert left == "['OMP_DISPLAY_ENV']"
+
+
+def test_spawned_ranks_get_the_defaults_the_offline_api_loaded_torch_with(monkeypatch):
+    from kvserve import threads
+
+    for name in (*THREAD_VARIABLES, APPLIED_MARKER):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(threads, "_LOADED_WITH", dict(THREAD_DEFAULTS))
+    expected = "; ".join(
+        ["2 OpenMP threads"] + [f"{k}={v} (kvserve default)" for k, v in THREAD_DEFAULTS.items()]
+    )
+    assert threads.describe_threads(2) == expected
+    with threads.spawn_environment():
+        assert {k: os.environ.get(k) for k in THREAD_DEFAULTS} == dict(THREAD_DEFAULTS)
+        assert threads.describe_threads(2) == expected
+    assert not any(k in os.environ for k in (*THREAD_DEFAULTS, APPLIED_MARKER))
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")  # the user's, now in the environment: kept, marked
+    with threads.spawn_environment():
+        assert os.environ["GOMP_SPINCOUNT"] == "5"
+        assert "GOMP_SPINCOUNT=5 (set by user)" in threads.describe_threads(2)
+    assert os.environ["GOMP_SPINCOUNT"] == "5"
