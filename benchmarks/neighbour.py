@@ -1,12 +1,24 @@
 """TPOT at a fixed arrival rate, quiet and beside one busy-looping core, for several thread settings.
 
-Each setting runs in a fresh subprocess (OpenMP reads its environment at start-up): requests arrive at
-`--rate` req/s (fixed spacing) into the offline engine, which steps between arrivals; TPOT per request =
-(last token - first token) / (n - 1); the report gives the median. "busy" starts one `while True: pass`
-process beside it. The goal (docs/performance.md): with one busy core, TPOT grows by at most the share
-of CPU lost (<= 2x).
+Each setting runs in a fresh subprocess (OpenMP reads its environment when torch loads libgomp):
+requests arrive at `--rate` req/s (fixed spacing) into the offline engine, which steps between
+arrivals; TPOT per request = (last token - first token) / (n - 1); the report gives the median. "busy"
+starts one `while True: pass` process beside it (intended: that is the neighbour). `--rounds` repeats
+every setting, quiet then busy, in the same order, so the spread between rounds shows. `cores` is the
+worker's CPU time over its wall time during the timed window. The goal (docs/performance.md "Threads"):
+with one busy core, TPOT grows by at most the share of CPU lost (<= 2x).
 
-    .venv/bin/python benchmarks/neighbour.py --model /tmp/kv/smol-gpt2 [--out FILE]
+`--target server` measures `kvserve serve MODEL` (engine core in its own process, the default)
+instead, loaded by `kvserve bench serve` (completions, 128-token prompts, 64 forced output tokens, the
+same rate and count; its TPOT p50); `cores` is then not measured.
+
+Settings: `libgomp` is torch's OpenMP runtime as it comes (2 threads, each spinning 300,000 iterations
+before it sleeps; the count is set explicitly, to the value libgomp uses when it is unset, so that
+kvserve's default stays out); `kvserve` is what the `kvserve` command line applies when the variables
+are unset (kvserve.threads.THREAD_DEFAULTS); the others set one variable each.
+
+    PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/neighbour.py --model /tmp/kv/smol-gpt2 \
+        [--rounds 2] [--settings libgomp,kvserve] [--target server] [--out FILE]
 """
 
 from __future__ import annotations
@@ -17,47 +29,133 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
+import httpx
 from _report import write_report  # benchmarks/ is on sys.path when a script runs
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.server_utils import free_port  # noqa: E402
+
 SETTINGS = {
-    "default": {},
+    "libgomp": {"GOMP_SPINCOUNT": "300000"},  # libgomp's own when unset (<= 1 thread per CPU)
+    "kvserve": {},  # kvserve.threads' defaults, applied before torch loads
     "omp1": {"OMP_NUM_THREADS": "1"},
-    "omp2-passive": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin100": {"GOMP_SPINCOUNT": "100"},
+    "spin1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin3k": {"GOMP_SPINCOUNT": "3000"},
+    "spin10k": {"GOMP_SPINCOUNT": "10000"},
+    "spin100k": {"GOMP_SPINCOUNT": "100000"},
 }
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def worker(model: str, rate: float, num_requests: int, new_tokens: int) -> dict:
+def worker(args: argparse.Namespace) -> dict:
+    if args.kvserve_defaults:
+        from kvserve.threads import apply_thread_defaults
+
+        apply_thread_defaults()
     import torch
 
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(model, kv_cache_memory_bytes=256 * 1024**2, enable_prefix_caching=False)
+    llm = LLM(args.model, kv_cache_memory_bytes=256 * 1024**2, enable_prefix_caching=False)
     engine = llm.engine
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     vocab = engine.config.model.vocab_size
-    prompts = torch.randint(3, vocab, (num_requests, 128), generator=gen).tolist()
+    prompts = torch.randint(3, vocab, (args.num_requests, 128), generator=gen).tolist()
     llm.generate(prompts[:1], params.with_updates(max_tokens=4))  # warm-up
-    start = time.monotonic()
+    start, cpu_start = time.monotonic(), time.process_time()
     next_arrival, added, finished = start, 0, []
-    while len(finished) < num_requests:
+    while len(finished) < args.num_requests:
         now = time.monotonic()
-        while added < num_requests and now >= next_arrival:
+        while added < args.num_requests and now >= next_arrival:
             engine.add_request(f"r{added}", prompts[added], params)
             added += 1
-            next_arrival = start + added / rate
+            next_arrival = start + added / args.rate
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, next_arrival - time.monotonic()))
             continue
         finished += [o for o in engine.step() if o.finished]
+    wall_s, cpu_s = time.monotonic() - start, time.process_time() - cpu_start
     tpots = []
     for output in finished:
         times = output.outputs[0].metrics.token_times
         tpots.append((times[-1] - times[0]) / (len(times) - 1))
     return {"tpot_p50_ms": statistics.median(tpots) * 1e3, "tpot_max_ms": max(tpots) * 1e3,
-            "torch_threads": torch.get_num_threads()}  # fmt: skip
+            "wall_s": wall_s, "cores": cpu_s / wall_s, "torch_threads": torch.get_num_threads(),
+            "env": {k: os.environ[k] for k in _THREAD_VARIABLES if k in os.environ}}  # fmt: skip
+
+
+def serve_case(args: argparse.Namespace, env: dict[str, str]) -> dict:
+    """One `kvserve serve` under `env`, loaded by `kvserve bench serve`; its TPOT p50."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "kvserve.cli", "serve", args.model, "--port", str(port),
+             "--no-prefix-caching", "--log-level", "warning"]  # fmt: skip
+    server = subprocess.Popen(serve, env=env | {"TOKENIZERS_PARALLELISM": "false"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while server.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        threads = httpx.get(f"{url}/debug/steps?since=1000000000").json()["engine"].get("threads")
+        with tempfile.TemporaryDirectory() as out:
+            bench = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", url,
+                     "--endpoint", "completions", "--input-len", "128", "--output-len",
+                     str(args.new_tokens), "--mode", "forced", "--request-rate", str(args.rate),
+                     "--num-requests", str(args.num_requests), "--warmup", "1", "--out", out,
+                     "--no-plots", "--no-progress"]  # fmt: skip
+            subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
+            summary = json.loads((Path(out) / "summary.json").read_text())
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    tpot = summary["latency_s"]["tpot"]
+    return {"tpot_p50_ms": tpot["p50"] * 1e3, "tpot_max_ms": tpot["max"] * 1e3 if "max" in tpot
+            else None, "threads": threads, "cores": None,
+            "env": {k: env[k] for k in _THREAD_VARIABLES if k in env}}  # fmt: skip
+
+
+def run_case(args: argparse.Namespace, name: str, busy: bool) -> dict:
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        base = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
+        if args.target == "server":
+            return serve_case(args, base | SETTINGS[name])
+        cmd = [sys.executable, __file__, "--worker", "--model", args.model,
+               "--rate", str(args.rate), "--num-requests", str(args.num_requests),
+               "--new-tokens", str(args.new_tokens)]  # fmt: skip
+        if name == "kvserve":
+            cmd.append("--kvserve-defaults")
+        env = base | SETTINGS[name]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        if loop is not None:
+            loop.kill()
+            loop.wait()
+
+
+def summarise(name: str, runs: list[dict]) -> dict:
+    quiet = [r["quiet"]["tpot_p50_ms"] for r in runs]
+    busy = [r["busy"]["tpot_p50_ms"] for r in runs]
+    return {"setting": name, "env": runs[0]["quiet"]["env"], "quiet_tpot_p50_ms": quiet,
+            "busy_tpot_p50_ms": busy,
+            "busy_over_quiet": [b / q for q, b in zip(quiet, busy, strict=True)],
+            "busy_cores": [r["busy"]["cores"] for r in runs],
+            "quiet_cores": [r["quiet"]["cores"] for r in runs]}  # fmt: skip
 
 
 def main() -> None:
@@ -67,39 +165,43 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--target", choices=["offline", "server"], default="offline")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kvserve-defaults", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="benchmarks/results/neighbour.json")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.model, args.rate, args.num_requests, args.new_tokens)))
+        print(json.dumps(worker(args)))
         return
-    rows = []
-    for name in args.settings.split(","):
-        row = {"setting": name, "env": SETTINGS[name]}
-        for case in ("quiet", "busy"):
-            loop = None
-            if case == "busy":
-                loop = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            try:
-                cmd = [sys.executable, __file__, "--worker", "--model", args.model,
-                       "--rate", str(args.rate), "--num-requests", str(args.num_requests),
-                       "--new-tokens", str(args.new_tokens)]  # fmt: skip
-                env = os.environ | SETTINGS[name]
-                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-                row[case] = json.loads(out.stdout.strip().splitlines()[-1])
-            finally:
-                if loop is not None:
-                    loop.kill()
-                    loop.wait()
-        row["busy_over_quiet"] = row["busy"]["tpot_p50_ms"] / row["quiet"]["tpot_p50_ms"]
-        rows.append(row)
-        print(
-            f"{name:14s} TPOT p50 quiet {row['quiet']['tpot_p50_ms']:7.1f} ms, busy "
-            f"{row['busy']['tpot_p50_ms']:7.1f} ms (x{row['busy_over_quiet']:.2f})",
-            flush=True,
-        )
-    report = {"benchmark": "neighbour", "model": args.model, "rate_req_s": args.rate,
-              "num_requests": args.num_requests, "new_tokens": args.new_tokens, "rows": rows}  # fmt: skip
+    names = args.settings.split(",")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        for name in names:
+            run = {"round": round_index}
+            for case in ("quiet", "busy"):
+                run[case] = run_case(args, name, busy=case == "busy")
+            runs[name].append(run)
+            quiet, busy = run["quiet"], run["busy"]
+            print(
+                f"round {round_index} {name:9s} TPOT p50 quiet {quiet['tpot_p50_ms']:6.1f} ms "
+                f"({quiet['cores'] or 0:.2f} cores), busy {busy['tpot_p50_ms']:6.1f} ms "
+                f"({busy['cores'] or 0:.2f} cores), x{busy['tpot_p50_ms'] / quiet['tpot_p50_ms']:.2f}",
+                flush=True,
+            )
+    rows = [summarise(name, runs[name]) for name in names]
+    print("\n| setting | quiet TPOT p50 | one busy core | busy / quiet |\n|---|---:|---:|---:|")
+    for row in rows:
+        cells = [
+            " / ".join(f"{v:.0f}" for v in row[k])
+            for k in ("quiet_tpot_p50_ms", "busy_tpot_p50_ms")
+        ]
+        ratio = " / ".join(f"{v:.2f}x" for v in row["busy_over_quiet"])
+        print(f"| {row['setting']} | {cells[0]} ms | {cells[1]} ms | {ratio} |")
+    report = {"benchmark": "neighbour", "target": args.target, "model": args.model,
+              "rate_req_s": args.rate,
+              "num_requests": args.num_requests, "new_tokens": args.new_tokens,
+              "rounds": args.rounds, "rows": rows, "runs": runs}  # fmt: skip
     write_report(args.out, report)
 
 

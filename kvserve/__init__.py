@@ -10,7 +10,10 @@ __all__ = ["__version__", "LLM", "SamplingParams"]
 def __getattr__(name: str):
     # Lazy: `import kvserve` must not import torch (plan/ and bench/ users do not need it).
     if name == "LLM":
-        from kvserve.engine.llm import LLM
+        from kvserve.threads import defaults_while_torch_loads
+
+        with defaults_while_torch_loads():  # OpenMP reads them once, when torch loads
+            from kvserve.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from kvserve._version import __version__
+from kvserve.threads import apply_thread_defaults
 
 # name -> module under kvserve.cli; a module that is not there yet is skipped.
 COMMANDS = (
@@ -73,6 +74,8 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before anything imports torch: OpenMP reads its variables once (kvserve/threads.py).
+    apply_thread_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -21,6 +21,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import torch
+
 from kvserve.core.errors import KVServeError
 from kvserve.engine.faults import DeadEngine, FaultInjection, inject_runner_fault
 from kvserve.engine.llm_engine import LLMEngine
@@ -38,6 +40,7 @@ from kvserve.engine.wire import (
     UtilityResult,
     failure_of,
 )
+from kvserve.threads import describe_threads
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         speculative=speculative,
         tokenizer=None if tok is None else str(getattr(tok, "name_or_path", "") or c.model_dir),
         eos_token_ids=tuple(engine.eos_token_ids),
+        threads=describe_threads(torch.get_num_threads()),
     )
 
 

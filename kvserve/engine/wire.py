@@ -56,6 +56,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     speculative: str  # "off" or a one-line summary
     tokenizer: str | None  # the tokenizer's identity (name_or_path), None: the model has none
     eos_token_ids: tuple[int, ...] = ()
+    threads: str = ""  # the core's OpenMP threads and variables (kvserve.threads.describe_threads)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

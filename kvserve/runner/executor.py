@@ -38,6 +38,7 @@ from kvserve.runner.worker import (
     load_rank_model,
     worker_main,
 )
+from kvserve.threads import spawn_environment
 
 COLLECTIVE_TIMEOUT_S = 120.0  # a collective waits this long for a slow rank before failing
 READY_TIMEOUT_S = 600.0  # workers load their shards within this
@@ -136,7 +137,7 @@ class TensorParallelRunner(ModelRunner):
                     name=f"kvserve-tp-rank{spec.rank}",
                     daemon=True,
                 )
-                with _children_allowed():
+                with _children_allowed(), spawn_environment():  # the OpenMP defaults too
                     process.start()
                 child.close()
                 self._workers.append(process)

@@ -354,6 +354,7 @@ def build_app(
                 "enable_prefix_caching": info.enable_prefix_caching,
                 "admission": info.admission,
                 "num_engine_cores": engine.num_cores,
+                "threads": info.threads,
             },
             "steps": engine.step_log.since(since),
         }

@@ -25,6 +25,7 @@ def startup_summary(info, served_model_name: str, url: str, num_cores: int = 1) 
         f"  capacity   {max_full_len_seqs:,d} sequences at the full {info.max_model_len:,d}-token "
         f"length at once (max running sequences {info.max_num_seqs})",
         f"  speculative {info.speculative}",
+        f"  threads    {info.threads}",
         f"  URL        {url}  (playground {url}/, dashboard {url}/dashboard, API {url}/v1, "
         f"docs {url}/docs)",
     ]
