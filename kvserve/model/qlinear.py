@@ -78,8 +78,8 @@ def pack_for_kernel(qt: QuantizedTensor) -> dict[str, torch.Tensor | int]:
 
 
 def _panel_rows(t: torch.Tensor, padded_rows: int) -> torch.Tensor:
-    """[N, G] fp32 per-column values -> [P, G, 8] (panel, group, column in the panel), zero-padded."""
-    t = F.pad(t.float(), (0, 0, 0, padded_rows - t.shape[0]))
+    """[N, G] per-column values -> [P, G, 8] fp16 (panel, group, column in the panel), zero-padded."""
+    t = F.pad(t.half(), (0, 0, 0, padded_rows - t.shape[0]))
     return t.reshape(padded_rows // PANEL, PANEL, -1).transpose(1, 2).contiguous()
 
 
@@ -89,7 +89,7 @@ def pack_panels(qt: QuantizedTensor) -> dict[str, torch.Tensor | int | None]:
     8p .. 8p + 7, block b of 32 inputs as 4-input groups of the 8 columns (one 32-byte vector each).
     int8: w [P, nb, 8, 8, 4] = codes[8p + c, 32b + 4j + t] at [p, b, j, c, t]. int4: w [P, nb, 4, 8, 4]
     uint8, low nibble input 32b + 4j + t and high nibble input 32b + 16 + 4j + t, unsigned codes
-    (symmetric: code + 8 and zeros None). scales / zeros: [P, G, 8] fp32."""
+    (symmetric: code + 8 and zeros None). scales / zeros: [P, G, 8] fp16 (the checkpoint's, exact)."""
     num_rows, num_cols = qt.codes.shape
     padded_cols = math.ceil(num_cols / KERNEL_BLOCK) * KERNEL_BLOCK
     padded_rows = math.ceil(num_rows / PANEL) * PANEL
@@ -99,7 +99,7 @@ def pack_panels(qt: QuantizedTensor) -> dict[str, torch.Tensor | int | None]:
         blocks_per_group = scheme.group_size // KERNEL_BLOCK
     else:
         blocks_per_group = num_blocks  # one scale per row
-    scales = _panel_rows(qt.scales.float().expand(num_rows, -1), padded_rows)
+    scales = _panel_rows(qt.scales.expand(num_rows, -1), padded_rows)
     codes = F.pad(qt.codes, (0, padded_cols - num_cols, 0, padded_rows - num_rows))  # [Np, Kp]
     layout = {"scales": scales, "zeros": None, "bpg": blocks_per_group, "w_min": False}
     if scheme.bits == 8:
@@ -109,7 +109,7 @@ def pack_panels(qt: QuantizedTensor) -> dict[str, torch.Tensor | int | None]:
         unsigned = (codes.to(torch.int16) + 8).to(torch.uint8)  # symmetric int4 as zero-point 8
     else:
         unsigned = codes.to(torch.uint8)
-        layout["zeros"] = _panel_rows(qt.zeros.float().expand(num_rows, -1), padded_rows)
+        layout["zeros"] = _panel_rows(qt.zeros.expand(num_rows, -1), padded_rows)
     halves = unsigned.reshape(num_panels, PANEL, num_blocks, 2, 4, 4)  # [P, c, nb, half, j, t]
     nibbles = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [P, c, nb, j, t]
     return layout | {"w": nibbles.permute(0, 2, 3, 1, 4).contiguous()}

@@ -138,7 +138,7 @@ static void f32_avx2(const Linear *L, const float *x, int M, float *y, int n0, i
 static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *acts, int num_threads) {
     const int isa = decode_isa();
     if (L->kind != LIN_F32) {
-        quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, num_threads);
+        quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, num_threads);
         q_linear(L, acts, M, y, isa, num_threads);
         return;
     }

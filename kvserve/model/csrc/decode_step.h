@@ -18,15 +18,16 @@ enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2 };
  *     32-byte row holds 4 consecutive inputs of the panel's 8 columns.
  *   int4: w[p][b][j][c][t] (uint8, j < 4) = code of input 32b + 4j + t (low nibble) and of input
  *     32b + 16 + 4j + t (high nibble); codes unsigned, value = scale * (code - zero).
- *   scales [P, G, 8] fp32 (P = Np / 8, G groups of bpg blocks), zeros [P, G, 8] fp32 or NULL
- *   (symmetric int4: zero 8). w_min: some int8 code is -128 (takes the |w| x sign(x, w) order). */
+ *   scales [P, G, 8] fp16 (P = Np / 8, G groups of bpg blocks: the checkpoint's fp16 scales, so
+ *   exact), zeros [P, G, 8] fp16 or NULL (symmetric int4: zero 8). w_min: some int8 code is -128 (takes the |w| x sign(x, w) order). */
 typedef struct {
     int kind;     /* LIN_F32 | LIN_Q8 | LIN_Q4 */
     int n, k, kp; /* outputs, inputs, inputs padded to a multiple of 32 (quantised) */
     int groups, bpg, act_mode; /* scale groups per row, blocks per group, activation rounding mode */
     int w_min;
     const void *w;
-    const float *scales, *zeros, *bias; /* see above; bias [N] or NULL */
+    const void *scales, *zeros; /* quantised: fp16 bits, see above */
+    const float *bias;          /* [N] or NULL */
 } Linear;
 
 /* Activations rounded to int8 (qgemv.c quantize_acts), for up to `rows` rows of `kp` inputs. */
@@ -40,7 +41,7 @@ typedef struct {
 
 int alloc_acts(Acts *a, int rows, int max_kp);
 void free_acts(Acts *a);
-void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int num_threads);
+void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads);
 /* the quantised linear for any M (activations already in `a`), panels split over the threads */
 void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads);
 

@@ -6,7 +6,7 @@
  * 32-byte load holds 4 inputs of 8 columns: a broadcast 4-byte activation group times it
  * (vpmaddubsw + vpmaddwd) gives each column's partial sum in its own 32-bit lane. A 32-input block's
  * integer sum of 8 columns is then one vector (no horizontal sum per column), scaled once per block
- * (activation scale x the 8 columns' weight scales) into 8 fp32 accumulators. Each thread reads its
+ * (activation scale x the 8 columns' fp16 weight scales) into 8 fp32 accumulators. Each thread reads its
  * panels as one sequential stream; a panel serves up to 4 rows per pass (more rows: row tiles of 4
  * over the panel while it is in L1).
  *
@@ -38,42 +38,100 @@ int alloc_acts(Acts *a, int rows, int max_kp) {
 
 void free_acts(Acts *a) { free(a->codes), free(a->abs), free(a->scale), free(a->sum); }
 
-void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int num_threads) {
+/* Rounds 32 values of one block with scale d = amax / 127: codes, |codes|; returns the codes' sum. */
+static int32_t round_block(const float *row, int n, float amax, int8_t *q, int8_t *qa, float *d_out,
+                           int isa) {
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    *d_out = d;
+    (void)isa;
+#ifdef __AVX2__
+    if (n == QBLOCK && isa >= 2) {
+        const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+        __m256i c[4];
+        for (int i = 0; i < 4; i++) {
+            /* round(x * inv) half to even (the scalar path's nearbyintf), clamped to +-127 */
+            __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(row + 8 * i), vinv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            c[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+        }
+        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+        /* packs work per 128-bit lane: restore the order with one permute */
+        const __m256i p16a = _mm256_packs_epi32(c[0], c[1]), p16b = _mm256_packs_epi32(c[2], c[3]);
+        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)q, p8);
+        _mm256_storeu_si256((__m256i *)qa, _mm256_abs_epi8(p8));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        return _mm_cvtsi128_si32(s4);
+    }
+#endif
+    int32_t s = 0;
+    for (int k = 0; k < QBLOCK; k++) {
+        int32_t v = 0;
+        if (k < n) {
+            v = (int32_t)nearbyintf(row[k] * inv);
+            v = v < -127 ? -127 : (v > 127 ? 127 : v);
+        }
+        q[k] = (int8_t)v, qa[k] = (int8_t)(v < 0 ? -v : v);
+        s += v;
+    }
+    return s;
+}
+
+static float abs_max(const float *x, int n, int isa) {
+    float m = 0.f;
+    int k = 0;
+#ifdef __AVX2__
+    if (isa >= 2 && n >= 8) {
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 v = _mm256_setzero_ps();
+        for (; k + 8 <= n; k += 8) v = _mm256_max_ps(v, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+#else
+    (void)isa;
+#endif
+    for (; k < n; k++) m = fmaxf(m, fabsf(x[k]));
+    return m;
+}
+
+void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads) {
     const int nb = Kp / QBLOCK;
-    float tensor_max = 0.f;
-    if (mode == 2)
-        for (int64_t i = 0; i < (int64_t)M * K; i++) tensor_max = fmaxf(tensor_max, fabsf(x[i]));
+    const float tensor_max = mode == 2 ? abs_max(x, M * K, isa) : 0.f;
 #pragma omp parallel for num_threads(num_threads) if (M > DECODE_MAX_ROWS && num_threads > 1)
     for (int m = 0; m < M; m++) {
         const float *row = x + (int64_t)m * K;
-        int8_t *q = a->codes + (int64_t)m * Kp, *qa = a->abs + (int64_t)m * Kp;
-        float row_max = tensor_max;
-        if (mode == 1) {
-            row_max = 0.f;
-            for (int k = 0; k < K; k++) row_max = fmaxf(row_max, fabsf(row[k]));
-        }
+        const float row_max = mode == 1 ? abs_max(row, K, isa) : tensor_max;
         for (int b = 0; b < nb; b++) {
-            const int k0 = b * QBLOCK, k1 = K < k0 + QBLOCK ? K : k0 + QBLOCK;
-            float amax = row_max;
-            if (mode == 0) {
-                amax = 0.f;
-                for (int k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(row[k]));
-            }
-            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-            int32_t s = 0;
-            for (int k = k0; k < k0 + QBLOCK; k++) {
-                int32_t v = 0;
-                if (k < k1) {
-                    v = (int32_t)nearbyintf(row[k] * inv);
-                    v = v < -127 ? -127 : (v > 127 ? 127 : v);
-                }
-                q[k] = (int8_t)v, qa[k] = (int8_t)(v < 0 ? -v : v);
-                s += v;
-            }
-            a->scale[(int64_t)m * nb + b] = d;
-            a->sum[(int64_t)m * nb + b] = (float)s;
+            const int k0 = b * QBLOCK, n = K - k0 < QBLOCK ? K - k0 : QBLOCK;
+            const float amax = mode == 0 ? abs_max(row + k0, n, isa) : row_max;
+            const int64_t i = (int64_t)m * nb + b;
+            a->sum[i] = (float)round_block(row + k0, n, amax, a->codes + (int64_t)m * Kp + k0,
+                                           a->abs + (int64_t)m * Kp + k0, &a->scale[i], isa);
         }
     }
+}
+
+/* An fp16 scale (IEEE binary16 bits) as fp32: exact. */
+static inline float h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {
+        f = (float)man * 0x1p-24f; /* zero or subnormal */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* The 8 results of panel p for row m: v[c] (+ bias) into y for the columns that exist. */
@@ -87,8 +145,8 @@ static void store_panel(const Linear *L, const float *v, float *y, int m, int p)
 
 static void q_panel_scalar(const Linear *L, const Acts *a, float *y, int p, int m) {
     const int nb = L->kp / QBLOCK, G = L->groups, int_acc = L->kind == LIN_Q8 && L->act_mode && G == 1;
-    const float *s = L->scales + (int64_t)p * G * QPANEL;
-    const float *z = L->zeros ? L->zeros + (int64_t)p * G * QPANEL : NULL;
+    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
+    const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
     const int8_t *xq = a->codes + (int64_t)m * L->kp;
     const float *xd = a->scale + (int64_t)m * nb, *xs = a->sum + (int64_t)m * nb;
     float v[QPANEL];
@@ -113,15 +171,15 @@ static void q_panel_scalar(const Linear *L, const Acts *a, float *y, int p, int 
             if (int_acc) {
                 total += isum;
             } else if (L->kind == LIN_Q8) {
-                acc = fmaf(G == 1 ? xd[b] : xd[b] * s[g * QPANEL + c], (float)isum, acc);
+                acc = fmaf(G == 1 ? xd[b] : xd[b] * h2f(s[g * QPANEL + c]), (float)isum, acc);
             } else {
-                const float zero = z ? z[g * QPANEL + c] : 8.f;
+                const float zero = z ? h2f(z[g * QPANEL + c]) : 8.f;
                 const float f = fmaf(-zero, xs[b], (float)isum);
-                acc = fmaf(xd[b] * s[g * QPANEL + c], f, acc);
+                acc = fmaf(xd[b] * h2f(s[g * QPANEL + c]), f, acc);
             }
         }
-        if (int_acc) v[c] = (float)total * xd[0] * s[c];
-        else v[c] = L->kind == LIN_Q8 && G == 1 ? acc * s[c] : acc;
+        if (int_acc) v[c] = (float)total * xd[0] * h2f(s[c]);
+        else v[c] = L->kind == LIN_Q8 && G == 1 ? acc * h2f(s[c]) : acc;
     }
     store_panel(L, v, y, m, p);
 }
@@ -129,6 +187,17 @@ static void q_panel_scalar(const Linear *L, const Acts *a, float *y, int p, int 
 /* ---- AVX2 ------------------------------------------------------------------------------------------ */
 #ifdef __AVX2__
 #define INL static inline __attribute__((always_inline))
+
+/* 8 fp16 scales as fp32 */
+INL __m256 load_h8(const uint16_t *p) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = h2f(p[i]);
+    return _mm256_loadu_ps(f);
+#endif
+}
 
 INL __m256i bcast4(const int8_t *p) {
     int32_t v;
@@ -142,7 +211,7 @@ INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
     const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *w = (const int8_t *)L->w + (int64_t)p * nb * QPANEL * QBLOCK;
-    const float *s = L->scales + (int64_t)p * G * QPANEL;
+    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
     __m256 acc[DECODE_MAX_ROWS];
     __m256i total[DECODE_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), total[r] = _mm256_setzero_si256();
@@ -167,14 +236,14 @@ INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
             for (int r = 0; r < R; r++) total[r] = _mm256_add_epi32(total[r], blk[r]);
             continue;
         }
-        const __m256 sv = G == 1 ? _mm256_setzero_ps() : _mm256_loadu_ps(s + (b / L->bpg) * QPANEL);
+        const __m256 sv = G == 1 ? _mm256_setzero_ps() : load_h8(s + (b / L->bpg) * QPANEL);
         for (int r = 0; r < R; r++) {
             const __m256 d = _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb + b]);
             acc[r] = _mm256_fmadd_ps(G == 1 ? d : _mm256_mul_ps(d, sv), _mm256_cvtepi32_ps(blk[r]),
                                      acc[r]);
         }
     }
-    const __m256 s0 = _mm256_loadu_ps(s);
+    const __m256 s0 = load_h8(s);
     for (int r = 0; r < R; r++) {
         __m256 v;
         if (int_acc)
@@ -194,8 +263,8 @@ INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
     const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
     const uint8_t *w = (const uint8_t *)L->w + (int64_t)p * nb * QPANEL * 16;
-    const float *s = L->scales + (int64_t)p * G * QPANEL;
-    const float *z = L->zeros ? L->zeros + (int64_t)p * G * QPANEL : NULL;
+    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
+    const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
     const __m256 eight = _mm256_set1_ps(8.f);
     __m256 acc[DECODE_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -216,8 +285,8 @@ INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
             }
         }
         const int g = b / L->bpg;
-        const __m256 sv = _mm256_loadu_ps(s + g * QPANEL);
-        const __m256 zv = z ? _mm256_loadu_ps(z + g * QPANEL) : eight;
+        const __m256 sv = load_h8(s + g * QPANEL);
+        const __m256 zv = z ? load_h8(z + g * QPANEL) : eight;
         for (int r = 0; r < R; r++) {
             const int64_t i = (int64_t)(m0 + r) * nb + b;
             const __m256 f = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a->sum[i]),
