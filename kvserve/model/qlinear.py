@@ -1,8 +1,10 @@
 """Quantised linear layers and embedding tables (docs/quantization.md).
 
-`QuantLinear` keeps the weight as packed integer codes and runs kvserve's integer GEMM extension
-(kvserve/quant/csrc/qgemm.cpp: activations rounded to int8, integer dot products per 32 inputs). Where
-that cannot run (the extension did not build, or an accelerator), it multiplies by the dequantised
+`QuantLinear` keeps the weight as packed integer codes: on CPU with the C kernel library, in the
+panel-interleaved layout of kvserve/model/csrc/qgemv.c (`pack_panels`, built once here; every row
+count runs it), else in the row layout of kvserve's integer GEMM extension
+(kvserve/quant/csrc/qgemm.cpp); both round activations to int8 and take integer dot products per 32
+inputs. Where neither can run (no compiler, or an accelerator), it multiplies by the dequantised
 weight after rounding the activations the same way, so every device computes the same function, and
 it says so in `kernel`.
 """
