@@ -58,31 +58,91 @@ def test_fp32_small_linear_equals_fp64_product(isa, bias):
 
 
 @needs_kernel
-@pytest.mark.skipif(not kernels_available(), reason="the quantised GEMM extension did not build")
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
-def test_quantised_small_linear_equals_the_gemm_extension(isa, fmt):
-    """The extension's op (kvserve/quant/csrc/qgemm.cpp) to 1e-6 of the output scale on AVX2 (the same
-    per-(row, column) arithmetic; the compilers may fuse the last multiply-add differently), and the
-    dequantised weight times the kernel-rounded activations to 1e-4 of it on either path."""
-    gen = torch.Generator().manual_seed(1)
-    n, k = 45, 200  # 200 inputs: not a multiple of 32, 64 or 128 (short last group)
+@pytest.mark.parametrize("n, k", [(45, 200), (37, 77), (64, 576)])
+def test_quantised_gemv_equals_the_dequantised_reference(isa, fmt, n, k):
+    """The panel-layout GEMV / GEMM (csrc/qgemv.c) equals the dequantised weight times the
+    kernel-rounded activations to 1e-5 of the output's scale (only fp32 summation order differs),
+    for 1-4 rows and beyond (5, 17: row tiles), K not a multiple of 32 or of the group (200, 77),
+    N not a multiple of the 8-column panel (45, 37), with and without bias; and the forced scalar
+    path gives the same bits as the AVX2 one (the same integers and fp32 operations in order)."""
+    gen = torch.Generator().manual_seed(n * k)
     scheme = parse_tensor_scheme(fmt)
     weight = torch.randn(n, k, generator=gen)
+    qt = quantize(weight, scheme)
+    reference_weight = qt.dequantize()
     for bias in (None, torch.randn(n, generator=gen)):
-        linear = QuantLinear(quantize(weight, scheme), bias)
-        desc = fused_decode.linear_descriptor(linear, [])
-        reference_weight = quantize(weight, scheme).dequantize()
-        for m in range(1, fused_decode.max_rows() + 1):
+        linear = QuantLinear(qt, bias)
+        assert linear.layout == "panel" and linear.kernel == f"kvq-int{scheme.bits}-{isa}"
+        for m in [*range(1, fused_decode.max_rows() + 1), 5, 17]:
             x = torch.randn(m, k, generator=gen) * 3
-            got = fused_decode.small_linear(desc, x)
-            assert torch.equal(got, linear(x))  # QuantLinear takes this path for a few rows
+            got = linear(x)
             expected = round_activations(x, scheme.act) @ reference_weight.T
             expected = expected + (0 if bias is None else bias)
             scale = expected.abs().max()
-            if isa == "avx2":
-                extension = linear._op(x, *linear._args)
-                assert (got - extension).abs().max() <= 1e-6 * scale, f"{fmt}, {m} rows"
-            assert (got - expected).abs().max() <= 1e-4 * scale, f"{fmt}, {m} rows"
+            assert (got - expected).abs().max() <= 1e-5 * scale, f"{fmt}, {m} rows"
+            fused_decode.set_max_isa("scalar")
+            scalar = linear(x)
+            fused_decode.set_max_isa(isa)
+            assert torch.equal(got, scalar), f"{fmt}, {m} rows: AVX2 and scalar differ"
+
+
+@needs_kernel
+@pytest.mark.skipif(not kernels_available(), reason="the quantised GEMM extension did not build")
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128-zp", "w8a8"])
+def test_quantised_gemv_equals_the_gemm_extension(fmt):
+    """The torch extension (kvserve/quant/csrc/qgemm.cpp, its row layout: the path without the C
+    library) and the panel GEMV compute the same function: 1e-5 of the output's scale."""
+    from kvserve.model.qlinear import pack_for_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    scheme = parse_tensor_scheme(fmt)
+    qt = quantize(torch.randn(45, 200, generator=gen), scheme)
+    bias = torch.randn(45, generator=gen)
+    linear = QuantLinear(qt, bias)
+    rows = pack_for_kernel(qt)
+    for m in (1, 3, 9):
+        x = torch.randn(m, 200, generator=gen)
+        if scheme.bits == 8:
+            extension = torch.ops.kvq.q8_linear(x, rows["w"], rows["scales"], rows["bpg"], bias,
+                                                linear.act_mode)  # fmt: skip
+        else:
+            extension = torch.ops.kvq.q4_linear(x, rows["w"], rows["scales"], rows["zeros"],
+                                                rows["bpg"], bias, linear.act_mode)  # fmt: skip
+        got = linear(x)
+        assert (got - extension).abs().max() <= 1e-5 * extension.abs().max(), f"{fmt}, {m} rows"
+
+
+@needs_kernel
+def test_panel_layout_puts_each_code_where_the_header_says(isa):
+    """pack_panels against the index formula of csrc/decode_step.h, and an int8 code of -128 (which
+    the |x| * sign(w, x) order cannot take: w_min switches the operand order) computed exactly."""
+    from kvserve.model.qlinear import pack_panels
+    from kvserve.quant.rtn import QuantizedTensor
+
+    gen = torch.Generator().manual_seed(4)
+    n, k = 11, 70
+    codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    codes[3, 5] = -128
+    scales = torch.rand(n, 1, generator=gen).half() + 0.5
+    qt = QuantizedTensor(parse_tensor_scheme("int8"), codes, scales, None)
+    packed = pack_panels(qt)
+    assert packed["w_min"] and packed["w"].shape == (2, 3, 8, 8, 4)
+    for col, inp in [(0, 0), (3, 5), (10, 69), (7, 33)]:
+        p, c, b, j, t = col // 8, col % 8, inp // 32, (inp % 32) // 4, inp % 4
+        assert packed["w"][p, b, j, c, t] == codes[col, inp]
+    assert packed["w"][1, 2, 7, 7, 3] == 0  # padding: column 15, input 95
+    x = torch.randn(2, k, generator=gen)
+    expected = round_activations(x, "block") @ qt.dequantize().T
+    got = QuantLinear(qt, None)(x)
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
+    int4 = quantize(torch.randn(n, k, generator=gen), parse_tensor_scheme("int4-g32"))
+    nibbles = pack_panels(int4)["w"]  # [P, nb, 4, 8, 4]
+    unsigned = (int4.codes.to(torch.int16) + 8).to(torch.uint8)
+    for col, inp in [(0, 0), (9, 17), (10, 69), (4, 47)]:
+        p, c, b, r = col // 8, col % 8, inp // 32, inp % 32
+        byte = int(nibbles[p, b, (r % 16) // 4, c, r % 4])
+        assert (byte >> 4 if r >= 16 else byte & 0x0F) == unsigned[col, inp]
 
 
 def _fused_and_per_op(model_dir: Path, **options) -> tuple[torch.Tensor, torch.Tensor, int]:

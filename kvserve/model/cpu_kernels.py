@@ -1,6 +1,7 @@
 """CPU kernels in C: decode attention that reads the paged cache in place (csrc/paged_attention.c), the
 decoder's small fused ops (csrc/layer_ops.c: add + RMSNorm, RoPE, KV write, SiLU-and-multiply) and the
-whole decode step for a few rows (csrc/decode_step.c, driven by model/fused_decode.py).
+whole decode step for a few rows (csrc/decode_step.c, driven by model/fused_decode.py) with the quantised
+GEMV on its panel-interleaved layout (csrc/qgemv.c, csrc/decode_step.h).
 
 The C sources are compiled once per machine with the system compiler (`-O3 -march=native -fopenmp`, about a
 second) into ~/.cache/kvserve/kernels and loaded with ctypes; it shares torch's OpenMP runtime (libgomp is
@@ -28,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.c", "layer_ops.c", "decode_step.c")
+    for name in ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c")
 )
+_HEADERS = (Path(__file__).parent / "csrc" / "decode_step.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
 
@@ -62,7 +64,7 @@ def load_kernel() -> ctypes.CDLL | None:
             "no C compiler found: CPU decode attention uses the torch backend (gathers KV)"
         )
         return None
-    source = b"".join(p.read_bytes() for p in _SOURCES)
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = source + " ".join((compiler, *_FLAGS)).encode() + _cpu_identity()
     digest = hashlib.sha256(key).hexdigest()[:16]
     path = _cache_dir() / f"kvserve_cpu-{digest}.so"

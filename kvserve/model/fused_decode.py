@@ -3,13 +3,13 @@
 At batch 1 a step is ~10 dispatched calls per layer, and their Python and dispatch cost as much as the
 arithmetic (docs/performance.md, "The fused decode step"). `FusedDecoder` describes the model's weights
 and KV tensors once, as C structs (csrc/decode_step.c), and runs a step of up to `max_rows()`
-single-token rows with one ctypes call: the GEMVs (fp32 rows, or the quantised layouts of
-kvserve/quant/csrc/qgemm.cpp) split columns over the threads, the small ops and the paged attention
+single-token rows with one ctypes call: the GEMVs (fp32 rows, or the panel-interleaved quantised
+layout of csrc/decode_step.h, built once by `QuantLinear`) split columns over the threads, the small ops and the paged attention
 are the same C functions the per-op path calls. `small_linear` runs one linear the same way (the LM
 head at decode).
 
 It applies when the C kernels are on (fp32 activations on CPU), every projection has a native layout
-(`PackedLinear` with its rows kept, or `QuantLinear` on its integer kernel), the KV cache is fp32,
+(`PackedLinear` with its rows kept, or `QuantLinear` on the panel layout), the KV cache is fp32,
 there is no q/k norm, and the step is decode rows only; anything else takes the per-op path.
 """
 
@@ -30,7 +30,8 @@ ISA_NAMES = {2: "avx2", 0: "scalar"}
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("kind", _INT), ("n", _INT), ("k", _INT), ("kp", _INT), ("groups", _INT), ("bpg", _INT),
-        ("act_mode", _INT), ("w", _PTR), ("scales", _PTR), ("zeros", _PTR), ("bias", _PTR),
+        ("act_mode", _INT), ("w_min", _INT), ("w", _PTR), ("scales", _PTR), ("zeros", _PTR),
+        ("bias", _PTR),
     ]  # fmt: skip
 
 
@@ -83,22 +84,22 @@ def linear_descriptor(module: torch.nn.Module, keep: list) -> _Linear | None:
         bias = None if module.bias is None else module.bias.float().contiguous()
         keep += [w, bias]
         n, k = w.shape
-        return _Linear(_LIN_F32, n, k, k, 1, 1, 0, w.data_ptr(), None, None, _ptr(bias))
-    if isinstance(module, QuantLinear) and module.weight_deq is None:
+        return _Linear(_LIN_F32, n, k, k, 1, 1, 0, 0, w.data_ptr(), None, None, _ptr(bias))
+    if isinstance(module, QuantLinear) and module.layout == "panel":
+        # csrc/decode_step.h: w [P, nb, 8, 8, 4] int8 | [P, nb, 4, 8, 4] uint8, scales [P, G, 8]
         bits = module.scheme.bits
-        kp = module.w.shape[1] * (1 if bits == 8 else 2)
-        zeros = module.zeros if bits == 4 else None
-        keep += [module.w, module.scales, zeros, module.bias]
+        keep += [module.w, module.scales, module.zeros, module.bias]
         return _Linear(
-            _LIN_Q8 if bits == 8 else _LIN_Q4, module.out_features, module.in_features, kp,
-            module.scales.shape[1], int(module.bpg), module.act_mode, module.w.data_ptr(),
-            module.scales.data_ptr(), _ptr(zeros), _ptr(module.bias),
+            _LIN_Q8 if bits == 8 else _LIN_Q4, module.out_features, module.in_features,
+            module.w.shape[1] * 32, module.scales.shape[1], int(module.bpg), module.act_mode,
+            int(module.w_min), module.w.data_ptr(), module.scales.data_ptr(), _ptr(module.zeros),
+            _ptr(module.bias),
         )  # fmt: skip
     return None
 
 
 def small_linear(desc: _Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 (M <= max_rows()) -> [M, N] through the native GEMV."""
+    """x [M, K] fp32 -> [M, N] through the native GEMV (fp32: M <= max_rows(); quantised: any M)."""
     x = x.contiguous()
     y = x.new_empty(x.shape[0], desc.n)
     status = cpu_kernels.load_kernel().small_linear(

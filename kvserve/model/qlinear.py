@@ -1,8 +1,10 @@
 """Quantised linear layers and embedding tables (docs/quantization.md).
 
-`QuantLinear` keeps the weight as packed integer codes and runs kvserve's integer GEMM extension
-(kvserve/quant/csrc/qgemm.cpp: activations rounded to int8, integer dot products per 32 inputs). Where
-that cannot run (the extension did not build, or an accelerator), it multiplies by the dequantised
+`QuantLinear` keeps the weight as packed integer codes: on CPU with the C kernel library, in the
+panel-interleaved layout of kvserve/model/csrc/qgemv.c (`pack_panels`, built once here; every row
+count runs it), else in the row layout of kvserve's integer GEMM extension
+(kvserve/quant/csrc/qgemm.cpp); both round activations to int8 and take integer dot products per 32
+inputs. Where neither can run (no compiler, or an accelerator), it multiplies by the dequantised
 weight after rounding the activations the same way, so every device computes the same function, and
 it says so in `kernel`.
 """
@@ -20,6 +22,8 @@ from kvserve.model import fused_decode
 from kvserve.quant.kernels import kernel_isa, kernels_available
 from kvserve.quant.rtn import QuantizedTensor
 from kvserve.quant.scheme import ACT_TENSOR, ACT_TOKEN, KERNEL_BLOCK, TensorScheme
+
+PANEL = 8  # output columns interleaved in the native GEMV's layout (csrc/decode_step.h QPANEL)
 
 logger = logging.getLogger(__name__)
 _ACT_MODES = {"block": 0, ACT_TOKEN: 1, ACT_TENSOR: 2}
@@ -75,6 +79,44 @@ def pack_for_kernel(qt: QuantizedTensor) -> dict[str, torch.Tensor | int]:
     }
 
 
+def _panel_rows(t: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """[N, G] per-column values -> [P, G, 8] fp16 (panel, group, column in the panel), zero-padded."""
+    t = F.pad(t.half(), (0, 0, 0, padded_rows - t.shape[0]))
+    return t.reshape(padded_rows // PANEL, PANEL, -1).transpose(1, 2).contiguous()
+
+
+def pack_panels(qt: QuantizedTensor) -> dict[str, torch.Tensor | int | None]:
+    """The panel-interleaved layout of the native GEMV (kvserve/model/csrc/decode_step.h): output
+    columns padded to a multiple of 8 and inputs to a multiple of 32 (zeros); panel p holds columns
+    8p .. 8p + 7, block b of 32 inputs as 4-input groups of the 8 columns (one 32-byte vector each).
+    int8: w [P, nb, 8, 8, 4] = codes[8p + c, 32b + 4j + t] at [p, b, j, c, t]. int4: w [P, nb, 4, 8, 4]
+    uint8, low nibble input 32b + 4j + t and high nibble input 32b + 16 + 4j + t, unsigned codes
+    (symmetric: code + 8 and zeros None). scales / zeros: [P, G, 8] fp16 (the checkpoint's, exact)."""
+    num_rows, num_cols = qt.codes.shape
+    padded_cols = math.ceil(num_cols / KERNEL_BLOCK) * KERNEL_BLOCK
+    padded_rows = math.ceil(num_rows / PANEL) * PANEL
+    num_blocks, num_panels = padded_cols // KERNEL_BLOCK, padded_rows // PANEL
+    scheme = qt.scheme
+    if scheme.granularity == "group":
+        blocks_per_group = scheme.group_size // KERNEL_BLOCK
+    else:
+        blocks_per_group = num_blocks  # one scale per row
+    scales = _panel_rows(qt.scales.expand(num_rows, -1), padded_rows)
+    codes = F.pad(qt.codes, (0, padded_cols - num_cols, 0, padded_rows - num_rows))  # [Np, Kp]
+    layout = {"scales": scales, "zeros": None, "bpg": blocks_per_group, "w_min": False}
+    if scheme.bits == 8:
+        w = codes.reshape(num_panels, PANEL, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)
+        return layout | {"w": w.contiguous(), "w_min": bool((codes == -128).any())}
+    if qt.zeros is None:
+        unsigned = (codes.to(torch.int16) + 8).to(torch.uint8)  # symmetric int4 as zero-point 8
+    else:
+        unsigned = codes.to(torch.uint8)
+        layout["zeros"] = _panel_rows(qt.zeros.expand(num_rows, -1), padded_rows)
+    halves = unsigned.reshape(num_panels, PANEL, num_blocks, 2, 4, 4)  # [P, c, nb, half, j, t]
+    nibbles = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [P, c, nb, j, t]
+    return layout | {"w": nibbles.permute(0, 2, 3, 1, 4).contiguous()}
+
+
 class QuantLinear(nn.Module):
     """y = round_act(x) W_q^T + b with W_q kept as integer codes (fp32 output)."""
 
@@ -87,7 +129,21 @@ class QuantLinear(nn.Module):
         self.act_mode = _ACT_MODES[qt.scheme.act]
         self.bias = None if bias is None else bias.detach().float().contiguous().to(device)
         device = torch.device(device)
-        if device.type == "cpu" and kernels_available():
+        self.layout = "dequantized"
+        if device.type == "cpu" and fused_decode.max_rows():
+            # the native GEMV / GEMM of csrc/qgemv.c for any number of rows, on the panel layout
+            # (repacked here once; the only copy of the codes)
+            self.layout = "panel"
+            self.kernel = f"kvq-int{qt.scheme.bits}-{fused_decode.isa()}"
+            packed = pack_panels(qt)
+            self.w, self.scales, self.zeros = packed["w"], packed["scales"], packed["zeros"]
+            self.bpg, self.w_min = packed["bpg"], packed["w_min"]
+            self.weight_deq = None
+            self._keep: list = []
+            self._desc = fused_decode.linear_descriptor(self, self._keep)
+        elif device.type == "cpu" and kernels_available():
+            # no C library for ctypes: the torch extension (qgemm.cpp) on its row layout
+            self.layout = "rows"
             self.kernel = f"kvq-int{qt.scheme.bits}-{kernel_isa()}"
             packed = pack_for_kernel(qt)
             self.w, self.scales, self.bpg = packed["w"], packed["scales"], packed["bpg"]
@@ -99,11 +155,6 @@ class QuantLinear(nn.Module):
             else:
                 self._op = torch.ops.kvq.q4_linear.default
                 self._args = (self.w, self.scales, self.zeros, self.bpg, self.bias, self.act_mode)
-            # a few rows (decode): the native GEMV of model/fused_decode.py, the same arithmetic
-            # without the op's per-call setup
-            self.small_rows = fused_decode.max_rows()
-            self._keep: list = []
-            self._desc = fused_decode.linear_descriptor(self, self._keep)
         else:
             self.kernel = "dequantized-fp32" if device.type == "cpu" else f"dequantized-{device}"
             self.weight_deq = qt.dequantize().to(device)  # [out, in]
@@ -111,9 +162,15 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in] -> [..., out]; the op takes any strides and float dtype (one call: decode runs
         # ~120 of these per token, so Python work here costs as much as the matmul)
-        if self.weight_deq is None:
-            if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows and x.dtype == torch.float32:
+        if self.layout == "panel":
+            if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0]:
                 return fused_decode.small_linear(self._desc, x)  # [M, in] -> [M, out]
+            x2 = x.reshape(-1, self.in_features).float()  # [M, in]
+            if x2.shape[0] == 0:
+                return x.new_empty(*x.shape[:-1], self.out_features)
+            y = fused_decode.small_linear(self._desc, x2)
+            return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if self.layout == "rows":
             return self._op(x, *self._args)
         x2 = x.reshape(-1, self.in_features).float()
         y = F.linear(round_activations(x2, self.scheme.act), self.weight_deq, self.bias)

@@ -1,0 +1,48 @@
+/* Shared by decode_step.c (the fused step, fp32 GEMV) and qgemv.c (the quantised GEMV / GEMM).
+ * See docs/performance.md, "The fused decode step". */
+#ifndef KVSERVE_DECODE_STEP_H
+#define KVSERVE_DECODE_STEP_H
+#include <stdint.h>
+
+#define DECODE_MAX_ROWS 4
+#define QBLOCK 32
+#define QPANEL 8 /* output columns interleaved in one panel of the quantised layout */
+
+enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2 };
+
+/* One linear y [M, N] = x [M, K] W^T + b.
+ * fp32: w [N, K] row-major.
+ * int8 / int4 (qgemv.c): the panel-interleaved layout, N padded to Np = a multiple of 8 columns and
+ *   K to Kp = a multiple of 32 inputs (zeros). Panel p holds columns 8p .. 8p + 7.
+ *   int8: w[p][b][j][c][t] (int8) = code of column 8p + c, input 32b + 4j + t (j < 8, t < 4): one
+ *     32-byte row holds 4 consecutive inputs of the panel's 8 columns.
+ *   int4: w[p][b][j][c][t] (uint8, j < 4) = code of input 32b + 4j + t (low nibble) and of input
+ *     32b + 16 + 4j + t (high nibble); codes unsigned, value = scale * (code - zero).
+ *   scales [P, G, 8] fp16 (P = Np / 8, G groups of bpg blocks: the checkpoint's fp16 scales, so
+ *   exact), zeros [P, G, 8] fp16 or NULL (symmetric int4: zero 8). w_min: some int8 code is -128 (takes the |w| x sign(x, w) order). */
+typedef struct {
+    int kind;     /* LIN_F32 | LIN_Q8 | LIN_Q4 */
+    int n, k, kp; /* outputs, inputs, inputs padded to a multiple of 32 (quantised) */
+    int groups, bpg, act_mode; /* scale groups per row, blocks per group, activation rounding mode */
+    int w_min;
+    const void *w;
+    const void *scales, *zeros; /* quantised: fp16 bits, see above */
+    const float *bias;          /* [N] or NULL */
+} Linear;
+
+/* Activations rounded to int8 (qgemv.c quantize_acts), for up to `rows` rows of `kp` inputs. */
+typedef struct {
+    int rows, kp;
+    int8_t *codes;   /* [M, Kp] */
+    int8_t *abs;     /* [M, Kp]: |codes| */
+    float *scale;    /* [M, nb] */
+    float *sum;      /* [M, nb]: sum of the block's codes */
+} Acts;
+
+int alloc_acts(Acts *a, int rows, int max_kp);
+void free_acts(Acts *a);
+void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads);
+/* the quantised linear for any M (activations already in `a`), panels split over the threads */
+void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads);
+
+#endif

@@ -1,0 +1,344 @@
+/* The quantised GEMV / GEMM on the panel-interleaved layout (decode_step.h; docs/performance.md, "The
+ * fused decode step").
+ *
+ * Activations are rounded to int8 as kvserve/quant/csrc/qgemm.cpp rounds them (per 32 inputs, per row
+ * or per tensor). A panel is 8 output columns whose codes are interleaved 4 inputs at a time, so one
+ * 32-byte load holds 4 inputs of 8 columns: a broadcast 4-byte activation group times it
+ * (vpmaddubsw + vpmaddwd) gives each column's partial sum in its own 32-bit lane. A 32-input block's
+ * integer sum of 8 columns is then one vector (no horizontal sum per column), scaled once per block
+ * (activation scale x the 8 columns' fp16 weight scales) into 8 fp32 accumulators. Each thread reads its
+ * panels as one sequential stream; a panel serves up to 4 rows per pass (more rows: row tiles of 4
+ * over the panel while it is in L1).
+ *
+ * int8: x * w = |x| * sign(w, x) (the activation's magnitude is the unsigned operand, computed once
+ *   per step); a weight with a -128 code takes |w| * sign(x, w) instead (one more op per load).
+ * int4: codes are unsigned nibbles, the unsigned operand as they are; 8 products of one block sum in
+ *   int16 without overflow (8 x 2 x 15 x 127 < 2^15); the zero-point enters per block as
+ *   zero x (sum of the block's activation codes).
+ * The scalar path computes the same integers and the same fp32 operations in the same order
+ * (explicit fmaf), so both paths give the same bits.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "decode_step.h"
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+int alloc_acts(Acts *a, int rows, int max_kp) {
+    a->rows = rows, a->kp = max_kp;
+    a->codes = malloc((size_t)rows * max_kp);
+    a->abs = malloc((size_t)rows * max_kp);
+    a->scale = malloc(sizeof(float) * rows * (max_kp / QBLOCK));
+    a->sum = malloc(sizeof(float) * rows * (max_kp / QBLOCK));
+    return a->codes && a->abs && a->scale && a->sum;
+}
+
+void free_acts(Acts *a) { free(a->codes), free(a->abs), free(a->scale), free(a->sum); }
+
+/* Rounds 32 values of one block with scale d = amax / 127: codes, |codes|; returns the codes' sum. */
+static int32_t round_block(const float *row, int n, float amax, int8_t *q, int8_t *qa, float *d_out,
+                           int isa) {
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    *d_out = d;
+    (void)isa;
+#ifdef __AVX2__
+    if (n == QBLOCK && isa >= 2) {
+        const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+        __m256i c[4];
+        for (int i = 0; i < 4; i++) {
+            /* round(x * inv) half to even (the scalar path's nearbyintf), clamped to +-127 */
+            __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(row + 8 * i), vinv),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            c[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+        }
+        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+        /* packs work per 128-bit lane: restore the order with one permute */
+        const __m256i p16a = _mm256_packs_epi32(c[0], c[1]), p16b = _mm256_packs_epi32(c[2], c[3]);
+        const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)q, p8);
+        _mm256_storeu_si256((__m256i *)qa, _mm256_abs_epi8(p8));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        return _mm_cvtsi128_si32(s4);
+    }
+#endif
+    int32_t s = 0;
+    for (int k = 0; k < QBLOCK; k++) {
+        int32_t v = 0;
+        if (k < n) {
+            v = (int32_t)nearbyintf(row[k] * inv);
+            v = v < -127 ? -127 : (v > 127 ? 127 : v);
+        }
+        q[k] = (int8_t)v, qa[k] = (int8_t)(v < 0 ? -v : v);
+        s += v;
+    }
+    return s;
+}
+
+static float abs_max(const float *x, int n, int isa) {
+    float m = 0.f;
+    int k = 0;
+#ifdef __AVX2__
+    if (isa >= 2 && n >= 8) {
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 v = _mm256_setzero_ps();
+        for (; k + 8 <= n; k += 8) v = _mm256_max_ps(v, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    }
+#else
+    (void)isa;
+#endif
+    for (; k < n; k++) m = fmaxf(m, fabsf(x[k]));
+    return m;
+}
+
+void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads) {
+    const int nb = Kp / QBLOCK;
+    const float tensor_max = mode == 2 ? abs_max(x, M * K, isa) : 0.f;
+#pragma omp parallel for num_threads(num_threads) if (M > DECODE_MAX_ROWS && num_threads > 1)
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (int64_t)m * K;
+        const float row_max = mode == 1 ? abs_max(row, K, isa) : tensor_max;
+        for (int b = 0; b < nb; b++) {
+            const int k0 = b * QBLOCK, n = K - k0 < QBLOCK ? K - k0 : QBLOCK;
+            const float amax = mode == 0 ? abs_max(row + k0, n, isa) : row_max;
+            const int64_t i = (int64_t)m * nb + b;
+            a->sum[i] = (float)round_block(row + k0, n, amax, a->codes + (int64_t)m * Kp + k0,
+                                           a->abs + (int64_t)m * Kp + k0, &a->scale[i], isa);
+        }
+    }
+}
+
+/* An fp16 scale (IEEE binary16 bits) as fp32: exact. */
+static inline float h2f(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {
+        f = (float)man * 0x1p-24f; /* zero or subnormal */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* The 8 results of panel p for row m: v[c] (+ bias) into y for the columns that exist. */
+static void store_panel(const Linear *L, const float *v, float *y, int m, int p) {
+    const int n0 = p * QPANEL, count = L->n - n0 < QPANEL ? L->n - n0 : QPANEL;
+    for (int c = 0; c < count; c++)
+        y[(int64_t)m * L->n + n0 + c] = v[c] + (L->bias ? L->bias[n0 + c] : 0.f);
+}
+
+/* ---- scalar: the same integers and fp32 operations as the AVX2 path ------------------------------ */
+
+static void q_panel_scalar(const Linear *L, const Acts *a, float *y, int p, int m) {
+    const int nb = L->kp / QBLOCK, G = L->groups, int_acc = L->kind == LIN_Q8 && L->act_mode && G == 1;
+    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
+    const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
+    const int8_t *xq = a->codes + (int64_t)m * L->kp;
+    const float *xd = a->scale + (int64_t)m * nb, *xs = a->sum + (int64_t)m * nb;
+    float v[QPANEL];
+    for (int c = 0; c < QPANEL; c++) {
+        float acc = 0.f;
+        int32_t total = 0;
+        for (int b = 0; b < nb; b++) {
+            int32_t isum = 0;
+            if (L->kind == LIN_Q8) {
+                const int8_t *w = (const int8_t *)L->w + ((int64_t)p * nb + b) * QPANEL * QBLOCK;
+                for (int k = 0; k < QBLOCK; k++)
+                    isum += (int32_t)w[(k / 4) * 32 + c * 4 + k % 4] * xq[b * QBLOCK + k];
+            } else {
+                const uint8_t *w = (const uint8_t *)L->w + ((int64_t)p * nb + b) * QPANEL * 16;
+                for (int k = 0; k < 16; k++) {
+                    const uint8_t byte = w[(k / 4) * 32 + c * 4 + k % 4];
+                    isum += (int32_t)(byte & 0x0F) * xq[b * QBLOCK + k] +
+                            (int32_t)(byte >> 4) * xq[b * QBLOCK + 16 + k];
+                }
+            }
+            const int g = b / L->bpg;
+            if (int_acc) {
+                total += isum;
+            } else if (L->kind == LIN_Q8) {
+                acc = fmaf(G == 1 ? xd[b] : xd[b] * h2f(s[g * QPANEL + c]), (float)isum, acc);
+            } else {
+                const float zero = z ? h2f(z[g * QPANEL + c]) : 8.f;
+                const float f = fmaf(-zero, xs[b], (float)isum);
+                acc = fmaf(xd[b] * h2f(s[g * QPANEL + c]), f, acc);
+            }
+        }
+        if (int_acc) v[c] = (float)total * xd[0] * h2f(s[c]);
+        else v[c] = L->kind == LIN_Q8 && G == 1 ? acc * h2f(s[c]) : acc;
+    }
+    store_panel(L, v, y, m, p);
+}
+
+/* ---- AVX2 ------------------------------------------------------------------------------------------ */
+#ifdef __AVX2__
+#define INL static inline __attribute__((always_inline))
+
+/* 8 fp16 scales as fp32 */
+INL __m256 load_h8(const uint16_t *p) {
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = h2f(p[i]);
+    return _mm256_loadu_ps(f);
+#endif
+}
+
+INL __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* int8, R rows m0 .. m0 + R - 1 of panel p. */
+INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const int R,
+                  const int int_acc, const int w_min) {
+    const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *w = (const int8_t *)L->w + (int64_t)p * nb * QPANEL * QBLOCK;
+    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
+    __m256 acc[DECODE_MAX_ROWS];
+    __m256i total[DECODE_MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), total[r] = _mm256_setzero_si256();
+    for (int b = 0; b < nb; b++) {
+        const int8_t *wb = w + (int64_t)b * QPANEL * QBLOCK;
+        __m256i blk[DECODE_MAX_ROWS];
+        for (int r = 0; r < R; r++) blk[r] = _mm256_setzero_si256();
+        _mm_prefetch((const char *)(wb + 1024), _MM_HINT_T0);
+        for (int j = 0; j < 8; j++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
+            const __m256i aw = w_min ? _mm256_sign_epi8(wv, wv) : wv;
+            for (int r = 0; r < R; r++) {
+                const int64_t off = (int64_t)(m0 + r) * Kp + b * QBLOCK + j * 4;
+                const __m256i xv = bcast4(a->codes + off);
+                const __m256i p16 = w_min ? _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv))
+                                          : _mm256_maddubs_epi16(bcast4(a->abs + off),
+                                                                 _mm256_sign_epi8(wv, xv));
+                blk[r] = _mm256_add_epi32(blk[r], _mm256_madd_epi16(p16, ones));
+            }
+        }
+        if (int_acc) {
+            for (int r = 0; r < R; r++) total[r] = _mm256_add_epi32(total[r], blk[r]);
+            continue;
+        }
+        const __m256 sv = G == 1 ? _mm256_setzero_ps() : load_h8(s + (b / L->bpg) * QPANEL);
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb + b]);
+            acc[r] = _mm256_fmadd_ps(G == 1 ? d : _mm256_mul_ps(d, sv), _mm256_cvtepi32_ps(blk[r]),
+                                     acc[r]);
+        }
+    }
+    const __m256 s0 = load_h8(s);
+    for (int r = 0; r < R; r++) {
+        __m256 v;
+        if (int_acc)
+            v = _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(total[r]),
+                              _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb])),
+                s0);
+        else v = G == 1 ? _mm256_mul_ps(acc[r], s0) : acc[r];
+        float out[QPANEL];
+        _mm256_storeu_ps(out, v);
+        store_panel(L, out, y, m0 + r, p);
+    }
+}
+
+/* int4, R rows of panel p. */
+INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const int R) {
+    const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+    const uint8_t *w = (const uint8_t *)L->w + (int64_t)p * nb * QPANEL * 16;
+    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
+    const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
+    const __m256 eight = _mm256_set1_ps(8.f);
+    __m256 acc[DECODE_MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *wb = w + (int64_t)b * QPANEL * 16;
+        __m256i s16[DECODE_MAX_ROWS];
+        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+        _mm_prefetch((const char *)(wb + 512), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
+            const __m256i lo = _mm256_and_si256(raw, low4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK + j * 4;
+                s16[r] = _mm256_add_epi16(
+                    s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xr)),
+                                             _mm256_maddubs_epi16(hi, bcast4(xr + 16))));
+            }
+        }
+        const int g = b / L->bpg;
+        const __m256 sv = load_h8(s + g * QPANEL);
+        const __m256 zv = z ? load_h8(z + g * QPANEL) : eight;
+        for (int r = 0; r < R; r++) {
+            const int64_t i = (int64_t)(m0 + r) * nb + b;
+            const __m256 f = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a->sum[i]),
+                                              _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a->scale[i]), sv), f, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float out[QPANEL];
+        _mm256_storeu_ps(out, acc[r]);
+        store_panel(L, out, y, m0 + r, p);
+    }
+}
+
+static void q_panel_avx2(const Linear *L, const Acts *a, int M, float *y, int p) {
+    const int int_acc = L->kind == LIN_Q8 && L->act_mode != 0 && L->groups == 1;
+    for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
+        const int R = M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS;
+#define Q8(RR)                                                                       \
+    (int_acc ? (L->w_min ? q8_panel(L, a, y, p, m0, RR, 1, 1) : q8_panel(L, a, y, p, m0, RR, 1, 0)) \
+             : (L->w_min ? q8_panel(L, a, y, p, m0, RR, 0, 1) : q8_panel(L, a, y, p, m0, RR, 0, 0)))
+        if (L->kind == LIN_Q8) {
+            switch (R) {
+            case 1: Q8(1); break;
+            case 2: Q8(2); break;
+            case 3: Q8(3); break;
+            default: Q8(4); break;
+            }
+        } else {
+            switch (R) {
+            case 1: q4_panel(L, a, y, p, m0, 1); break;
+            case 2: q4_panel(L, a, y, p, m0, 2); break;
+            case 3: q4_panel(L, a, y, p, m0, 3); break;
+            default: q4_panel(L, a, y, p, m0, 4); break;
+            }
+        }
+#undef Q8
+    }
+}
+#endif /* __AVX2__ */
+
+void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads) {
+    const int num_panels = (L->n + QPANEL - 1) / QPANEL;
+    (void)isa;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int p = 0; p < num_panels; p++) {
+#ifdef __AVX2__
+        if (isa >= 2) {
+            q_panel_avx2(L, a, M, y, p);
+            continue;
+        }
+#endif
+        for (int m = 0; m < M; m++) q_panel_scalar(L, a, y, p, m);
+    }
+}
