@@ -39,7 +39,7 @@ from _report import write_report  # benchmarks/ is on sys.path when a script run
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.server_utils import free_port  # noqa: E402
+from tests.server_utils import running_server  # noqa: E402
 
 SETTINGS = {
     "libgomp": {"GOMP_SPINCOUNT": "300000"},  # libgomp's own when unset (<= 1 thread per CPU)
@@ -95,21 +95,8 @@ def worker(args: argparse.Namespace) -> dict:
 
 def serve_case(args: argparse.Namespace, env: dict[str, str]) -> dict:
     """One `kvserve serve` under `env`, loaded by `kvserve bench serve`; its TPOT p50."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    serve = [sys.executable, "-m", "kvserve.cli", "serve", args.model, "--port", str(port),
-             "--no-prefix-caching", "--log-level", "warning"]  # fmt: skip
-    server = subprocess.Popen(serve, env=env | {"TOKENIZERS_PARALLELISM": "false"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while server.poll() is None and time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    serve_args = ("--no-prefix-caching",)
+    with running_server(args.model, *serve_args, timeout_s=300, env=env) as (url, _):
         threads = httpx.get(f"{url}/debug/steps?since=1000000000").json()["engine"].get("threads")
         with tempfile.TemporaryDirectory() as out:
             bench = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--base-url", url,
@@ -119,9 +106,6 @@ def serve_case(args: argparse.Namespace, env: dict[str, str]) -> dict:
                      "--no-plots", "--no-progress"]  # fmt: skip
             subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
             summary = json.loads((Path(out) / "summary.json").read_text())
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
     tpot = summary["latency_s"]["tpot"]
     return {"tpot_p50_ms": tpot["p50"] * 1e3, "tpot_max_ms": tpot["max"] * 1e3 if "max" in tpot
             else None, "threads": threads, "cores": None,

@@ -34,9 +34,14 @@ def engine_core_args() -> tuple[str, ...]:
 
 @contextlib.contextmanager
 def running_server(
-    model_dir: str | Path, *args: str, timeout_s: float = 180.0, log_path: Path | None = None
+    model_dir: str | Path,
+    *args: str,
+    timeout_s: float = 180.0,
+    log_path: Path | None = None,
+    env: dict[str, str] | None = None,
 ):
-    """Yields (base_url, process). Stops it with SIGTERM, then SIGKILL if it lingers."""
+    """Yields (base_url, process). Stops it with SIGTERM, then SIGKILL if it lingers. `env`: the
+    server's whole environment (default: this process's)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -54,7 +59,7 @@ def running_server(
         *args,
     ]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = {**(os.environ if env is None else env), "TOKENIZERS_PARALLELISM": "false"}
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:
