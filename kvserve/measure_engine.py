@@ -125,7 +125,7 @@ def measure_attention(
     cpu = torch.device("cpu")
     backend = get_attention_backend("auto", cpu, torch.float32)
     block_size, num_heads = 16, num_heads or 2 * num_kv_heads
-    contexts = sorted(cfg.attention_contexts)
+    contexts = sorted(set(cfg.attention_contexts))
     short, long = contexts[0], contexts[-1]
     per_seq = long // block_size + 1
     token_bytes = 2 * num_kv_heads * head_dim * 4  # K and V of one token of one layer, fp32
@@ -152,7 +152,9 @@ def measure_attention(
 
             times.append(time_median_s(call, cfg))
             points.append(
-                MeasuredPoint("attention-time", n, 0.0, 0.0, 0.0, times[-1] / num_layers, context)
+                MeasuredPoint(
+                    "attention-time", n, 0.0, 0.0, 0.0, times[-1] / num_layers, context, token_bytes
+                )
             )
         extra_bytes = n * (long - short) * token_bytes * num_layers
         # (a noisy pair at tiny sizes can come out reversed: the rate stays positive)
@@ -235,10 +237,13 @@ def measure_dispatch(
             _tiny_decoder(1, fused), _tiny_decoder(1 + dispatch_layers, fused)
         )  # fmt: skip
         for n in shape_rows:
+            steps_before = m_many.fused.num_steps if fused and m_many.fused else 0
             t_one = time_median_s(one(n), cfg)
             t_many = time_median_s(many(n), cfg)
-            if fused and not (m_one.fused and m_many.fused and m_many.fused.num_steps):
-                break  # the fused step did not build here: there is no such step shape
+            if fused and not (
+                m_one.fused and m_many.fused and m_many.fused.num_steps > steps_before
+            ):
+                break  # the fused step did not run at n rows: there is no such step shape
             per_layer = max(0.0, (t_many - t_one) / dispatch_layers)
             fixed_kind = "dispatch-fixed" if kind == "dispatch" else "fused-fixed"
             points.append(MeasuredPoint(kind, n, 0.0, 0.0, 0.0, per_layer))

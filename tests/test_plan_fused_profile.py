@@ -122,3 +122,28 @@ def test_an_old_profile_without_the_new_fields_still_loads_and_plans_per_op(tmp_
     assert "no fused-step points" in cost.sources()["dispatch"]
     plan = make_plan(SPEC, old, "fp32", "fp32")
     assert any("no fused-step points" in n for n in plan.notes)
+
+
+def test_attention_timed_on_another_models_cache_scales_with_its_bytes_per_token():
+    """A profile timed on 4 KV heads x 64 fp32 (2,048 bytes per token and layer) prices a model
+    with 4x the bytes per token at 4x the cache read, and a bf16 cache at half of it."""
+    pts = ((128, 1e-5), (2048, 1e-4))
+    points = PER_OP + FUSED + tuple(
+        MeasuredPoint("attention-time", 1, 0.0, 0.0, 0.0, s, c, 2048) for c, s in pts
+    )  # fmt: skip
+    same = 3 * 2048  # SPEC's 3 layers at the measured bytes: unscaled
+    base = EngineCost.from_profile(SPEC, FP32, same, hw(points)).terms_s(1, 2000)["kv"]
+    assert base == pytest.approx(3 * attention_excess_s(pts, 2000))
+    big = EngineCost.from_profile(SPEC, FP32, 4 * same, hw(points)).terms_s(1, 2000)["kv"]
+    half = EngineCost.from_profile(SPEC, FP32, same / 2, hw(points)).terms_s(1, 2000)["kv"]
+    assert big == pytest.approx(4 * base) and half == pytest.approx(base / 2)
+
+
+def test_repeated_contexts_in_a_profile_do_not_break_the_plan():
+    """Two points at the same context (a profile measured with `--measure-contexts 128,128,2048`
+    before contexts were deduplicated) are averaged, not divided by a zero width."""
+    pts = ((128, 1e-5), (128, 1.2e-5), (2048, 1e-4))
+    points = PER_OP + FUSED + tuple(pt("attention-time", 1, median_s=s, context=c) for c, s in pts)
+    cost = EngineCost.from_profile(SPEC, FP32, 1.0, hw(points))
+    expected = attention_excess_s(((128, 1.1e-5), (2048, 1e-4)), 2000)
+    assert cost.terms_s(1, 2000)["kv"] == pytest.approx(3 * expected)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.core.errors import ModelLoadError
 from kvserve.engine.llm import LLM
-from kvserve.quant.hf_checkpoints import AWQ_ORDER, hf_quantized_tensors
+from kvserve.quant.hf_checkpoints import AWQ_ORDER, _awq_columns, _nibbles, hf_quantized_tensors
 from kvserve.quant.rtn import quantize
 from kvserve.quant.scheme import parse_tensor_scheme
 from kvserve.server.manifest import quantization_manifest
@@ -131,6 +131,31 @@ def read_one(layout: str, scheme: str, weight: torch.Tensor) -> torch.Tensor:
     return qts[f"{PREFIX}.weight"].dequantize()
 
 
+WORD = 0x87654321 - 2**32  # nibble j (bits 4j) holds j + 1, as a signed int32
+
+
+def test_known_words_unpack_to_known_values():
+    """Hand-made words, independent of the packers below: GPTQ reads nibble j as row / column
+    8w + j; AWQ's nibble j is column 8w + (0, 2, 4, 6, 1, 3, 5, 7)[j] (AutoAWQ's order_map)."""
+    word = torch.tensor([[WORD]], dtype=torch.int32)
+    assert _nibbles(word).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert _awq_columns(word).tolist() == [[1, 5, 2, 6, 3, 7, 4, 8]]
+    # a whole GPTQ v1 linear, 32 inputs x 8 outputs in one group: qweight column 0 holds inputs
+    # 0..7 = 1..8 in its first word; qzeros 0x77777777 is a zero of 8 everywhere (symmetric)
+    qweight = torch.zeros(4, 8, dtype=torch.int32)
+    qweight[0, 0] = WORD
+    entries = {
+        "l.qweight": qweight,
+        "l.qzeros": torch.tensor([[0x77777777]], dtype=torch.int32),
+        "l.scales": torch.full((1, 8), 0.5, dtype=torch.float16),
+    }
+    qt = hf_quantized_tensors(quant_config("gptq", "int4-g32"), entries, "t")["l.weight"]
+    assert qt.zeros is None and qt.scheme.name == "int4"  # one group of the whole row
+    assert qt.codes[0, :8].tolist() == [c - 8 for c in range(1, 9)]
+    assert qt.dequantize()[0, :8].tolist() == [0.5 * (c - 8) for c in range(1, 9)]
+    assert (qt.codes[1:] == -8).all() and (qt.codes[0, 8:] == -8).all()
+
+
 @pytest.mark.parametrize("layout", ["gptq", "gptq_v2", "awq"])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g32-zp"])
 def test_reader_recovers_the_packed_codes(source, layout, scheme):
@@ -206,6 +231,12 @@ def _bad_scales(tensors, config):
     tensors[f"{PREFIX}.scales"] = tensors[f"{PREFIX}.scales"][:-1].contiguous()
 
 
+def _no_g_idx_with_desc_act(tensors, config):
+    config["quantization_config"]["desc_act"] = True
+    for key in [k for k in tensors if k.endswith(".g_idx")]:
+        del tensors[key]
+
+
 @pytest.mark.parametrize(
     ("layout", "edit", "message"),
     [
@@ -213,6 +244,7 @@ def _bad_scales(tensors, config):
         ("gptq", _bits(8), "unsupported gptq quantization_config .*8-bit"),
         ("awq", _awq_version, "AWQ version 'gemv'"),
         ("gptq", _bad_scales, "down_proj.scales has shape"),
+        ("gptq", _no_g_idx_with_desc_act, "desc_act without a g_idx"),
     ],
 )
 def test_unsupported_checkpoints_are_named(source, tmp_path, layout, edit, message):

@@ -54,9 +54,18 @@ def _interp_log2(points: Points, x: float) -> float:
     return pts[-1][1]
 
 
+def _merged(points: Points) -> Points:
+    """Sorted by x, points measured at the same x averaged into one."""
+    by_x: dict[float, list[float]] = {}
+    for px, py in points:
+        by_x.setdefault(px, []).append(py)
+    return tuple(sorted((px, sum(ys) / len(ys)) for px, ys in by_x.items()))
+
+
 def _interp_linear(points: Points, x: float) -> float:
-    """Linear between measured (x, y) points and beyond the ends (the nearest two's slope)."""
-    pts = sorted(points)
+    """Linear between measured (x, y) points and beyond the ends (the nearest two's slope); points
+    at the same x are averaged."""
+    pts = _merged(points)
     if len(pts) == 1:
         return pts[0][1] * x / pts[0][0] if pts[0][0] else pts[0][1]
     i = 0
@@ -70,7 +79,7 @@ def attention_excess_s(points: Points, context: float) -> float:
     """Seconds per layer the cache read adds at `context` over a zero-length context, from
     (context, seconds per layer) points of one row count: the linear interpolation less its
     intercept at context 0 (clamped to [0, the first point's time])."""
-    pts = sorted(points)
+    pts = _merged(points)
     if len(pts) == 1:
         return max(0.0, _interp_linear(pts, context))
     intercept = min(max(0.0, _interp_linear(pts[:2], 0.0)), pts[0][1])
@@ -126,7 +135,13 @@ class EngineCost:
                 fmt_name = p.kind.removeprefix("linear:")
                 rates.setdefault(fmt_name, []).append((p.num_columns, p.bytes_per_s))
             elif p.kind == "attention-time":
-                times.setdefault(p.num_columns, []).append((p.context_tokens, p.median_s))
+                # timed on another model's cache: the read scales with the bytes per token
+                scale = (
+                    kv_bytes_per_token / (model.num_layers * p.kv_token_bytes)
+                    if p.kv_token_bytes
+                    else 1.0
+                )
+                times.setdefault(p.num_columns, []).append((p.context_tokens, p.median_s * scale))
             elif p.kind == "attention":
                 by_kind.setdefault(p.kind, []).append((p.num_columns, p.bytes_per_s))
             else:

@@ -28,6 +28,9 @@ class MeasuredPoint:
     intensity_flops_per_byte: float
     median_s: float
     context_tokens: int = 0  # the cached tokens per row (attention-time points); 0: not applicable
+    # K and V bytes of one token of one layer in the cache the attention-time point was timed on
+    # (its model's KV heads x head_dim, fp32); 0: not recorded (then planned unscaled)
+    kv_token_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class _Config:
             raise self.unsupported(f"group_size {self.group_size} (a multiple of 32, or -1)")
         if self.method == "gptq":
             self.v1 = qconfig.get("checkpoint_format", "gptq") == "gptq"
+            self.desc_act = bool(qconfig.get("desc_act", False))
             if qconfig.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
                 raise self.unsupported(f"checkpoint_format {qconfig.get('checkpoint_format')!r}")
         else:
@@ -102,14 +103,22 @@ def _to_quantized(
 
 def _read_gptq(cfg: _Config, entries: dict[str, torch.Tensor], prefix: str) -> QuantizedTensor:
     qweight, qzeros, scales = entries["qweight"], entries["qzeros"], entries["scales"]
-    num_cols = qweight.shape[0] * 8
+    num_cols, num_rows = qweight.shape[0] * 8, qweight.shape[1]
     codes = _nibbles(qweight.t().contiguous()).t()  # [in, out]
-    zeros = _nibbles(qzeros).to(torch.int16)  # [groups, out]
+    zeros = _nibbles(qzeros)[:, :num_rows].to(torch.int16)  # [groups, out] (a padded last word)
     if cfg.v1:
-        zeros = (zeros + 1) & 0xF  # v1 stores zero - 1 (AutoGPTQ's convention)
+        # v1 stores zero - 1 (AutoGPTQ's convention); a stored 15 is a zero of 16, as AutoGPTQ,
+        # exllama and vLLM compute it (zeros are fp16 here, so 16 is exact)
+        zeros = zeros + 1
     group_size = cfg.group_size if cfg.group_size != -1 else num_cols
     g_idx = entries.get("g_idx")
+    if g_idx is None and cfg.desc_act:
+        raise cfg.unsupported(f"{prefix}: desc_act without a g_idx to say each input's group")
     if g_idx is not None:
+        if tuple(g_idx.shape) != (num_cols,):
+            raise ModelLoadError(
+                f"{cfg.where}: {prefix}.g_idx has shape {tuple(g_idx.shape)}, expected ({num_cols},)"
+            )
         contiguous = torch.arange(num_cols, dtype=torch.int64) // group_size
         if not torch.equal(g_idx.to(torch.int64), contiguous):
             raise cfg.unsupported(
@@ -121,7 +130,7 @@ def _read_gptq(cfg: _Config, entries: dict[str, torch.Tensor], prefix: str) -> Q
 
 def _read_awq(cfg: _Config, entries: dict[str, torch.Tensor], prefix: str) -> QuantizedTensor:
     codes = _awq_columns(entries["qweight"])  # [in, out]
-    zeros = _awq_columns(entries["qzeros"]).to(torch.int16)
+    zeros = _awq_columns(entries["qzeros"])[:, : codes.shape[1]].to(torch.int16)
     return _to_quantized(codes, zeros, entries["scales"], cfg.group_size)
 
 
