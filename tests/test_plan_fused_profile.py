@@ -147,3 +147,13 @@ def test_repeated_contexts_in_a_profile_do_not_break_the_plan():
     cost = EngineCost.from_profile(SPEC, FP32, 1.0, hw(points))
     expected = attention_excess_s(((128, 1.1e-5), (2048, 1e-4)), 2000)
     assert cost.terms_s(1, 2000)["kv"] == pytest.approx(3 * expected)
+
+
+def test_quantised_linear_rates_are_one_curve_across_the_fused_rows():
+    """int8 / int4 run the panel GEMV at every row count: their rates interpolate across 4 rows
+    (fp32's split would hold 6 rows at the 8-row rate, so 6 and 8 rows would cost the same)."""
+    int8 = parse_weight_format("int8")
+    points = PER_OP + FUSED + (pt("linear:int8", 4, 0.25e9), pt("linear:int8", 8, 0.5e9))
+    cost = EngineCost.from_profile(SPEC, int8, 0.0, hw(points))
+    four, six, eight = (cost.terms_s(n, 0)["weights"] for n in (4, 6, 8))
+    assert four > six > eight

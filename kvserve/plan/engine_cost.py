@@ -195,8 +195,11 @@ class EngineCost:
         weights = 0.0
         for name, num_bytes in self.bytes_by_format:
             rate = self.linear_rates.get(name)
+            # fp32 changes kernel above `small_rows` (GEMV -> oneDNN); int8 / int4 run the panel
+            # GEMV at every row count (docs/planning.md)
+            boundary = self.small_rows if name in ("fp32", "bf16", "fp16") else 0
             weights += num_bytes / (
-                _interp_log2(_side(rate, batch, self.small_rows), batch)
+                _interp_log2(_side(rate, batch, boundary), batch)
                 if rate
                 else self.bandwidth_bytes_per_s
             )

@@ -75,6 +75,14 @@ def kernel_isa() -> str:
     return ISA_NAMES.get(int(torch.ops.kvq.isa()), "scalar")
 
 
+def served_kernel_isa() -> str:
+    """The instruction set quantised linears run on: the native panel GEMV's (model/csrc/qgemv.c)
+    where the C library builds, else this extension's ("unavailable": a dequantised stand-in)."""
+    from kvserve.model import fused_decode
+
+    return fused_decode.isa() if fused_decode.max_rows() else kernel_isa()
+
+
 def set_max_isa(name: str) -> None:
     """Cap the kernels' instruction set ("avx2" or "scalar"): tests run the fallback this way. The
     small-row GEMVs quantised linears take for a few rows (model/fused_decode.py) follow the cap."""

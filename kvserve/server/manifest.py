@@ -84,7 +84,7 @@ def quantization_manifest(model_dir: Path, at_load: str | None) -> dict | None:
         return None
     from kvserve.quant.compare import recorded_evaluation
     from kvserve.quant.hf_checkpoints import METHODS, describe
-    from kvserve.quant.kernels import kernel_isa
+    from kvserve.quant.kernels import served_kernel_isa
 
     ours = (qconfig or {}).get("kvserve", {})
     if at_load:
@@ -97,6 +97,6 @@ def quantization_manifest(model_dir: Path, at_load: str | None) -> dict | None:
         "scheme": scheme,
         "source": "rtn at load" if at_load else "checkpoint",
         "method": method,
-        "kernel_isa": kernel_isa(),  # "scalar" or "unavailable": a slower stand-in runs
+        "kernel_isa": served_kernel_isa(),  # "scalar" or "unavailable": a slower stand-in runs
         "evaluation": recorded_evaluation(model_dir),
     }
