@@ -101,7 +101,8 @@ static float abs_max(const float *x, int n, int isa) {
 
 void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads) {
     const int nb = Kp / QBLOCK;
-    const float tensor_max = mode == 2 ? abs_max(x, M * K, isa) : 0.f;
+    float tensor_max = 0.f;  /* per tensor: the max over rows (M * K may not fit an int) */
+    for (int m = 0; mode == 2 && m < M; m++) tensor_max = fmaxf(tensor_max, abs_max(x + (int64_t)m * K, K, isa));
 #pragma omp parallel for num_threads(num_threads) if (M > DECODE_MAX_ROWS && num_threads > 1)
     for (int m = 0; m < M; m++) {
         const float *row = x + (int64_t)m * K;
