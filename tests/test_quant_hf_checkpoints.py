@@ -156,6 +156,31 @@ def test_known_words_unpack_to_known_values():
     assert (qt.codes[1:] == -8).all() and (qt.codes[0, 8:] == -8).all()
 
 
+def test_gptq_v1_stored_15_is_a_zero_of_16():
+    """v1 stores zero - 1: a stored 15 is zero 16 (as AutoGPTQ, exllama and vLLM compute it), not 0."""
+    qweight = torch.zeros(4, 8, dtype=torch.int32)
+    qweight[0, 0] = WORD
+    entries = {
+        "l.qweight": qweight,
+        "l.qzeros": torch.tensor([[-1]], dtype=torch.int32),  # every nibble 15
+        "l.scales": torch.full((1, 8), 0.5, dtype=torch.float16),
+    }
+    qt = hf_quantized_tensors(quant_config("gptq", "int4-g32-zp"), entries, "t")["l.weight"]
+    assert qt.dequantize()[0, :8].tolist() == [0.5 * (c - 16) for c in range(1, 9)]
+
+
+def test_gptq_output_width_not_a_multiple_of_8():
+    """12 outputs: qzeros carry a padded second word; its padding nibbles are not zero-points."""
+    entries = {
+        "l.qweight": torch.full((4, 12), 0x88888888 - 2**32, dtype=torch.int32),  # codes 8
+        "l.qzeros": torch.tensor([[0x77777777, 0x00007777]], dtype=torch.int32),  # zero 8 (v1)
+        "l.scales": torch.full((1, 12), 0.25, dtype=torch.float16),
+    }
+    qt = hf_quantized_tensors(quant_config("gptq", "int4-g32"), entries, "t")["l.weight"]
+    assert qt.zeros is None and qt.codes.shape == (12, 32)  # symmetric: every real zero is 8
+    assert torch.equal(qt.dequantize(), torch.zeros(12, 32))
+
+
 @pytest.mark.parametrize("layout", ["gptq", "gptq_v2", "awq"])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g32-zp"])
 def test_reader_recovers_the_packed_codes(source, layout, scheme):
