@@ -148,7 +148,7 @@ def speed(args: argparse.Namespace) -> dict:
     for fmt in args.formats.split(";"):
         quant = None if fmt == "fp32" else fmt
         llm = LLM(args.hf_dir, quantization=quant, max_num_seqs=64)
-        for batch in (1, 16):
+        for batch in args.batches:
             ours = kvserve_point(llm, batch, args.prompt_len, args.new_tokens)
             row = {"format": fmt, "batch": batch, "kvserve": ours}
             gguf = Path(args.gguf_dir) / f"smol-gpt2-{peers.get(fmt, 'f32')}.gguf"
@@ -198,6 +198,7 @@ def main() -> None:
     s.add_argument("--gguf-dir", default="/tmp/kv")
     s.add_argument("--llama-bin", default=None, help="directory with llama-bench")
     s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="decode batch sizes")
     s.add_argument("--prompt-len", type=int, default=32)
     s.add_argument("--new-tokens", type=int, default=64)
     s.add_argument(

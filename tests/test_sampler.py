@@ -164,3 +164,55 @@ def test_n_samples_share_prompt_blocks_by_reference(llama_dir, prefix_caching):
         engine.check_invariants()
     assert shared
     assert engine.num_free_blocks() == 64
+
+
+def test_host_flags_equal_the_tensor_path():
+    """The flags the runner knows on the host (greedy rows, top-k / top-p / min-p in use) agree with
+    the sampling tensors, and sampling with them gives the same tokens as reading the tensors (the
+    oracle: the same batch with every host flag cleared, same seeds)."""
+    from dataclasses import replace
+
+    from kvserve.runner.batch import RequestState, build_sampling_batch
+
+    cases = [
+        [SamplingParams(temperature=0)] * 3,
+        [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=5)],
+        [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0)],
+        [SamplingParams(temperature=1.2, min_p=0.05), SamplingParams(temperature=0.5)],
+        [SamplingParams(temperature=0.8, top_p=0.999999999)],  # 1.0 in float32: top-p off
+        [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=0.9, top_k=3)],
+    ]
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    for params in cases:
+
+        def states():
+            return [
+                RequestState(p, (1, 2), frozenset(), _generator(p), 16, [3]) for p in params
+            ]
+
+        with_flags = build_sampling_batch(
+            [(s, 0, 1) for s in states()], (), vocab, torch.device("cpu"), None
+        )
+        cleared = replace(
+            build_sampling_batch([(s, 0, 1) for s in states()], (), vocab, "cpu", None),
+            host_all_greedy=None,
+            host_random_rows=None,
+            host_use_top_k=None,
+            host_use_top_p=None,
+            host_use_min_p=None,
+        )
+        assert with_flags.all_greedy == cleared.all_greedy
+        assert with_flags.random_rows() == cleared.random_rows()
+        for name in ("top_k", "top_p", "min_p"):
+            assert with_flags.uses(name) == cleared.uses(name), (params, name)
+        rows = logits[: len(params)]
+        tokens_flags, _ = Sampler(seed=5)(rows, with_flags)
+        tokens_tensors, _ = Sampler(seed=5)(rows, cleared)
+        assert tokens_flags == tokens_tensors
+
+
+def _generator(p: SamplingParams) -> torch.Generator | None:
+    if p.seed is None:
+        return None
+    return torch.Generator().manual_seed(p.seed)

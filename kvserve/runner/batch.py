@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,6 +68,11 @@ def build_sampling_batch(
         generators=[s.generator for s in states],
         num_logprobs=[p.logprobs for p in params],
         host_all_greedy=all(p.greedy for p in params),
+        host_random_rows=[row for row, p in enumerate(params) if not p.greedy],
+        host_use_top_k=any(p.top_k > 0 for p in params),
+        # compared as the float32 values the tensors hold (0.99999999 is 1.0 there)
+        host_use_top_p=any(_float32(p.top_p) < 1.0 for p in params),
+        host_use_min_p=any(_float32(p.min_p) > 0 for p in params),
     )
     bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
     if bias:
@@ -92,6 +98,11 @@ def build_sampling_batch(
     if mask_rows:
         batch.constrain = lambda logits: apply_grammar(logits, mask_rows)
     return batch
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to float32, as `torch.tensor(..., dtype=torch.float32)` stores it."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def stop_token_ids(state: RequestState, vocab_size: int) -> list[int]:

@@ -177,7 +177,12 @@ class ModelRunner:
         if plain:
             keys = [(chunks[i].request_id, 0, chunks[i].num_output_tokens) for i in plain]
             batch = self.sampling_batch(keys)
-            plain_logits = logits[[first_rows[i] for i in plain]]
+            plain_rows = [first_rows[i] for i in plain]
+            if plain_rows == list(range(logits.shape[0])):  # no proposals this step: every row
+                plain_logits = logits  # [S, V] (the sampler never writes its input)
+            else:  # one gather, not a Python-list index (~150 us at batch 1)
+                plain_rows_t = torch.tensor(plain_rows, device=logits.device)
+                plain_logits = logits.index_select(0, plain_rows_t)
             token_ids, logprobs = self.sampler(plain_logits, batch)
             for i, token_id, logprob in zip(plain, token_ids, logprobs, strict=True):
                 results[i] = ((token_id,), None if logprob is None else (logprob,), 0)

@@ -38,14 +38,34 @@ class SamplingBatch:
     prompt_mask: torch.Tensor | None = None  # [S, V] token appears in the prompt
     # Grammar masks: called on the processed logits, masks (in place) the rows that carry a grammar.
     constrain: Callable[[torch.Tensor], object] | None = None
-    # Known on the host when the runner builds the batch (no device sync); None: read the tensor.
+    # Known on the host when the runner builds the batch (no device sync); None: read the tensors.
     host_all_greedy: bool | None = None
+    host_random_rows: list[int] | None = None  # rows with temperature > 0
+    host_use_top_k: bool | None = None  # some row has top_k > 0
+    host_use_top_p: bool | None = None  # some row has top_p < 1
+    host_use_min_p: bool | None = None  # some row has min_p > 0
 
     @property
     def all_greedy(self) -> bool:
         if self.host_all_greedy is not None:
             return self.host_all_greedy
         return bool((self.temperature == 0).all())
+
+    def random_rows(self) -> list[int]:
+        if self.host_random_rows is not None:
+            return self.host_random_rows
+        return (self.temperature > 0).nonzero().squeeze(1).tolist()
+
+    def uses(self, name: str) -> bool:
+        """Whether some row uses top_k, top_p or min_p (`name`); from the host flag when set."""
+        flag = getattr(self, f"host_use_{name}")
+        if flag is not None:
+            return flag
+        if name == "top_k":
+            return bool((self.top_k > 0).any())
+        if name == "top_p":
+            return bool((self.top_p < 1.0).any())
+        return bool((self.min_p > 0).any())
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -86,8 +106,7 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p for random rows: returns masked, scaled logits [S, V]."""
     temperature = batch.temperature.clamp_min(1e-5).unsqueeze(1)
     logits = logits / temperature
-    use_top_k = bool((batch.top_k > 0).any())
-    use_top_p = bool((batch.top_p < 1.0).any())
+    use_top_k, use_top_p = batch.uses("top_k"), batch.uses("top_p")
     if use_top_k or use_top_p:
         sorted_logits, _ = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
@@ -106,7 +125,7 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
                 sorted_logits.masked_fill(drop, float("inf")).min(dim=-1, keepdim=True).values
             )
             logits = logits.masked_fill(logits < threshold, float("-inf"))
-    if bool((batch.min_p > 0).any()):
+    if batch.uses("min_p"):
         probs = logits.softmax(dim=-1)
         keep = probs >= batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(~keep, float("-inf"))
@@ -162,8 +181,9 @@ class Sampler:
         """One token per row: argmax for greedy rows, a draw from `probs` for the others. [R]"""
         token_ids = processed.argmax(dim=-1)
         if probs is not None:
-            random_rows = (batch.temperature > 0).nonzero().squeeze(1)
-            generators = [batch.generators[i] for i in random_rows.tolist()]
+            rows = batch.random_rows()
+            generators = [batch.generators[i] for i in rows]
+            random_rows = torch.tensor(rows, dtype=torch.long, device=token_ids.device)
             token_ids[random_rows] = sample_categorical(
                 probs[random_rows], generators, self.generator
             )
