@@ -7,8 +7,8 @@
  * (vpmaddubsw + vpmaddwd) gives each column's partial sum in its own 32-bit lane. A 32-input block's
  * integer sum of 8 columns is then one vector (no horizontal sum per column), scaled once per block
  * (activation scale x the 8 columns' fp16 weight scales) into 8 fp32 accumulators. Each thread reads its
- * panels as one sequential stream; a panel serves up to 4 rows per pass (more rows: row tiles of 4
- * over the panel while it is in L1).
+ * panels as one sequential stream (every line prefetched 8 blocks ahead); a panel serves up to 4
+ * rows per pass (more rows: row tiles of 4 over the panel while it is in L1).
  *
  * int8: x * w = |x| * sign(w, x) (the activation's magnitude is the unsigned operand, computed once
  *   per step); a weight with a -128 code takes |w| * sign(x, w) instead (one more op per load).
@@ -185,6 +185,9 @@ static void q_panel_scalar(const Linear *L, const Acts *a, float *y, int p, int 
     store_panel(L, v, y, m, p);
 }
 
+static int g_prefetch = 1; /* see prefetch_block */
+void q_set_prefetch(int mode) { g_prefetch = mode; }
+
 /* ---- AVX2 ------------------------------------------------------------------------------------------ */
 #ifdef __AVX2__
 #define INL static inline __attribute__((always_inline))
@@ -198,6 +201,19 @@ INL __m256 load_h8(const uint16_t *p) {
     for (int i = 0; i < 8; i++) f[i] = h2f(p[i]);
     return _mm256_loadu_ps(f);
 #endif
+}
+
+/* Software prefetch of the weight stream. Mode 1 (default): every 64-byte line of the block 8 blocks
+ * ahead (int8: 2 KB, int4: 1 KB). Mode 0: one line 4 blocks ahead (the previous kernel: the other
+ * lines of a 256-byte int8 block were left to the hardware prefetcher). q_set_prefetch switches
+ * them at run time so one process can time both alternately (docs/performance.md, "The fused
+ * decode step"). */
+INL void prefetch_block(const void *block, const int bytes) {
+    if (g_prefetch == 0) {
+        _mm_prefetch((const char *)block + 4 * bytes, _MM_HINT_T0);
+        return;
+    }
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)block + 8 * bytes + o, _MM_HINT_T0);
 }
 
 INL __m256i bcast4(const int8_t *p) {
@@ -220,7 +236,7 @@ INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
         const int8_t *wb = w + (int64_t)b * QPANEL * QBLOCK;
         __m256i blk[DECODE_MAX_ROWS];
         for (int r = 0; r < R; r++) blk[r] = _mm256_setzero_si256();
-        _mm_prefetch((const char *)(wb + 1024), _MM_HINT_T0);
+        prefetch_block(wb, QPANEL * QBLOCK);
         for (int j = 0; j < 8; j++) {
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
             const __m256i aw = w_min ? _mm256_sign_epi8(wv, wv) : wv;
@@ -273,7 +289,7 @@ INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
         const uint8_t *wb = w + (int64_t)b * QPANEL * 16;
         __m256i s16[DECODE_MAX_ROWS];
         for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
-        _mm_prefetch((const char *)(wb + 512), _MM_HINT_T0);
+        prefetch_block(wb, QPANEL * QBLOCK / 2);
         for (int j = 0; j < 4; j++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
             const __m256i lo = _mm256_and_si256(raw, low4);
