@@ -186,10 +186,8 @@ def test_host_flags_equal_the_tensor_path():
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
     for params in cases:
 
-        def states():
-            return [
-                RequestState(p, (1, 2), frozenset(), _generator(p), 16, [3]) for p in params
-            ]
+        def states(params=params):
+            return [RequestState(p, (1, 2), frozenset(), _generator(p), 16, [3]) for p in params]
 
         with_flags = build_sampling_batch(
             [(s, 0, 1) for s in states()], (), vocab, torch.device("cpu"), None
