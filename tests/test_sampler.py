@@ -214,3 +214,22 @@ def _generator(p: SamplingParams) -> torch.Generator | None:
     if p.seed is None:
         return None
     return torch.Generator().manual_seed(p.seed)
+
+
+def test_greedy_argmax_equals_torch_argmax():
+    """The CPU fast path (numpy's argmax) against torch.argmax: random rows, ties (the first index
+    wins), rows of -inf but one, an all -inf row, NaN (counted as the maximum), a strided view."""
+    from kvserve.runner.sampler import greedy_argmax
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=gen)
+    x[1, [10, 500, 900]] = 50.0  # a tie
+    x[2] = float("-inf")
+    x[2, 777] = 0.0
+    x[3] = float("-inf")
+    x[4, [20, 30]] = float("nan")
+    x[5] = 1.0  # every value tied
+    for logits in (x, x[:, ::3], x[[0, 1]]):
+        got = greedy_argmax(logits)
+        assert got.dtype == torch.long and got.shape == (logits.shape[0],)
+        assert torch.equal(got, logits.argmax(dim=-1))
