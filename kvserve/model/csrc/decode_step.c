@@ -8,7 +8,7 @@
  * split output columns over the threads.
  *
  * GEMV kernels (y[m, n] = sum_k x[m, k] w[n, k] + bias[n], M <= DECODE_MAX_ROWS):
- *   fp32: w [N, K] row-major (the checkpoint's layout).
+ *   fp32: the 16-column panel layout of decode_step.h (built once at load, fused_decode.f32_panels).
  *   int8 / int4: qgemv.c, the panel-interleaved layout of decode_step.h (activations rounded to int8
  *     as kvserve/quant/csrc/qgemm.cpp rounds them; integer dot products per 32-input block).
  * The AVX2 paths exist when the library is compiled for a CPU with AVX2 (-march=native; the build is
@@ -68,72 +68,92 @@ int decode_isa(void) { return have_avx2() && g_max_isa >= 2 ? 2 : 0; }
 void decode_set_max_isa(int level) { g_max_isa = level; }
 int decode_max_rows(void) { return DECODE_MAX_ROWS; }
 
-/* ---- scalar kernels: columns [n0, n1) ------------------------------------------------------------ */
+/* ---- fp32 GEMV / GEMM on the panel layout (decode_step.h): panel p = columns 16p .. 16p + 15 ---------
+ * w[p][k][c]: one 64-byte line per input k holds the panel's 16 columns, so a thread's panels are one
+ * sequential stream. Each column's sum runs over k in order, one fused multiply-add per input, from 0;
+ * the bias is added last. The scalar path does the same operations in the same order (fmaf), so both
+ * paths give the same bits. */
 
-static void f32_scalar(const Linear *L, const float *x, int M, float *y, int n0, int n1) {
-    const float *w = L->w;
-    for (int n = n0; n < n1; n++)
-        for (int m = 0; m < M; m++) {
+static void f32_panel_scalar(const Linear *L, const float *x, int M, float *y, int p) {
+    const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
+    const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < cols; c++) {
             float acc = 0.f;
-            for (int k = 0; k < L->k; k++) acc += x[(int64_t)m * L->k + k] * w[(int64_t)n * L->k + k];
-            y[(int64_t)m * L->n + n] = acc + (L->bias ? L->bias[n] : 0.f);
+            for (int k = 0; k < K; k++) acc = fmaf(x[(int64_t)m * K + k], wp[(int64_t)k * FPANEL + c], acc);
+            y[(int64_t)m * L->n + n0 + c] = acc + (L->bias ? L->bias[n0 + c] : 0.f);
         }
 }
 
-/* ---- AVX2 kernels ------------------------------------------------------------------------------- */
 #ifdef __AVX2__
 #define INL static inline __attribute__((always_inline))
+#define F32_PREFETCH_LINES 16 /* software prefetch distance: inputs (64-byte lines) ahead */
+#define F32_TILE_ROWS 6       /* rows per pass over a panel beyond DECODE_MAX_ROWS */
 
-INL float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* fp32: R rows x C columns from n0; two accumulators per pair to hide the FMA latency at R = 1. */
-INL void f32_tile(const Linear *L, const float *x, float *y, int n0, const int R, const int C) {
-    const int K = L->k, K8 = K & ~7;
-    const float *w = (const float *)L->w + (int64_t)n0 * K;
-    __m256 acc[DECODE_MAX_ROWS][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int k = 0; k < K8; k += 8) {
-        __m256 wv[4];
-        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + (int64_t)c * K + k);
+/* R rows (1-6) of one panel: 2 accumulators (8 columns each) per row; the panel's lines are read once
+ * for the R rows (6 x 2 accumulators + 2 weight vectors + a broadcast fill the 16 registers). */
+INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0, const int R) {
+    const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
+    const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
+    const float *xr = x + (int64_t)m0 * K;
+    __m256 acc[F32_TILE_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *wk = wp + (int64_t)k * FPANEL;
+        _mm_prefetch((const char *)(wk + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
         for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + (int64_t)r * K + k);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+            const __m256 xb = _mm256_broadcast_ss(xr + (int64_t)r * K + k);
+            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            float v = hsum8(acc[r][c]);
-            for (int k = K8; k < K; k++) v += x[(int64_t)r * K + k] * w[(int64_t)c * K + k];
-            const int n = n0 + c;
-            y[(int64_t)r * L->n + n] = v + (L->bias ? L->bias[n] : 0.f);
+    for (int r = 0; r < R; r++) {
+        float *yr = y + (int64_t)(m0 + r) * L->n + n0;
+        if (cols == FPANEL && !L->bias) {
+            _mm256_storeu_ps(yr, acc[r][0]), _mm256_storeu_ps(yr + 8, acc[r][1]);
+            continue;
         }
-}
-
-static void f32_avx2(const Linear *L, const float *x, int M, float *y, int n0, int n1) {
-    int n = n0;
-#define F32_COLS(R, C)                                                      \
-    for (; n + (C) <= n1; n += (C)) f32_tile(L, x, y, n, R, C);             \
-    for (; n < n1; n++) f32_tile(L, x, y, n, R, 1);
-    switch (M) {
-    case 1: F32_COLS(1, 4) break;
-    case 2: F32_COLS(2, 4) break;
-    case 3: F32_COLS(3, 2) break;
-    default: F32_COLS(4, 2) break;
+        float sums[FPANEL];
+        _mm256_storeu_ps(sums, acc[r][0]), _mm256_storeu_ps(sums + 8, acc[r][1]);
+        for (int c = 0; c < cols; c++) yr[c] = sums[c] + (L->bias ? L->bias[n0 + c] : 0.f);
     }
-#undef F32_COLS
 }
 
+/* every row of panel p: one pass for up to 4 rows, else row tiles of 6 (then 1-5) while the panel is
+ * in cache */
+static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int p) {
+    for (int m0 = 0; m0 < M; m0 += F32_TILE_ROWS) {
+        switch (M - m0 < F32_TILE_ROWS ? M - m0 : F32_TILE_ROWS) {
+        case 1: f32_panel_tile(L, x, y, p, m0, 1); break;
+        case 2: f32_panel_tile(L, x, y, p, m0, 2); break;
+        case 3: f32_panel_tile(L, x, y, p, m0, 3); break;
+        case 4: f32_panel_tile(L, x, y, p, m0, 4); break;
+        case 5: f32_panel_tile(L, x, y, p, m0, 5); break;
+        default: f32_panel_tile(L, x, y, p, m0, 6); break;
+        }
+    }
+}
 #endif /* __AVX2__ */
 
-/* ---- one linear: y [M, N] = x [M, K] W^T + b, columns split over the threads ------------------------ */
+/* y [M, N] = x [M, K] W^T + b on the fp32 panel layout, any M; panels split over the threads in
+ * contiguous ranges (each thread streams its part of the weight once). */
+static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
+    const int num_panels = (L->n + FPANEL - 1) / FPANEL;
+    (void)isa;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int p = 0; p < num_panels; p++) {
+#ifdef __AVX2__
+        if (isa >= 2) {
+            f32_panel_avx2(L, x, M, y, p);
+            continue;
+        }
+#endif
+        f32_panel_scalar(L, x, M, y, p);
+    }
+}
 
-#define COLUMN_CHUNK 16 /* fp32: output columns per work item (a multiple of every tile width) */
+/* ---- one linear: y [M, N] = x [M, K] W^T + b, output columns split over the threads ---------------- */
 
 static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *acts, int num_threads) {
     const int isa = decode_isa();
@@ -142,27 +162,15 @@ static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *a
         q_linear(L, acts, M, y, isa, num_threads);
         return;
     }
-    const int num_chunks = (L->n + COLUMN_CHUNK - 1) / COLUMN_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int chunk = 0; chunk < num_chunks; chunk++) {
-        const int n0 = chunk * COLUMN_CHUNK;
-        const int n1 = n0 + COLUMN_CHUNK < L->n ? n0 + COLUMN_CHUNK : L->n;
-#ifdef __AVX2__
-        if (isa >= 2) {
-            f32_avx2(L, x, M, y, n0, n1);
-            continue;
-        }
-#endif
-        f32_scalar(L, x, M, y, n0, n1);
-    }
+    f32_linear(L, x, M, y, isa, num_threads);
 }
 
 static int max_int(int a, int b) { return a > b ? a : b; }
 
-/* One linear on its own (the LM head, or a projection outside the fused step): fp32 for at most
- * DECODE_MAX_ROWS rows, the quantised layouts for any number. 0 on success. */
+/* One linear on its own (the LM head, or a projection outside the fused step), any number of rows
+ * (the panel layouts; fp32 block linears take it for at most DECODE_MAX_ROWS). 0 on success. */
 int small_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
-    if (M < 1 || (L->kind == LIN_F32 && M > DECODE_MAX_ROWS)) return -1;
+    if (M < 1) return -1;
     Acts a = {0};
     if (!alloc_acts(&a, M, L->kind == LIN_F32 ? QBLOCK : L->kp)) {
         free_acts(&a);
