@@ -70,6 +70,17 @@ def set_max_isa(name: str) -> None:
     cpu_kernels.load_kernel().decode_set_max_isa(level)
 
 
+def set_team_step(enabled: bool) -> None:
+    """Run a step's fp32 layers in one OpenMP region (the default) or fork and join per linear (the
+    same arithmetic; tests compare the two)."""
+    cpu_kernels.load_kernel().decode_set_team_step(int(enabled))
+
+
+def team_steps() -> int:
+    """Steps run as one region so far in this process (tests check it is taken)."""
+    return int(cpu_kernels.load_kernel().decode_team_steps())
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 

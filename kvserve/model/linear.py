@@ -59,7 +59,9 @@ class PackedLinear(nn.Module):
     `onednn=False` keeps the panels only and runs every row count on them (the LM head: its input
     is one row per sampled sequence, and a tied head would otherwise hold the vocabulary twice more)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = True) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = True
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()

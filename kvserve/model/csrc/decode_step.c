@@ -15,10 +15,20 @@
  * keyed by the CPU's flags) and can be switched off at run time (decode_set_max_isa(0): the scalar path,
  * which tests force).
  */
+#define _GNU_SOURCE /* syscall (the futex) */
 #include <math.h>
+#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#include <sched.h>
+#endif
 
 #include "decode_step.h"
 #ifdef __AVX2__
@@ -66,6 +76,10 @@ static int have_avx2(void) {
 
 int decode_isa(void) { return have_avx2() && g_max_isa >= 2 ? 2 : 0; }
 void decode_set_max_isa(int level) { g_max_isa = level; }
+static int g_team_step = 1; /* 0: the step forks and joins per linear (tests compare both) */
+void decode_set_team_step(int enabled) { g_team_step = enabled; }
+static atomic_llong g_team_steps; /* steps run by decode_layers_team (tests check it is taken) */
+int64_t decode_team_steps(void) { return atomic_load(&g_team_steps); }
 int decode_max_rows(void) { return DECODE_MAX_ROWS; }
 
 /* ---- fp32 GEMV / GEMM on the panel layout (decode_step.h): panel p = columns 16p .. 16p + 15 ---------
@@ -136,6 +150,20 @@ static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int
 }
 #endif /* __AVX2__ */
 
+/* panels [p0, p1) of y = x W^T + b on this thread */
+static void f32_panels(const Linear *L, const float *x, int M, float *y, int isa, int p0, int p1) {
+    (void)isa;
+    for (int p = p0; p < p1; p++) {
+#ifdef __AVX2__
+        if (isa >= 2) {
+            f32_panel_avx2(L, x, M, y, p);
+            continue;
+        }
+#endif
+        f32_panel_scalar(L, x, M, y, p);
+    }
+}
+
 /* y [M, N] = x [M, K] W^T + b on the fp32 panel layout, any M; panels split over the threads in
  * contiguous ranges (each thread streams its part of the weight once). */
 static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
@@ -181,6 +209,157 @@ int small_linear(const Linear *L, const float *x, int M, float *y, int num_threa
     return 0;
 }
 
+/* ---- one OpenMP region for the whole step (short contexts) -----------------------------------------
+ * Under OMP_WAIT_POLICY=PASSIVE (kvserve's default, docs/performance.md "Threads") every parallel
+ * region and every libgomp barrier puts the other threads to sleep in the kernel and wakes them again
+ * (tens of us each on this VM); a step of ~5 regions per layer paid that 150 times. The team step
+ * opens one region and synchronises with step_barrier: it spins briefly (the waits inside a step are
+ * short: work imbalance and the small ops of thread 0), then sleeps on a futex, so a thread whose core
+ * was taken by a neighbour does not hold the other core spinning. Each thread computes the RMSNorms
+ * and SiLU-and-multiply (and rounds the activations of a quantised linear) itself into its own buffers
+ * (the same code on the same inputs: the same bits),
+ * so only the GEMVs' outputs and thread 0's RoPE, KV write and attention need a barrier: 5 per layer. */
+
+#define BARRIER_SPINS 4000 /* pause iterations before sleeping (~50-100 us) */
+#define ATTENTION_PARALLEL_VALUES 65536 /* paged_attention.c's PARALLEL_MIN_VALUES */
+
+typedef struct {
+    atomic_int arrived, generation, sleepers;
+} StepBarrier;
+
+/* all `team` threads of the region meet here */
+static void step_barrier(StepBarrier *b, int team) {
+    const int gen = atomic_load(&b->generation);
+    if (atomic_fetch_add(&b->arrived, 1) == team - 1) {
+        atomic_store(&b->arrived, 0);
+        atomic_fetch_add(&b->generation, 1);
+        if (atomic_load(&b->sleepers) > 0) {
+#ifdef __linux__
+            syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+#endif
+        }
+        return;
+    }
+    for (int i = 0; i < BARRIER_SPINS; i++) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
+#ifdef __AVX2__
+        _mm_pause();
+#endif
+    }
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->generation) == gen) {
+#ifdef __linux__
+        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(&b->sleepers, 1);
+}
+
+/* this thread's share (contiguous panels) of y = x W^T + b; quantised: the activations are rounded
+ * by every thread into its own `acts` (the same bits) */
+static void linear_share(const Linear *L, const float *x, int M, float *y, Acts *acts, int isa,
+                         int tid, int nt) {
+    const int width = L->kind == LIN_F32 ? FPANEL : QPANEL;
+    const int64_t panels = (L->n + width - 1) / width;
+    const int p0 = (int)(panels * tid / nt), p1 = (int)(panels * (tid + 1) / nt);
+    if (L->kind == LIN_F32) {
+        f32_panels(L, x, M, y, isa, p0, p1);
+        return;
+    }
+    quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
+    q_linear_panels(L, acts, M, y, isa, p0, p1);
+}
+
+static int max_kp_of(const Model *mdl) {
+    int max_kp = QBLOCK;
+    for (int l = 0; l < mdl->num_layers; l++) {
+        const Linear *ls[4] = {&mdl->layers[l].qkv, &mdl->layers[l].o, &mdl->layers[l].gate_up,
+                               &mdl->layers[l].down};
+        for (int i = 0; i < 4; i++)
+            if (ls[i]->kind != LIN_F32 && ls[i]->kp > max_kp) max_kp = ls[i]->kp;
+    }
+    return max_kp;
+}
+
+static int decode_layers_team(const Model *mdl, float *hidden, int M, const float *cos_rows,
+                              const float *sin_rows, const int64_t *slots, const int32_t *block_table,
+                              int max_blocks, const int32_t *context_lens, int num_threads) {
+    const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;
+    const int q_size = H * Dh, kv_size = KVH * Dh, qkv_width = q_size + 2 * kv_size;
+    const int I = mdl->inter, isa = decode_isa();
+    /* shared: the GEMV outputs, the attention; per thread: residual, normed, act */
+    float *qkv = malloc(sizeof(float) * M * qkv_width), *attn = malloc(sizeof(float) * M * q_size);
+    float *gate_up = malloc(sizeof(float) * M * 2 * I);
+    const int64_t per_thread = (int64_t)M * (2 * D + I);
+    float *own = malloc(sizeof(float) * per_thread * num_threads);
+    Acts *acts = calloc(num_threads, sizeof(Acts));
+    const int max_kp = max_kp_of(mdl);
+    StepBarrier bar = {0, 0, 0};
+    int status = 0;
+    if (!qkv || !attn || !gate_up || !own || !acts) {
+        status = -2;
+        goto done;
+    }
+    for (int t = 0; t < num_threads; t++)
+        if (!alloc_acts(&acts[t], M, max_kp)) {
+            status = -2;
+            goto done;
+        }
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *residual = own + per_thread * tid, *normed = residual + M * D, *act = normed + M * D;
+        Acts *own_acts = &acts[tid];
+        memcpy(residual, hidden, sizeof(float) * M * D); /* the stream starts as x */
+        for (int l = 0; l < mdl->num_layers; l++) {
+            const Layer *L = &mdl->layers[l];
+            add_rms_norm(hidden, l == 0 ? NULL : residual, L->input_norm, normed, residual, M, D,
+                         mdl->eps, 1);
+            linear_share(&L->qkv, normed, M, qkv, own_acts, isa, tid, nt);
+            step_barrier(&bar, nt);
+            if (tid == 0) {
+                rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
+                write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_width, slots, L->k_cache,
+                         L->v_cache, M, kv_size, 1);
+                status = paged_decode_attention(qkv, L->k_cache, L->v_cache, NULL, NULL, NULL,
+                                                block_table, context_lens, attn, qkv_width, M, H,
+                                                KVH, Dh, mdl->block_size, max_blocks, mdl->scale, 1);
+            }
+            step_barrier(&bar, nt);
+            if (status != 0) break;
+            linear_share(&L->o, attn, M, hidden, own_acts, isa, tid, nt);
+            step_barrier(&bar, nt);
+            add_rms_norm(hidden, residual, L->post_norm, normed, residual, M, D, mdl->eps, 1);
+            linear_share(&L->gate_up, normed, M, gate_up, own_acts, isa, tid, nt);
+            step_barrier(&bar, nt);
+            silu_mul(gate_up, act, M, I, 1);
+            linear_share(&L->down, act, M, hidden, own_acts, isa, tid, nt);
+            step_barrier(&bar, nt);
+        }
+        if (tid == 0 && status == 0) {
+            add_rms_norm(hidden, residual, mdl->final_norm, normed, residual, M, D, mdl->eps, 1);
+            memcpy(hidden, normed, sizeof(float) * M * D);
+        }
+    }
+    if (status == 0) atomic_fetch_add(&g_team_steps, 1);
+done:
+    if (acts)
+        for (int t = 0; t < num_threads; t++) free_acts(&acts[t]);
+    free(qkv), free(attn), free(gate_up), free(own), free(acts);
+    return status;
+}
+
+/* Whether the step can run as one region: more than one thread, and attention that
+ * paged_decode_attention would run on one thread anyway (short contexts). */
+static int team_step(const Model *mdl, int M, const int32_t *context_lens, int num_threads) {
+    if (num_threads < 2) return 0;
+    int64_t total_tokens = 0;
+    for (int m = 0; m < M; m++) total_tokens += context_lens[m];
+    return total_tokens * mdl->num_kv_heads * mdl->head_dim < ATTENTION_PARALLEL_VALUES;
+}
+
 /* The decoder layers for M single-token rows, then the final norm.
  * hidden: [M, D] in: the embedded tokens; out: the final norm of the residual stream.
  * cos, sin: [M, Dh / 2]; slots: [M] int64 cache slots; block_table [M, max_blocks] int32;
@@ -189,6 +368,9 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
                   const int64_t *slots, const int32_t *block_table, int max_blocks,
                   const int32_t *context_lens, int num_threads) {
     if (M < 1 || M > DECODE_MAX_ROWS) return -1;
+    if (g_team_step && team_step(mdl, M, context_lens, num_threads))
+        return decode_layers_team(mdl, hidden, M, cos_rows, sin_rows, slots, block_table, max_blocks,
+                                  context_lens, num_threads);
     const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;
     const int q_size = H * Dh, kv_size = KVH * Dh, qkv_width = q_size + 2 * kv_size;
     const int I = mdl->inter;
