@@ -53,38 +53,26 @@ class PackedLinear(nn.Module):
 
     Where the C kernels build, W is also laid out once as fp32 panels (`panels`, csrc/decode_step.h:
     16 output columns interleaved per input, so a thread streams its columns sequentially): inputs of
-    at most `panel_rows` rows (decode: `fused_decode.max_rows()`) run the native GEMV on it, which
-    has no per-call setup (oneDNN's costs ~35 us a call), and the fused decode step reads it. It
-    replaces the row-major copy kept before (same bytes, N padded to a multiple of 16).
-    `onednn=False` keeps the panels only and runs every row count on them (the LM head: its input
-    is one row per sampled sequence, and a tied head would otherwise hold the vocabulary twice more)."""
+    at most `fused_decode.max_rows()` rows (decode) run the native GEMV on it, which has no per-call
+    setup (oneDNN's costs ~35 us a call), and the fused decode step reads it. The panels replace the
+    row-major copy kept before (the same bytes; N padded to a multiple of 16). Beyond 4 rows oneDNN
+    is faster (the LM head at 16 rows: 9.5 vs 15 ms), so it stays."""
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = True
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
         self.bias = None if bias is None else bias.detach()
-        native = fused_decode.max_rows() > 0
-        self.panels = fused_decode.f32_panels(weight) if native else None  # [P, in, 16]
-        self.packed = None
-        if onednn or not native:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
-        # rows up to which the panels run (the rest: oneDNN)
-        self.panel_rows = 0 if not native else fused_decode.max_rows() if onednn else 1 << 62
+        self.small_rows = fused_decode.max_rows()
+        self.panels = fused_decode.f32_panels(weight) if self.small_rows else None  # [P, in, 16]
         self._desc = None
         if self.panels is not None:
             self._keep: list = []
             self._desc = fused_decode.linear_descriptor(self, self._keep)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 0 < x.shape[0] <= self.panel_rows and x.dtype == torch.float32:
+        if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows and x.dtype == torch.float32:
             return fused_decode.small_linear(self._desc, x)  # [M, in] -> [M, out]
-        if self.packed is None:  # panels only: any shape, as fp32 rows
-            rows = x.reshape(-1, self.in_features).float()  # [M, in]
-            if rows.shape[0] == 0:
-                return rows.new_empty(*x.shape[:-1], self.out_features)
-            return fused_decode.small_linear(self._desc, rows).view(*x.shape[:-1], -1)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -102,15 +102,14 @@ static void f32_panel_scalar(const Linear *L, const float *x, int M, float *y, i
 #ifdef __AVX2__
 #define INL static inline __attribute__((always_inline))
 #define F32_PREFETCH_LINES 16 /* software prefetch distance: inputs (64-byte lines) ahead */
-#define F32_TILE_ROWS 6       /* rows per pass over a panel beyond DECODE_MAX_ROWS */
 
-/* R rows (1-6) of one panel: 2 accumulators (8 columns each) per row; the panel's lines are read once
- * for the R rows (6 x 2 accumulators + 2 weight vectors + a broadcast fill the 16 registers). */
+/* R rows (1-4) of one panel: 2 accumulators (8 columns each) per row; the panel's lines are read once
+ * for the R rows. */
 INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0, const int R) {
     const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
     const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
     const float *xr = x + (int64_t)m0 * K;
-    __m256 acc[F32_TILE_ROWS][2];
+    __m256 acc[DECODE_MAX_ROWS][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
         const float *wk = wp + (int64_t)k * FPANEL;
@@ -134,17 +133,14 @@ INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0
     }
 }
 
-/* every row of panel p: one pass for up to 4 rows, else row tiles of 6 (then 1-5) while the panel is
- * in cache */
+/* every row of panel p, in row tiles of 4 while the panel is in cache */
 static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int p) {
-    for (int m0 = 0; m0 < M; m0 += F32_TILE_ROWS) {
-        switch (M - m0 < F32_TILE_ROWS ? M - m0 : F32_TILE_ROWS) {
+    for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
+        switch (M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS) {
         case 1: f32_panel_tile(L, x, y, p, m0, 1); break;
         case 2: f32_panel_tile(L, x, y, p, m0, 2); break;
         case 3: f32_panel_tile(L, x, y, p, m0, 3); break;
-        case 4: f32_panel_tile(L, x, y, p, m0, 4); break;
-        case 5: f32_panel_tile(L, x, y, p, m0, 5); break;
-        default: f32_panel_tile(L, x, y, p, m0, 6); break;
+        default: f32_panel_tile(L, x, y, p, m0, 4); break;
         }
     }
 }
@@ -196,7 +192,7 @@ static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *a
 static int max_int(int a, int b) { return a > b ? a : b; }
 
 /* One linear on its own (the LM head, or a projection outside the fused step), any number of rows
- * (the panel layouts; fp32 block linears take it for at most DECODE_MAX_ROWS). 0 on success. */
+ * (PackedLinear takes it for at most DECODE_MAX_ROWS: oneDNN is faster beyond). 0 on success. */
 int small_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
     if (M < 1) return -1;
     Acts a = {0};
