@@ -71,8 +71,8 @@ def set_max_isa(name: str) -> None:
 
 
 def set_team_step(enabled: bool) -> None:
-    """Run a step's fp32 layers in one OpenMP region (the default) or fork and join per linear (the
-    same arithmetic; tests compare the two)."""
+    """Run a short-context step's layers in one OpenMP region (the default) or fork and join per
+    linear (the same arithmetic and bits; tests compare the two)."""
     cpu_kernels.load_kernel().decode_set_team_step(int(enabled))
 
 
