@@ -58,6 +58,46 @@ def test_fp32_small_linear_equals_fp64_product(isa, bias):
 
 
 @needs_kernel
+@pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch build")
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
+    """The fp32 panel GEMV / GEMM (csrc/decode_step.c) against an fp64 product within the bound of
+    recursive summation, for N not a multiple of the 16-column panel (1, 37, 50) and odd K (1, 77,
+    129), 1-4 rows (one pass; PackedLinear's decode path) and 5, 7, 16 rows (row tiles, through
+    small_linear); and the scalar path gives the same bits as the AVX2 one (one fmaf per input, in
+    order, then the bias)."""
+    gen = torch.Generator().manual_seed(5)
+    for n, k in [(1, 1), (37, 77), (50, 129), (64, 576)]:
+        w = torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen) if bias else None
+        linear = PackedLinear(w, b)
+        assert linear.panels.shape == (-(-n // 16), k, 16)
+        for m in [*range(1, fused_decode.max_rows() + 1), 5, 7, 16]:
+            x = torch.randn(m, k, generator=gen)
+            expected = x.double() @ w.double().T + (0 if b is None else b.double())
+            got = fused_decode.small_linear(linear._desc, x)
+            if m <= fused_decode.max_rows():
+                assert torch.equal(linear(x), got)  # the module's decode path is this GEMV
+            # recursive summation: |error| <= K u sum |x w| (+ the bias add's rounding), u = 2^-24
+            bound = (k + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T + expected.abs())
+            assert ((got.double() - expected).abs() <= bound + 1e-12).all(), f"{n}x{k}, {m} rows"
+            fused_decode.set_max_isa("scalar")
+            scalar = fused_decode.small_linear(linear._desc, x)
+            fused_decode.set_max_isa(isa)
+            assert torch.equal(got, scalar), f"{n}x{k}, {m} rows: AVX2 and scalar differ"
+
+
+@needs_kernel
+def test_fp32_panel_layout_puts_each_weight_where_the_header_says():
+    w = torch.randn(21, 5)
+    panels = fused_decode.f32_panels(w)  # [P, K, 16]: panels[p, k, c] = W[16p + c, k]
+    assert panels.shape == (2, 5, 16) and panels.is_contiguous()
+    for col, inp in [(0, 0), (15, 4), (16, 2), (20, 3)]:
+        assert panels[col // 16, inp, col % 16] == w[col, inp]
+    assert torch.count_nonzero(panels[1, :, 5:]) == 0  # columns 21-31: padding
+
+
+@needs_kernel
 @pytest.mark.parametrize("fmt", QUANT_FORMATS)
 @pytest.mark.parametrize("n, k", [(45, 200), (37, 77), (64, 576)])
 def test_quantised_gemv_equals_the_dequantised_reference(isa, fmt, n, k):
@@ -190,6 +230,33 @@ def test_fused_step_is_taken_and_equals_the_per_op_path(llama_dir, isa, quantiza
     assert steps == len(PROMPT)
     # the same C functions in the same order (the per-op path's linears run the same GEMVs)
     assert torch.equal(fused, per_op)
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
+def test_team_step_equals_the_step_that_forks_per_linear(llama_dir, isa, quantization):
+    """The one-region step (csrc/decode_step.c decode_layers_team: its own barrier, norms and
+    activation rounding per thread) and the fork/join-per-linear step give the same bits on 2
+    threads; both are taken."""
+    if quantization and not kernels_available():
+        pytest.skip("the quantised GEMM extension did not build")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(llama_dir), num_blocks=64, quantization=quantization)
+        before = fused_decode.team_steps()
+        team = llm.engine.score(PROMPT, chunk_size=1)
+        assert fused_decode.team_steps() - before == len(PROMPT)
+        fused_decode.set_team_step(False)
+        try:
+            forked = llm.engine.score(PROMPT, chunk_size=1)
+        finally:
+            fused_decode.set_team_step(True)
+        assert llm.engine.runner.model.fused.num_steps == 2 * len(PROMPT)
+        assert fused_decode.team_steps() - before == len(PROMPT)  # the second pass forked
+        assert torch.equal(team, forked)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel

@@ -95,6 +95,8 @@ def load_kernel() -> ctypes.CDLL | None:
         # decode_step.c (model/fused_decode.py)
         "decode_isa": ([], _INT),
         "decode_set_max_isa": ([_INT], None),
+        "decode_set_team_step": ([_INT], None),
+        "decode_team_steps": ([], ctypes.c_int64),
         "decode_max_rows": ([], _INT),
         "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
         "decode_layers": ([_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _INT], _INT),

@@ -3,13 +3,13 @@
 At batch 1 a step is ~10 dispatched calls per layer, and their Python and dispatch cost as much as the
 arithmetic (docs/performance.md, "The fused decode step"). `FusedDecoder` describes the model's weights
 and KV tensors once, as C structs (csrc/decode_step.c), and runs a step of up to `max_rows()`
-single-token rows with one ctypes call: the GEMVs (fp32 rows, or the panel-interleaved quantised
-layout of csrc/decode_step.h, built once by `QuantLinear`) split columns over the threads, the small ops and the paged attention
+single-token rows with one ctypes call: the GEMVs (on the panel-interleaved fp32 or quantised
+layouts of csrc/decode_step.h, built once at load) split columns over the threads, the small ops and the paged attention
 are the same C functions the per-op path calls. `small_linear` runs one linear the same way (the LM
 head at decode).
 
 It applies when the C kernels are on (fp32 activations on CPU), every projection has a native layout
-(`PackedLinear` with its rows kept, or `QuantLinear` on the panel layout), the KV cache is fp32,
+(`PackedLinear` with its fp32 panels, or `QuantLinear` on the panel layout), the KV cache is fp32,
 there is no q/k norm, and the step is decode rows only; anything else takes the per-op path.
 """
 
@@ -24,6 +24,7 @@ from kvserve.model import cpu_kernels
 
 _PTR, _INT, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _LIN_F32, _LIN_Q8, _LIN_Q4 = 0, 1, 2
+FPANEL = 16  # output columns per panel of the fp32 layout (csrc/decode_step.h)
 ISA_NAMES = {2: "avx2", 0: "scalar"}
 
 
@@ -69,6 +70,17 @@ def set_max_isa(name: str) -> None:
     cpu_kernels.load_kernel().decode_set_max_isa(level)
 
 
+def set_team_step(enabled: bool) -> None:
+    """Run a short-context step's layers in one OpenMP region (the default) or fork and join per
+    linear (the same arithmetic and bits; tests compare the two)."""
+    cpu_kernels.load_kernel().decode_set_team_step(int(enabled))
+
+
+def team_steps() -> int:
+    """Steps run as one region so far in this process (tests check it is taken)."""
+    return int(cpu_kernels.load_kernel().decode_team_steps())
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -79,11 +91,11 @@ def linear_descriptor(module: torch.nn.Module, keep: list) -> _Linear | None:
     from kvserve.model.linear import PackedLinear
     from kvserve.model.qlinear import QuantLinear
 
-    if isinstance(module, PackedLinear) and module.weight_rows is not None:
-        w = module.weight_rows  # [N, K] fp32 contiguous
+    if isinstance(module, PackedLinear) and module.panels is not None:
+        w = module.panels  # [P, K, 16] fp32 (csrc/decode_step.h)
         bias = None if module.bias is None else module.bias.float().contiguous()
         keep += [w, bias]
-        n, k = w.shape
+        n, k = module.out_features, module.in_features
         return _Linear(_LIN_F32, n, k, k, 1, 1, 0, 0, w.data_ptr(), None, None, _ptr(bias))
     if isinstance(module, QuantLinear) and module.layout == "panel":
         # csrc/decode_step.h: w [P, nb, 8, 8, 4] int8 | [P, nb, 4, 8, 4] uint8, scales [P, G, 8]
@@ -98,8 +110,17 @@ def linear_descriptor(module: torch.nn.Module, keep: list) -> _Linear | None:
     return None
 
 
+def f32_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the fp32 panel layout [ceil(N / 16), K, 16] of csrc/decode_step.h: panel p,
+    input k holds columns 16p .. 16p + 15 (one 64-byte line; padded columns are zeros)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // FPANEL) * FPANEL, k, dtype=torch.float32)
+    padded[:n] = weight.detach()
+    return padded.view(-1, FPANEL, k).transpose(1, 2).contiguous()  # [P, K, 16]
+
+
 def small_linear(desc: _Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 -> [M, N] through the native GEMV (fp32: M <= max_rows(); quantised: any M)."""
+    """x [M, K] fp32 -> [M, N] through the native panel GEMV / GEMM (any M)."""
     x = x.contiguous()
     y = x.new_empty(x.shape[0], desc.n)
     status = cpu_kernels.load_kernel().small_linear(

@@ -8,17 +8,27 @@
  * split output columns over the threads.
  *
  * GEMV kernels (y[m, n] = sum_k x[m, k] w[n, k] + bias[n], M <= DECODE_MAX_ROWS):
- *   fp32: w [N, K] row-major (the checkpoint's layout).
+ *   fp32: the 16-column panel layout of decode_step.h (built once at load, fused_decode.f32_panels).
  *   int8 / int4: qgemv.c, the panel-interleaved layout of decode_step.h (activations rounded to int8
  *     as kvserve/quant/csrc/qgemm.cpp rounds them; integer dot products per 32-input block).
  * The AVX2 paths exist when the library is compiled for a CPU with AVX2 (-march=native; the build is
  * keyed by the CPU's flags) and can be switched off at run time (decode_set_max_isa(0): the scalar path,
  * which tests force).
  */
+#define _GNU_SOURCE /* syscall (the futex) */
 #include <math.h>
+#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#include <sched.h>
+#endif
 
 #include "decode_step.h"
 #ifdef __AVX2__
@@ -66,74 +76,108 @@ static int have_avx2(void) {
 
 int decode_isa(void) { return have_avx2() && g_max_isa >= 2 ? 2 : 0; }
 void decode_set_max_isa(int level) { g_max_isa = level; }
+static int g_team_step = 1; /* 0: the step forks and joins per linear (tests compare both) */
+void decode_set_team_step(int enabled) { g_team_step = enabled; }
+static atomic_llong g_team_steps; /* steps run by decode_layers_team (tests check it is taken) */
+int64_t decode_team_steps(void) { return atomic_load(&g_team_steps); }
 int decode_max_rows(void) { return DECODE_MAX_ROWS; }
 
-/* ---- scalar kernels: columns [n0, n1) ------------------------------------------------------------ */
+/* ---- fp32 GEMV / GEMM on the panel layout (decode_step.h): panel p = columns 16p .. 16p + 15 ---------
+ * w[p][k][c]: one 64-byte line per input k holds the panel's 16 columns, so a thread's panels are one
+ * sequential stream. Each column's sum runs over k in order, one fused multiply-add per input, from 0;
+ * the bias is added last. The scalar path does the same operations in the same order (fmaf), so both
+ * paths give the same bits. */
 
-static void f32_scalar(const Linear *L, const float *x, int M, float *y, int n0, int n1) {
-    const float *w = L->w;
-    for (int n = n0; n < n1; n++)
-        for (int m = 0; m < M; m++) {
+static void f32_panel_scalar(const Linear *L, const float *x, int M, float *y, int p) {
+    const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
+    const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < cols; c++) {
             float acc = 0.f;
-            for (int k = 0; k < L->k; k++) acc += x[(int64_t)m * L->k + k] * w[(int64_t)n * L->k + k];
-            y[(int64_t)m * L->n + n] = acc + (L->bias ? L->bias[n] : 0.f);
+            for (int k = 0; k < K; k++) acc = fmaf(x[(int64_t)m * K + k], wp[(int64_t)k * FPANEL + c], acc);
+            y[(int64_t)m * L->n + n0 + c] = acc + (L->bias ? L->bias[n0 + c] : 0.f);
         }
 }
 
-/* ---- AVX2 kernels ------------------------------------------------------------------------------- */
 #ifdef __AVX2__
 #define INL static inline __attribute__((always_inline))
+#define F32_PREFETCH_LINES 16 /* software prefetch distance: inputs (64-byte lines) ahead */
 
-INL float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* fp32: R rows x C columns from n0; two accumulators per pair to hide the FMA latency at R = 1. */
-INL void f32_tile(const Linear *L, const float *x, float *y, int n0, const int R, const int C) {
-    const int K = L->k, K8 = K & ~7;
-    const float *w = (const float *)L->w + (int64_t)n0 * K;
-    __m256 acc[DECODE_MAX_ROWS][4];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    for (int k = 0; k < K8; k += 8) {
-        __m256 wv[4];
-        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(w + (int64_t)c * K + k);
+/* R rows (1-4) of one panel: 2 accumulators (8 columns each) per row; the panel's lines are read once
+ * for the R rows. */
+INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0, const int R) {
+    const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
+    const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
+    const float *xr = x + (int64_t)m0 * K;
+    __m256 acc[DECODE_MAX_ROWS][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *wk = wp + (int64_t)k * FPANEL;
+        _mm_prefetch((const char *)(wk + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
         for (int r = 0; r < R; r++) {
-            const __m256 xv = _mm256_loadu_ps(x + (int64_t)r * K + k);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+            const __m256 xb = _mm256_broadcast_ss(xr + (int64_t)r * K + k);
+            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            float v = hsum8(acc[r][c]);
-            for (int k = K8; k < K; k++) v += x[(int64_t)r * K + k] * w[(int64_t)c * K + k];
-            const int n = n0 + c;
-            y[(int64_t)r * L->n + n] = v + (L->bias ? L->bias[n] : 0.f);
+    for (int r = 0; r < R; r++) {
+        float *yr = y + (int64_t)(m0 + r) * L->n + n0;
+        if (cols == FPANEL && !L->bias) {
+            _mm256_storeu_ps(yr, acc[r][0]), _mm256_storeu_ps(yr + 8, acc[r][1]);
+            continue;
         }
-}
-
-static void f32_avx2(const Linear *L, const float *x, int M, float *y, int n0, int n1) {
-    int n = n0;
-#define F32_COLS(R, C)                                                      \
-    for (; n + (C) <= n1; n += (C)) f32_tile(L, x, y, n, R, C);             \
-    for (; n < n1; n++) f32_tile(L, x, y, n, R, 1);
-    switch (M) {
-    case 1: F32_COLS(1, 4) break;
-    case 2: F32_COLS(2, 4) break;
-    case 3: F32_COLS(3, 2) break;
-    default: F32_COLS(4, 2) break;
+        float sums[FPANEL];
+        _mm256_storeu_ps(sums, acc[r][0]), _mm256_storeu_ps(sums + 8, acc[r][1]);
+        for (int c = 0; c < cols; c++) yr[c] = sums[c] + (L->bias ? L->bias[n0 + c] : 0.f);
     }
-#undef F32_COLS
 }
 
+/* every row of panel p, in row tiles of 4 while the panel is in cache */
+static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int p) {
+    for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
+        switch (M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS) {
+        case 1: f32_panel_tile(L, x, y, p, m0, 1); break;
+        case 2: f32_panel_tile(L, x, y, p, m0, 2); break;
+        case 3: f32_panel_tile(L, x, y, p, m0, 3); break;
+        default: f32_panel_tile(L, x, y, p, m0, 4); break;
+        }
+    }
+}
 #endif /* __AVX2__ */
 
-/* ---- one linear: y [M, N] = x [M, K] W^T + b, columns split over the threads ------------------------ */
+/* panels [p0, p1) of y = x W^T + b on this thread */
+static void f32_panels(const Linear *L, const float *x, int M, float *y, int isa, int p0, int p1) {
+    (void)isa;
+    for (int p = p0; p < p1; p++) {
+#ifdef __AVX2__
+        if (isa >= 2) {
+            f32_panel_avx2(L, x, M, y, p);
+            continue;
+        }
+#endif
+        f32_panel_scalar(L, x, M, y, p);
+    }
+}
 
-#define COLUMN_CHUNK 16 /* fp32: output columns per work item (a multiple of every tile width) */
+/* y [M, N] = x [M, K] W^T + b on the fp32 panel layout, any M; panels split over the threads in
+ * contiguous ranges (each thread streams its part of the weight once). */
+static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
+    const int num_panels = (L->n + FPANEL - 1) / FPANEL;
+    (void)isa;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int p = 0; p < num_panels; p++) {
+#ifdef __AVX2__
+        if (isa >= 2) {
+            f32_panel_avx2(L, x, M, y, p);
+            continue;
+        }
+#endif
+        f32_panel_scalar(L, x, M, y, p);
+    }
+}
+
+/* ---- one linear: y [M, N] = x [M, K] W^T + b, output columns split over the threads ---------------- */
 
 static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *acts, int num_threads) {
     const int isa = decode_isa();
@@ -142,27 +186,15 @@ static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *a
         q_linear(L, acts, M, y, isa, num_threads);
         return;
     }
-    const int num_chunks = (L->n + COLUMN_CHUNK - 1) / COLUMN_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int chunk = 0; chunk < num_chunks; chunk++) {
-        const int n0 = chunk * COLUMN_CHUNK;
-        const int n1 = n0 + COLUMN_CHUNK < L->n ? n0 + COLUMN_CHUNK : L->n;
-#ifdef __AVX2__
-        if (isa >= 2) {
-            f32_avx2(L, x, M, y, n0, n1);
-            continue;
-        }
-#endif
-        f32_scalar(L, x, M, y, n0, n1);
-    }
+    f32_linear(L, x, M, y, isa, num_threads);
 }
 
 static int max_int(int a, int b) { return a > b ? a : b; }
 
-/* One linear on its own (the LM head, or a projection outside the fused step): fp32 for at most
- * DECODE_MAX_ROWS rows, the quantised layouts for any number. 0 on success. */
+/* One linear on its own (the LM head, or a projection outside the fused step), any number of rows
+ * (PackedLinear takes it for at most DECODE_MAX_ROWS: oneDNN is faster beyond). 0 on success. */
 int small_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
-    if (M < 1 || (L->kind == LIN_F32 && M > DECODE_MAX_ROWS)) return -1;
+    if (M < 1) return -1;
     Acts a = {0};
     if (!alloc_acts(&a, M, L->kind == LIN_F32 ? QBLOCK : L->kp)) {
         free_acts(&a);
@@ -173,6 +205,157 @@ int small_linear(const Linear *L, const float *x, int M, float *y, int num_threa
     return 0;
 }
 
+/* ---- one OpenMP region for the whole step (short contexts) -----------------------------------------
+ * Under OMP_WAIT_POLICY=PASSIVE (kvserve's default, docs/performance.md "Threads") every parallel
+ * region and every libgomp barrier puts the other threads to sleep in the kernel and wakes them again
+ * (tens of us each on this VM); a step of ~5 regions per layer paid that 150 times. The team step
+ * opens one region and synchronises with step_barrier: it spins briefly (the waits inside a step are
+ * short: work imbalance and the small ops of thread 0), then sleeps on a futex, so a thread whose core
+ * was taken by a neighbour does not hold the other core spinning. Each thread computes the RMSNorms
+ * and SiLU-and-multiply (and rounds the activations of a quantised linear) itself into its own buffers
+ * (the same code on the same inputs: the same bits),
+ * so only the GEMVs' outputs and thread 0's RoPE, KV write and attention need a barrier: 5 per layer. */
+
+#define BARRIER_SPINS 4000 /* pause iterations before sleeping (~50-100 us) */
+#define ATTENTION_PARALLEL_VALUES 65536 /* paged_attention.c's PARALLEL_MIN_VALUES */
+
+typedef struct {
+    atomic_int arrived, generation, sleepers;
+} StepBarrier;
+
+/* all `team` threads of the region meet here */
+static void step_barrier(StepBarrier *b, int team) {
+    const int gen = atomic_load(&b->generation);
+    if (atomic_fetch_add(&b->arrived, 1) == team - 1) {
+        atomic_store(&b->arrived, 0);
+        atomic_fetch_add(&b->generation, 1);
+        if (atomic_load(&b->sleepers) > 0) {
+#ifdef __linux__
+            syscall(SYS_futex, &b->generation, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0);
+#endif
+        }
+        return;
+    }
+    for (int i = 0; i < BARRIER_SPINS; i++) {
+        if (atomic_load_explicit(&b->generation, memory_order_acquire) != gen) return;
+#ifdef __AVX2__
+        _mm_pause();
+#endif
+    }
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->generation) == gen) {
+#ifdef __linux__
+        syscall(SYS_futex, &b->generation, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    atomic_fetch_sub(&b->sleepers, 1);
+}
+
+/* this thread's share (contiguous panels) of y = x W^T + b; quantised: the activations are rounded
+ * by every thread into its own `acts` (the same bits) */
+static void linear_share(const Linear *L, const float *x, int M, float *y, Acts *acts, int isa,
+                         int tid, int nt) {
+    const int width = L->kind == LIN_F32 ? FPANEL : QPANEL;
+    const int64_t panels = (L->n + width - 1) / width;
+    const int p0 = (int)(panels * tid / nt), p1 = (int)(panels * (tid + 1) / nt);
+    if (L->kind == LIN_F32) {
+        f32_panels(L, x, M, y, isa, p0, p1);
+        return;
+    }
+    quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
+    q_linear_panels(L, acts, M, y, isa, p0, p1);
+}
+
+static int max_kp_of(const Model *mdl) {
+    int max_kp = QBLOCK;
+    for (int l = 0; l < mdl->num_layers; l++) {
+        const Linear *ls[4] = {&mdl->layers[l].qkv, &mdl->layers[l].o, &mdl->layers[l].gate_up,
+                               &mdl->layers[l].down};
+        for (int i = 0; i < 4; i++)
+            if (ls[i]->kind != LIN_F32 && ls[i]->kp > max_kp) max_kp = ls[i]->kp;
+    }
+    return max_kp;
+}
+
+static int decode_layers_team(const Model *mdl, float *hidden, int M, const float *cos_rows,
+                              const float *sin_rows, const int64_t *slots, const int32_t *block_table,
+                              int max_blocks, const int32_t *context_lens, int num_threads) {
+    const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;
+    const int q_size = H * Dh, kv_size = KVH * Dh, qkv_width = q_size + 2 * kv_size;
+    const int I = mdl->inter, isa = decode_isa();
+    /* shared: the GEMV outputs, the attention; per thread: residual, normed, act */
+    float *qkv = malloc(sizeof(float) * M * qkv_width), *attn = malloc(sizeof(float) * M * q_size);
+    float *gate_up = malloc(sizeof(float) * M * 2 * I);
+    const int64_t per_thread = (int64_t)M * (2 * D + I);
+    float *own = malloc(sizeof(float) * per_thread * num_threads);
+    Acts *acts = calloc(num_threads, sizeof(Acts));
+    const int max_kp = max_kp_of(mdl);
+    StepBarrier bar = {0, 0, 0};
+    int status = 0;
+    if (!qkv || !attn || !gate_up || !own || !acts) {
+        status = -2;
+        goto done;
+    }
+    for (int t = 0; t < num_threads; t++)
+        if (!alloc_acts(&acts[t], M, max_kp)) {
+            status = -2;
+            goto done;
+        }
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *residual = own + per_thread * tid, *normed = residual + M * D, *act = normed + M * D;
+        Acts *own_acts = &acts[tid];
+        memcpy(residual, hidden, sizeof(float) * M * D); /* the stream starts as x */
+        for (int l = 0; l < mdl->num_layers; l++) {
+            const Layer *L = &mdl->layers[l];
+            add_rms_norm(hidden, l == 0 ? NULL : residual, L->input_norm, normed, residual, M, D,
+                         mdl->eps, 1);
+            linear_share(&L->qkv, normed, M, qkv, own_acts, isa, tid, nt);
+            step_barrier(&bar, nt);
+            if (tid == 0) {
+                rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
+                write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_width, slots, L->k_cache,
+                         L->v_cache, M, kv_size, 1);
+                status = paged_decode_attention(qkv, L->k_cache, L->v_cache, NULL, NULL, NULL,
+                                                block_table, context_lens, attn, qkv_width, M, H,
+                                                KVH, Dh, mdl->block_size, max_blocks, mdl->scale, 1);
+            }
+            step_barrier(&bar, nt);
+            if (status != 0) break;
+            linear_share(&L->o, attn, M, hidden, own_acts, isa, tid, nt);
+            step_barrier(&bar, nt);
+            add_rms_norm(hidden, residual, L->post_norm, normed, residual, M, D, mdl->eps, 1);
+            linear_share(&L->gate_up, normed, M, gate_up, own_acts, isa, tid, nt);
+            step_barrier(&bar, nt);
+            silu_mul(gate_up, act, M, I, 1);
+            linear_share(&L->down, act, M, hidden, own_acts, isa, tid, nt);
+            step_barrier(&bar, nt);
+        }
+        if (tid == 0 && status == 0) {
+            add_rms_norm(hidden, residual, mdl->final_norm, normed, residual, M, D, mdl->eps, 1);
+            memcpy(hidden, normed, sizeof(float) * M * D);
+        }
+    }
+    if (status == 0) atomic_fetch_add(&g_team_steps, 1);
+done:
+    if (acts)
+        for (int t = 0; t < num_threads; t++) free_acts(&acts[t]);
+    free(qkv), free(attn), free(gate_up), free(own), free(acts);
+    return status;
+}
+
+/* Whether the step can run as one region: more than one thread, and attention that
+ * paged_decode_attention would run on one thread anyway (short contexts). */
+static int team_step(const Model *mdl, int M, const int32_t *context_lens, int num_threads) {
+    if (num_threads < 2) return 0;
+    int64_t total_tokens = 0;
+    for (int m = 0; m < M; m++) total_tokens += context_lens[m];
+    return total_tokens * mdl->num_kv_heads * mdl->head_dim < ATTENTION_PARALLEL_VALUES;
+}
+
 /* The decoder layers for M single-token rows, then the final norm.
  * hidden: [M, D] in: the embedded tokens; out: the final norm of the residual stream.
  * cos, sin: [M, Dh / 2]; slots: [M] int64 cache slots; block_table [M, max_blocks] int32;
@@ -181,6 +364,9 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
                   const int64_t *slots, const int32_t *block_table, int max_blocks,
                   const int32_t *context_lens, int num_threads) {
     if (M < 1 || M > DECODE_MAX_ROWS) return -1;
+    if (g_team_step && team_step(mdl, M, context_lens, num_threads))
+        return decode_layers_team(mdl, hidden, M, cos_rows, sin_rows, slots, block_table, max_blocks,
+                                  context_lens, num_threads);
     const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;
     const int q_size = H * Dh, kv_size = KVH * Dh, qkv_width = q_size + 2 * kv_size;
     const int I = mdl->inter;

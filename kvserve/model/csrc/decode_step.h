@@ -7,11 +7,13 @@
 #define DECODE_MAX_ROWS 4
 #define QBLOCK 32
 #define QPANEL 8 /* output columns interleaved in one panel of the quantised layout */
+#define FPANEL 16 /* output columns interleaved in one panel of the fp32 layout */
 
 enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2 };
 
 /* One linear y [M, N] = x [M, K] W^T + b.
- * fp32: w [N, K] row-major.
+ * fp32: the panel layout w[p][k][c] (fp32) = W[16p + c][k], N padded to a multiple of 16 columns
+ *   (zeros), K as it is: one 64-byte line per input holds the panel's 16 columns.
  * int8 / int4 (qgemv.c): the panel-interleaved layout, N padded to Np = a multiple of 8 columns and
  *   K to Kp = a multiple of 32 inputs (zeros). Panel p holds columns 8p .. 8p + 7.
  *   int8: w[p][b][j][c][t] (int8) = code of column 8p + c, input 32b + 4j + t (j < 8, t < 4): one
@@ -44,5 +46,7 @@ void free_acts(Acts *a);
 void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads);
 /* the quantised linear for any M (activations already in `a`), panels split over the threads */
 void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads);
+/* panels [p0, p1) of the same, on the calling thread (the fused step's one-region mode) */
+void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1);
 
 #endif

@@ -345,6 +345,19 @@ static void q_panel_avx2(const Linear *L, const Acts *a, int M, float *y, int p)
 }
 #endif /* __AVX2__ */
 
+void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1) {
+    (void)isa;
+    for (int p = p0; p < p1; p++) {
+#ifdef __AVX2__
+        if (isa >= 2) {
+            q_panel_avx2(L, a, M, y, p);
+            continue;
+        }
+#endif
+        for (int m = 0; m < M; m++) q_panel_scalar(L, a, y, p, m);
+    }
+}
+
 void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads) {
     const int num_panels = (L->n + QPANEL - 1) / QPANEL;
     (void)isa;
