@@ -49,12 +49,17 @@ class MeasureConfig:
     # two), over caches of about this size at the longest
     attention_contexts: tuple[int, ...] = (128, 512, 2048)
     attention_cache_bytes: float = 256e6
+    # each attention point is the median of this many rounds, its contexts in A B C, C B A order:
+    # one timing of 4 rows x 2000 tokens moved 1.8-3.5 ms per layer between runs (docs/planning.md)
+    attention_rounds: int = 3
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
         if len(set(self.attention_contexts)) < 2 or min(self.attention_contexts) < 1:
             raise ValueError("attention_contexts: at least two distinct positive contexts")
+        if self.attention_rounds < 1:
+            raise ValueError("attention_rounds must be at least 1")
 
 
 def default_config(device: str = "cpu", dtype: str | None = None) -> MeasureConfig:

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -103,6 +104,23 @@ def measure_linear(
     return points
 
 
+def interleaved_medians_s(
+    calls: dict[int, Callable[[], object]],
+    cfg: MeasureConfig,
+    rounds: int,
+    timer: Callable[[Callable[[], object], MeasureConfig], float] = time_median_s,
+) -> dict[int, float]:
+    """{key: the median over `rounds` of timer(call)}, the calls in A B C order in even rounds and
+    C B A in odd ones, so that a slow phase of the machine (tens of seconds here) lands in one
+    round of every key rather than in all of one key's samples."""
+    keys = list(calls)
+    samples: dict[int, list[float]] = {k: [] for k in keys}
+    for r in range(rounds):
+        for k in keys if r % 2 == 0 else keys[::-1]:
+            samples[k].append(timer(calls[k], cfg))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def measure_attention(
     cfg: MeasureConfig,
     rows: tuple[int, ...] = DISPATCH_ROWS,
@@ -116,7 +134,8 @@ def measure_attention(
     (so that they stream from memory, as a model's do), per batch size:
 
     - `attention-time`: seconds per layer at (rows, context) (`context_tokens`), which the
-      planner interpolates in context (the cache read at the context it is predicted for);
+      planner interpolates in context (the cache read at the context it is predicted for), the
+      median of `cfg.attention_rounds` interleaved rounds (`interleaved_medians_s`);
     - `attention`: the extra cache bytes of the longest context over the shortest, over the
       extra time (a rate, for profiles read by older planners)."""
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
@@ -141,7 +160,7 @@ def measure_attention(
             c.k.normal_()
             c.v.normal_()
         q = torch.randn(n, num_heads, head_dim)  # [B, heads, head_dim]
-        times = []
+        calls = {}
         for context in contexts:
             blocks = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(n)]
             meta = build_attention_metadata([(context - 1, 1, b) for b in blocks], block_size, cpu)
@@ -150,10 +169,13 @@ def measure_attention(
                 for c in caches:
                     backend(q, c, meta, head_dim**-0.5)
 
-            times.append(time_median_s(call, cfg))
+            calls[context] = call
+        medians = interleaved_medians_s(calls, cfg, cfg.attention_rounds)
+        times = [medians[context] for context in contexts]
+        for context, t in zip(contexts, times, strict=True):
             points.append(
                 MeasuredPoint(
-                    "attention-time", n, 0.0, 0.0, 0.0, times[-1] / num_layers, context, token_bytes
+                    "attention-time", n, 0.0, 0.0, 0.0, t / num_layers, context, token_bytes
                 )
             )
         extra_bytes = n * (long - short) * token_bytes * num_layers

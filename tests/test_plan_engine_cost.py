@@ -147,3 +147,26 @@ def test_the_kv_term_reads_at_the_measured_attention_rate():
     assert cost.terms_s(1, 1000)["kv"] == pytest.approx(k * 1000 / 2e8)
     assert cost.terms_s(4, 1000)["kv"] == pytest.approx(4 * k * 1000 / 4e8)
     assert "decode attention" in cost.sources()["kv"]
+
+
+def test_attention_points_are_medians_of_interleaved_rounds():
+    """One slow phase of the machine must not set an attention point (the profile's 4 x 2000
+    point was one timing, shared by every format's plan): each point is the median over rounds,
+    the contexts A B, then B A."""
+    from kvserve.measure import MeasureConfig
+    from kvserve.measure_engine import interleaved_medians_s
+
+    order: list[int] = []
+    # the machine is slow (10x) during the second round only
+    script = iter([1.0, 2.0, 20.0, 10.0, 1.0, 2.0])
+
+    def timer(call, cfg) -> float:
+        call()
+        return next(script)
+
+    calls = {128: lambda: order.append(128), 2000: lambda: order.append(2000)}
+    medians = interleaved_medians_s(calls, MeasureConfig(), 3, timer=timer)
+    assert order == [128, 2000, 2000, 128, 128, 2000]
+    assert medians == {128: 1.0, 2000: 2.0}
+    with pytest.raises(ValueError, match="attention_rounds"):
+        MeasureConfig(attention_rounds=0)

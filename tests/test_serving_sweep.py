@@ -1,0 +1,44 @@
+"""benchmarks/serving_sweep.py's greedy-text agreement: the measured requests' texts are hashed by
+prompt index (warm-up and failed requests left out), and each engine pair counts the prompts both
+answered with the same text."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from benchmarks.serving_sweep import agreement, output_hashes, server_command
+
+
+def write_run(path, texts: dict[int, str | None], warmup: int = 1) -> None:
+    path.mkdir(parents=True)
+    requests, outputs = [], []
+    for index, text in texts.items():
+        rid = f"req-{index:06d}"
+        requests.append({"request_id": rid, "phase": "warmup" if index < warmup else "measured"})
+        outputs.append({"request_id": rid, "index": index, "text": text})
+    (path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
+    (path / "outputs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in outputs))
+
+
+def test_texts_are_hashed_per_measured_prompt_and_compared_across_engines(tmp_path):
+    write_run(tmp_path / "a", {0: "warm", 1: "same", 2: "left", 3: "x"})
+    write_run(tmp_path / "b", {0: "other warm", 1: "same", 2: "right", 3: None})
+    a, b = output_hashes(tmp_path / "a"), output_hashes(tmp_path / "b")
+    assert set(a) == {"1", "2", "3"} and set(b) == {"1", "2"}  # no warm-up, no failed request
+    assert a["1"] == hashlib.sha256(b"same").hexdigest()
+    engines = {"a": {"output_hashes": {"1.0": a}}, "b": {"output_hashes": {"1.0": b}}}
+    assert agreement(engines) == {"a vs b": {"same": 1, "compared": 2}}
+
+
+def test_each_engine_serves_with_prefix_caching_off(tmp_path):
+    class Args:
+        model, gguf, llama_bin, llama_parallel, threads = "M", "G.gguf", "/bin", 16, 2
+        vllm_python = "/venv/python"
+
+    kv, _ = server_command("kvserve", Args, 1)
+    llama, _ = server_command("llamacpp", Args, 1)
+    vllm, env = server_command("vllm-bind01", Args, 1)
+    assert "--no-prefix-caching" in kv and "--no-cache-prompt" in llama
+    assert "--no-enable-prefix-caching" in vllm and vllm[vllm.index("--dtype") + 1] == "float32"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "PYTHONPATH" not in env
