@@ -12,3 +12,26 @@ def write_report(out: str | Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report | {"machine": platform.platform()}, indent=2))
     print(f"wrote {path}")
+
+
+def kvserve_llm():
+    """kvserve's `LLM`, imported as a user's program imports it: before torch is loaded, so kvserve's
+    OpenMP thread defaults (docs/performance.md, "Threads") apply to this process while it loads
+    torch, and child processes (llama.cpp) keep the environment they had. Call it before anything
+    imports torch; if torch is already loaded it says so (the run then has OpenMP's own defaults)."""
+    import sys
+
+    if "torch" in sys.modules:
+        print("note: torch was imported before kvserve: kvserve's thread defaults do not apply")
+    from kvserve import LLM
+
+    return LLM
+
+
+def threads_used() -> str:
+    """The thread configuration kvserve's engine runs with in this process, for the report."""
+    import torch
+
+    from kvserve.threads import describe_threads
+
+    return describe_threads(torch.get_num_threads())

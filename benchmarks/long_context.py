@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import argparse
 
-from _report import write_report  # benchmarks/ is on sys.path when a script runs
+from _report import (  # benchmarks/ is on sys.path when a script runs
+    kvserve_llm,
+    threads_used,
+    write_report,
+)
 
 
 def decode_step_s(llm, prompt: list[int], new_tokens: int) -> float:
@@ -46,9 +50,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/long_context.json")
     args = parser.parse_args()
 
+    LLM = kvserve_llm()  # before torch: kvserve's thread defaults apply as they do for users
     import torch
-
-    from kvserve import LLM
 
     contexts = [int(c) for c in args.contexts.split(",")]
     options = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
@@ -77,6 +80,7 @@ def main() -> None:
         f"({args.ttft_prompt / cold:.0f} tok/s), warm {warm * 1e3:.1f} ms (x{cold / warm:.0f})"
     )
     report = {
+        "kvserve_threads": threads_used(),
         "benchmark": "long_context",
         "model": args.model,
         "kv_cache_dtype": args.kv_cache_dtype,

@@ -22,7 +22,11 @@ import json
 import re
 import subprocess
 
-from _report import write_report  # benchmarks/ is on sys.path when a script runs
+from _report import (  # benchmarks/ is on sys.path when a script runs
+    kvserve_llm,
+    threads_used,
+    write_report,
+)
 
 
 def kvserve_point(llm, batch: int, prompt_len: int, new_tokens: int) -> dict:
@@ -112,10 +116,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/peer_llamacpp.json")
     args = parser.parse_args()
 
+    LLM = kvserve_llm()  # before torch: kvserve's thread defaults apply as they do for users
     import torch
 
     torch.set_num_threads(args.threads)
-    from kvserve import LLM
 
     options = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
     llm = LLM(args.hf_dir, max_num_seqs=64, kv_cache_memory_bytes=512 * 1024**2, **options)
@@ -149,6 +153,7 @@ def main() -> None:
     report = {
         "benchmark": "peer_llamacpp", "hf_dir": args.hf_dir, "gguf": args.gguf,
         "dtype": "float32 weights both sides; KV fp32 (llama-bench: f16)", "threads": args.threads,
+        "kvserve_threads": threads_used(),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
         "kv_cache_dtype": args.kv_cache_dtype, "rows": rows, "long_prefill": long_prefill,
     }  # fmt: skip

@@ -23,7 +23,11 @@ import sysconfig
 import time
 from pathlib import Path
 
-from _report import write_report  # benchmarks/ is on sys.path when a script runs
+from _report import (  # benchmarks/ is on sys.path when a script runs
+    kvserve_llm,
+    threads_used,
+    write_report,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -135,10 +139,9 @@ def quality(args: argparse.Namespace) -> dict:
 
 
 def speed(args: argparse.Namespace) -> dict:
+    LLM = kvserve_llm()  # before torch: kvserve's thread defaults apply as they do for users
     import torch
     from peer_llamacpp import kvserve_point, llama_batched_bench, llama_bench
-
-    from kvserve import LLM
 
     torch.set_num_threads(args.threads)
     peers = {"fp32": "f32", "int8": "Q8_0", "linear=int8,head=int8": "Q8_0"}
@@ -179,6 +182,7 @@ def speed(args: argparse.Namespace) -> dict:
         "benchmark": "quant-speed",
         "hf_dir": args.hf_dir,
         "threads": args.threads,
+        "kvserve_threads": threads_used(),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "rows": rows,

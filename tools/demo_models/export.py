@@ -178,6 +178,37 @@ def perplexity_lines(results: dict, name: str) -> list[str]:
     return lines
 
 
+def stage_text(start: dict) -> str:
+    """What a training round did, from its row mix: pre-training, instruction tuning, or both."""
+    mix = start.get("mix") or {}
+    if not mix.get("sft"):
+        return "continued pre-training"
+    if len(mix) == 1:
+        return "instruction tuning"
+    if mix["sft"] * 2 >= sum(mix.values()):
+        return "instruction tuning with pre-training rows"
+    return "continued pre-training mixed with instruction pairs"
+
+
+def earlier_rounds(previous_training: str, start: dict) -> list[str]:
+    """The card lines before this run's own training lines: a card exported from an --init-from run
+    keeps every earlier round of the model it started from and numbers this one on."""
+    if not previous_training:
+        return []
+    numbers = [int(n) for n in re.findall(r"^Round (\d+) ", previous_training, re.M)]
+    if not numbers:
+        previous_training = (
+            f"Round 1 (pre-training; from the previous card):\n\n{previous_training}"
+        )
+    return [
+        previous_training,
+        "",
+        f"Round {max(numbers, default=1) + 1} (started from those weights, fp32, fresh optimizer; "
+        f"{stage_text(start)}):",
+        "",
+    ]
+
+
 def model_card(
     name: str,
     out_dir: Path,
@@ -191,17 +222,7 @@ def model_card(
     preset = start["preset"]
     size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
     instructed = "sft" in (start.get("mix") or {})
-    rounds = []
-    if previous_training:
-        rounds = [
-            "Round 1 (pre-training; from the previous card):",
-            "",
-            previous_training,
-            "",
-            f"Round 2 (started from those weights, fp32, fresh optimizer; "
-            f"{'instruction tuning' if instructed else 'continued pre-training'}):",
-            "",
-        ]
+    rounds = earlier_rounds(previous_training, start)
     lines = [
         f"# kvserve demo {name} model",
         "",
