@@ -128,29 +128,6 @@ def test_quantised_gemv_equals_the_dequantised_reference(isa, fmt, n, k):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", ["int8", "int4-g32"])
-def test_quantised_gemv_same_bits_under_either_prefetch_mode(fmt):
-    """csrc/qgemv.c's software prefetch (mode 1: every line 8 blocks ahead, the default; mode 0: one
-    line 4 blocks ahead, the previous kernel) is only a hint: the results are the same bits, and the
-    default is back in place afterwards."""
-    from kvserve.model import cpu_kernels
-
-    library = cpu_kernels.load_kernel()
-    gen = torch.Generator().manual_seed(3)
-    linear = QuantLinear(
-        quantize(torch.randn(203, 576, generator=gen), parse_tensor_scheme(fmt)), None
-    )
-    for m in (1, 4, 17):
-        x = torch.randn(m, 576, generator=gen)
-        library.q_set_prefetch(0)
-        try:
-            old = linear(x)
-        finally:
-            library.q_set_prefetch(1)
-        assert torch.equal(linear(x), old), f"{fmt}, {m} rows"
-
-
-@needs_kernel
 @pytest.mark.skipif(not kernels_available(), reason="the quantised GEMM extension did not build")
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128-zp", "w8a8"])
 def test_quantised_gemv_equals_the_gemm_extension(fmt):

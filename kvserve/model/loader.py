@@ -142,9 +142,14 @@ def load_model(
         if scheme.is_quantized:
             apply_weight_scheme(model, scheme)
             log_kernels(model, scheme.name)
+    unused = sorted(set(checkpoint) - used)
+    # The model holds the tensors now: drop this function's references before the CPU layouts are
+    # built, so each original is freed as its layer is converted (otherwise the peak holds the
+    # checkpoint, the packed copies and the panels of the whole model at once).
+    state.clear()
+    checkpoint = None
     if torch.device(device).type == "cpu":
         model.use_cpu_weights()
-    unused = sorted(set(checkpoint) - used)
     if unused:
         logger.warning(
             "%s: ignoring %d checkpoint tensors not used by %s: %s",
