@@ -150,10 +150,11 @@ def mix_text(start: dict) -> str:
 
 INSTRUCTED = (
     "After pre-training, a short instruction-tuning stage on pairs made from its training corpus "
-    "(docstring -> function, question -> language-reference topic or docstring) taught it to answer "
-    "a request in the chat template and end its turn with `<|end|>`: asked for a small Python function "
-    "it writes Python, asked what a Python term means it answers in the style of the documentation. "
-    "It still knows little, is often wrong and must not be used for anything that matters."
+    "(docstring -> function, question -> language-reference topic or docstring) taught it the chat "
+    "template: asked for a small Python function it writes Python (rarely the right function) and "
+    "ends its turn with `<|end|>`; asked a question it answers in prose in the style of its corpus, "
+    "often until `max_tokens`. It knows little, is often wrong and must not be used for anything "
+    "that matters."
 )
 PLAIN = (
     "It continues Python code and English prose in the style of its corpus, but it knows little, "
