@@ -164,17 +164,8 @@ static void f32_panels(const Linear *L, const float *x, int M, float *y, int isa
  * contiguous ranges (each thread streams its part of the weight once). */
 static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
     const int num_panels = (L->n + FPANEL - 1) / FPANEL;
-    (void)isa;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int p = 0; p < num_panels; p++) {
-#ifdef __AVX2__
-        if (isa >= 2) {
-            f32_panel_avx2(L, x, M, y, p);
-            continue;
-        }
-#endif
-        f32_panel_scalar(L, x, M, y, p);
-    }
+    for (int p = 0; p < num_panels; p++) f32_panels(L, x, M, y, isa, p, p + 1);
 }
 
 /* ---- one linear: y [M, N] = x [M, K] W^T + b, output columns split over the threads ---------------- */

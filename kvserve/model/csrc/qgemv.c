@@ -345,7 +345,8 @@ static void q_panel_avx2(const Linear *L, const Acts *a, int M, float *y, int p)
 }
 #endif /* __AVX2__ */
 
-void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1) {
+/* panels [p0, p1) of y on this thread (inlined into q_linear: no call through the PLT per panel) */
+INL void panels_range(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1) {
     (void)isa;
     for (int p = p0; p < p1; p++) {
 #ifdef __AVX2__
@@ -358,17 +359,12 @@ void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, i
     }
 }
 
+void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1) {
+    panels_range(L, a, M, y, isa, p0, p1);
+}
+
 void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads) {
     const int num_panels = (L->n + QPANEL - 1) / QPANEL;
-    (void)isa;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int p = 0; p < num_panels; p++) {
-#ifdef __AVX2__
-        if (isa >= 2) {
-            q_panel_avx2(L, a, M, y, p);
-            continue;
-        }
-#endif
-        for (int m = 0; m < M; m++) q_panel_scalar(L, a, y, p, m);
-    }
+    for (int p = 0; p < num_panels; p++) panels_range(L, a, M, y, isa, p, p + 1);
 }
