@@ -41,3 +41,30 @@ def test_no_tensor_outside_the_model_shares_a_weight_when_the_cpu_layouts_are_bu
     LLM(str(tmp_path), kv_cache_memory_bytes=8 << 20)
     assert seen["params"] > 0
     assert seen["others"] == 0
+
+
+def test_a_tied_fp32_table_is_served_from_the_head_panels_and_not_kept_twice(tmp_path):
+    from kvserve.model import fused_decode
+    from kvserve.model.linear import PanelEmbedding
+
+    # 77 rows: the last panel is padded (77 = 4 x 16 + 13)
+    hf = build_checkpoint(tmp_path, "llama_tied", vocab_size=77, num_hidden_layers=2)
+    table = hf.model.embed_tokens.weight.detach()  # [77, hidden]
+    model = LLM(str(tmp_path), kv_cache_memory_bytes=8 << 20).engine.runner.model
+    if fused_decode.max_rows() == 0:  # no native kernels here: no panels, the table stays
+        assert isinstance(model.embed_tokens, torch.nn.Embedding)
+        return
+    assert isinstance(model.embed_tokens, PanelEmbedding)
+    assert model.embed_tokens.panels is model.cpu_head.panels  # one tensor, shared
+    ids = torch.tensor([0, 15, 16, 63, 64, 76, 5, 5])
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+    gc.collect()
+    copies = [
+        t
+        for t in gc.get_objects()
+        if isinstance(t, torch.Tensor)
+        and t.shape == table.shape
+        and not t.is_mkldnn
+        and t.untyped_storage().data_ptr() != table.untyped_storage().data_ptr()
+    ]  # (oneDNN's opaque copy of the head is the head's, and stays)
+    assert copies == []  # the engine holds no strided [vocab, hidden] table of its own

@@ -19,7 +19,7 @@ from kvserve.config import ModelConfig
 from kvserve.model import cpu_kernels, fused_decode
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, cpu_attention
 from kvserve.model.kv_cache import LayerKVCache
-from kvserve.model.linear import cpu_linear, use_cpu_linears
+from kvserve.model.linear import PanelEmbedding, cpu_linear, use_cpu_linears
 from kvserve.model.registry import ArchSpec
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
 
@@ -200,11 +200,20 @@ class DecoderLM(nn.Module):
 
     def use_cpu_weights(self) -> None:
         """CPU layout (model/linear.py): every projection, and the head, run from a weight laid out for
-        the CPU kernel. A tied head keeps its own copy beside the embedding table it shares."""
+        the CPU kernel. A tied fp32 head's panels also serve the embedding lookup (`PanelEmbedding`), so
+        the table is freed; otherwise a tied head keeps its own copy beside the table it shares."""
         use_cpu_linears(self.layers)
         # the norms are never quantised: their dtype is the model's activation dtype
         self.use_cpu_kernels(self.norm.weight.dtype == torch.float32)
         if self.cpu_head is None:  # a quantised head (model/linear.py) is already there
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             self.cpu_head = cpu_linear(weight)
+            panels = getattr(self.cpu_head, "panels", None)
+            if (
+                self.lm_head is None
+                and panels is not None
+                and type(self.embed_tokens) is nn.Embedding
+            ):
+                # tied: look rows up in the head's panels and free the table (one copy fewer)
+                self.embed_tokens = PanelEmbedding(panels, self.config.vocab_size)
         self.lm_head = None  # an untied head lives on only as cpu_head

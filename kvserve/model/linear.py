@@ -76,6 +76,22 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class PanelEmbedding(nn.Module):
+    """A tied fp32 embedding table served from its head's panels (`fused_decode.f32_panels`,
+    [P, hidden, 16]): row r is `panels[r // 16, :, r % 16]`, so the table needs no copy of its own
+    beside the head's (it held a third one before: the table, oneDNN's copy and the panels)."""
+
+    def __init__(self, panels: torch.Tensor, num_embeddings: int) -> None:
+        super().__init__()
+        self.panels = panels  # the head's tensor, shared (not a parameter: no state_dict entry)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = panels.shape[1]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids [T] -> [T, hidden]; the two index tensors broadcast ahead of the sliced dim
+        return self.panels[input_ids // fused_decode.FPANEL, :, input_ids % fused_decode.FPANEL]
+
+
 class TransposedLinear(nn.Module):
     """y = x W^T + b with W stored as W^T ([in_features, out_features], contiguous)."""
 
