@@ -21,6 +21,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 #include "decode_step.h"
 #ifdef __AVX2__
@@ -232,7 +233,7 @@ INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
     __m256 acc[DECODE_MAX_ROWS];
     __m256i total[DECODE_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), total[r] = _mm256_setzero_si256();
-    for (int b = 0; b < nb; b++) {
+    for (int b = 0, g = 0, gb = 0; b < nb; b++) {
         const int8_t *wb = w + (int64_t)b * QPANEL * QBLOCK;
         __m256i blk[DECODE_MAX_ROWS];
         for (int r = 0; r < R; r++) blk[r] = _mm256_setzero_si256();
@@ -253,7 +254,9 @@ INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
             for (int r = 0; r < R; r++) total[r] = _mm256_add_epi32(total[r], blk[r]);
             continue;
         }
-        const __m256 sv = G == 1 ? _mm256_setzero_ps() : load_h8(s + (b / L->bpg) * QPANEL);
+        /* group g of block b (a counter: no integer division per block) */
+        const __m256 sv = G == 1 ? _mm256_setzero_ps() : load_h8(s + g * QPANEL);
+        if (++gb == L->bpg) gb = 0, g++;
         for (int r = 0; r < R; r++) {
             const __m256 d = _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb + b]);
             acc[r] = _mm256_fmadd_ps(G == 1 ? d : _mm256_mul_ps(d, sv), _mm256_cvtepi32_ps(blk[r]),
@@ -285,7 +288,7 @@ INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
     const __m256 eight = _mm256_set1_ps(8.f);
     __m256 acc[DECODE_MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
+    for (int b = 0, g = 0, gb = 0; b < nb; b++) {
         const uint8_t *wb = w + (int64_t)b * QPANEL * 16;
         __m256i s16[DECODE_MAX_ROWS];
         for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
@@ -301,9 +304,9 @@ INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
                                              _mm256_maddubs_epi16(hi, bcast4(xr + 16))));
             }
         }
-        const int g = b / L->bpg;
         const __m256 sv = load_h8(s + g * QPANEL);
         const __m256 zv = z ? load_h8(z + g * QPANEL) : eight;
+        if (++gb == L->bpg) gb = 0, g++;
         for (int r = 0; r < R; r++) {
             const int64_t i = (int64_t)(m0 + r) * nb + b;
             const __m256 f = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a->sum[i]),
@@ -365,6 +368,11 @@ void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, i
 
 void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads) {
     const int num_panels = (L->n + QPANEL - 1) / QPANEL;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int p = 0; p < num_panels; p++) panels_range(L, a, M, y, isa, p, p + 1);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        /* each thread one contiguous range of panels (schedule(static)'s split, in one call) */
+        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t p0 = (int64_t)num_panels * tid / nt, p1 = (int64_t)num_panels * (tid + 1) / nt;
+        panels_range(L, a, M, y, isa, (int)p0, (int)p1);
+    }
 }
