@@ -140,7 +140,7 @@ def plan_step(spec, profile, weights: str, batch: int, context: float) -> dict:
     return out | {
         "plan_s": engine.decode_step_s(batch, context),
         "bound": engine.decode_bound(batch, context),
-        "path": engine.path(batch),
+        "path": engine.path(batch, context),
         "terms_s": engine.terms_s(batch, context),
         "sources": engine.sources(),
     }
