@@ -192,10 +192,10 @@ def measure_attention(
 
 
 def _tiny_decoder(
-    num_layers: int, fused: bool
+    num_layers: int, fused: bool, context: int = 64
 ) -> tuple[Callable[[int], Callable[[], object]], object]:
     """A random tiny DecoderLM in the engine's CPU layout, its fused decode step on or off;
-    returns (make_step(batch) -> one decode forward (+ logits of every row) at context 64, the
+    returns (make_step(batch) -> one decode forward (+ logits of every row) at `context`, the
     model: `model.fused.num_steps` counts the steps that ran fused)."""
     from kvserve.config import ModelConfig
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
@@ -206,12 +206,13 @@ def _tiny_decoder(
     config = ModelConfig(
         model_type="llama", vocab_size=256, hidden_size=64, num_layers=num_layers,
         num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+        rope_theta=10000.0, max_position_embeddings=max(256, 2 * context),
+        tie_word_embeddings=True,
     )  # fmt: skip
     model = DecoderLM(config, get_arch("llama"), 256).eval()
     model.use_cpu_weights()
     model.fused_decode = model.fused_decode and fused  # as the engine decides, or the per-op path
-    block_size, context = 16, 64
+    block_size = 16
     num_blocks = 16 * (context // block_size + 1) + 1
     _, caches = allocate_layers(
         num_layers, num_blocks, block_size, 2, 16, torch.float32, "auto", torch.device("cpu")
