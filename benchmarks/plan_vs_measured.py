@@ -68,7 +68,7 @@ def probe(label: str) -> dict:
     from kvserve.measure import MeasureConfig, measure_gemv
     from kvserve.measure_engine import measure_dispatch
 
-    cfg = MeasureConfig(min_time_s=0.3, min_samples=5)
+    cfg = MeasureConfig(min_time_s=0.3, min_samples=5, dispatch_rounds=1)
     with torch.inference_mode():
         gemv = measure_gemv(cfg)
         points = measure_dispatch(cfg, rows=(16,), fused_shape_rows=(1,))

@@ -209,7 +209,7 @@ def _tiny_decoder(
         rope_theta=10000.0, max_position_embeddings=max(256, 2 * context),
         tie_word_embeddings=True,
     )  # fmt: skip
-    model = DecoderLM(config, get_arch("llama"), 256).eval()
+    model = DecoderLM(config, get_arch("llama"), config.max_position_embeddings).eval()
     model.use_cpu_weights()
     model.fused_decode = model.fused_decode and fused  # as the engine decides, or the per-op path
     block_size = 16
@@ -256,7 +256,8 @@ def measure_dispatch(
     of the step: embedding, RoPE tables, metadata, the call, the head: the team step, one
     OpenMP region, at the tiny decoder's short context), and the same with the team step off
     (`fork-dispatch`, `fork-fixed`: the path the fused step takes at longer contexts, a region
-    per linear); `fused_shape_rows` overrides those rows (a quick probe)."""
+    per linear); `fused_shape_rows` overrides those rows (a quick probe). Each point is the
+    median over `cfg.dispatch_rounds` rounds of the two decoders' difference."""
     from kvserve.model import fused_decode
 
     max_fused = fused_rows()
@@ -276,9 +277,14 @@ def measure_dispatch(
             team_before = fused_decode.team_steps() if fused else 0
             if fork:
                 fused_decode.set_team_step(False)
-            try:
-                t_one = time_median_s(one(n), cfg)
-                t_many = time_median_s(many(n), cfg)
+            ones, slopes = [], []
+            try:  # rounds of one and many, alternating which goes first: a slow phase of the
+                # machine lands in one round's difference, not in all of one decoder's samples
+                for r in range(cfg.dispatch_rounds):
+                    order = (one, many) if r % 2 == 0 else (many, one)
+                    times = {dec: time_median_s(dec(n), cfg) for dec in order}
+                    ones.append(times[one])
+                    slopes.append((times[many] - times[one]) / dispatch_layers)
             finally:
                 if fork:
                     fused_decode.set_team_step(True)
@@ -288,10 +294,10 @@ def measure_dispatch(
                 break  # the fused step did not run at n rows: there is no such step shape
             if fork and fused_decode.team_steps() > team_before:
                 break  # the team step ran although it was off
-            per_layer = max(0.0, (t_many - t_one) / dispatch_layers)
-            fixed_kind = FIXED_KIND[kind]
+            per_layer = max(0.0, statistics.median(slopes))
+            fixed = max(0.0, statistics.median(ones) - per_layer)
             points.append(MeasuredPoint(kind, n, 0.0, 0.0, 0.0, per_layer))
-            points.append(MeasuredPoint(fixed_kind, n, 0.0, 0.0, 0.0, max(0.0, t_one - per_layer)))
+            points.append(MeasuredPoint(FIXED_KIND[kind], n, 0.0, 0.0, 0.0, fixed))
     return points
 
 
