@@ -46,10 +46,16 @@ def why_missed(row: dict) -> str:
     outside = row["measured_s"] - forward
     if abs(forward / plan_forward - 1) <= TOLERANCE:
         planned = t.get("engine", 0.0)
+        rest = (
+            ": the rest is the model's forward taking longer inside bench latency's steps than "
+            "timed alone right after them, not the engine's own work"
+            if planned and outside > 2 * planned
+            else ""
+        )
         return (
             f"engine host work outside the forward: {_ms(outside)} measured (the step less the "
             f"forward timed alone) against the plan's {_ms(planned)} (scheduler, sampler, "
-            "runner, timed inside the profile's engine steps)"
+            f"runner, timed inside the profile's engine steps){rest}"
         )
     if forward > plan_forward:
         where = "the cache read at long context or " if row["context"] > 1000 else ""
