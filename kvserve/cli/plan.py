@@ -133,7 +133,8 @@ def register(subparsers: Any) -> None:
         "--measure-model",
         default=None,
         metavar="MODEL",
-        help="time the engine linears over this model's own matrices (default: one large one)",
+        help="time the engine linears over this model's own matrices (default: one large one) "
+        "and the engine's work outside the forward on it (sampler, runner, scheduler)",
     )
     g.add_argument(
         "--measure-contexts",
