@@ -24,6 +24,11 @@ def why_not_memory(row: dict) -> str | None:
             f"dispatch overhead: host cost {_ms(t['dispatch'])} of the plan's "
             f"{_ms(row['plan_s'])} ({row.get('path', '?')} path)"
         )
+    if row["bound"] == "engine":
+        return (
+            f"engine overhead: the engine outside the forward {_ms(t['engine'])} of the plan's "
+            f"{_ms(row['plan_s'])} (sampler, runner, scheduler)"
+        )
     return (
         f"kernel efficiency: the measured kernels stream the weights and cache in "
         f"{_ms(streaming)} where the bytes need {_ms(t['bandwidth'])} at the GEMV bandwidth "
@@ -40,9 +45,17 @@ def why_missed(row: dict) -> str:
         return "unexplained (the forward was not timed alone)"
     outside = row["measured_s"] - forward
     if abs(forward / plan_forward - 1) <= TOLERANCE:
+        planned = t.get("engine", 0.0)
+        rest = (
+            ": the rest is the model's forward taking longer inside bench latency's steps than "
+            "timed alone right after them, not the engine's own work"
+            if planned and outside > 2 * planned
+            else ""
+        )
         return (
-            f"engine host work outside the forward: {_ms(outside)} (scheduler, sampler, "
-            "outputs), which the plan does not count"
+            f"engine host work outside the forward: {_ms(outside)} measured (the step less the "
+            f"forward timed alone) against the plan's {_ms(planned)} (scheduler, sampler, "
+            f"runner, timed inside the profile's engine steps){rest}"
         )
     if forward > plan_forward:
         where = "the cache read at long context or " if row["context"] > 1000 else ""

@@ -37,6 +37,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+# The probes and the forward timed alone run in this process: with the OpenMP settings the
+# `kvserve` command line (the profile, bench latency) starts with (kvserve/threads.py), set before
+# torch loads. Without them the idle threads spin, the fused step's forking path and the per-op
+# path skip the futex wake-ups the engine pays, and the forward alone came out 9-24 ms faster
+# than inside the engine's step at 4 x 128 and 1 x 2000 (docs/planning.md).
+from kvserve.threads import apply_thread_defaults  # noqa: E402
+
+apply_thread_defaults()
+
 from benchmarks._plan_explain import TOLERANCE, explain, print_table  # noqa: E402
 from kvserve.plan import KVFormat, arith, load_model, parse_weight_format  # noqa: E402
 from kvserve.plan.engine_cost import EngineCost  # noqa: E402
@@ -59,7 +68,7 @@ def probe(label: str) -> dict:
     from kvserve.measure import MeasureConfig, measure_gemv
     from kvserve.measure_engine import measure_dispatch
 
-    cfg = MeasureConfig(min_time_s=0.3, min_samples=5)
+    cfg = MeasureConfig(min_time_s=0.3, min_samples=5, dispatch_rounds=1)
     with torch.inference_mode():
         gemv = measure_gemv(cfg)
         points = measure_dispatch(cfg, rows=(16,), fused_shape_rows=(1,))
@@ -140,7 +149,7 @@ def plan_step(spec, profile, weights: str, batch: int, context: float) -> dict:
     return out | {
         "plan_s": engine.decode_step_s(batch, context),
         "bound": engine.decode_bound(batch, context),
-        "path": engine.path(batch),
+        "path": engine.path(batch, context),
         "terms_s": engine.terms_s(batch, context),
         "sources": engine.sources(),
     }

@@ -52,14 +52,17 @@ class MeasureConfig:
     # each attention point is the median of this many rounds, its contexts in A B C, C B A order:
     # one timing of 4 rows x 2000 tokens moved 1.8-3.5 ms per layer between runs (docs/planning.md)
     attention_rounds: int = 3
+    # the host-cost points (kvserve.measure_engine.measure_dispatch): the median of this many
+    # rounds of the 1-layer and many-layer decoders, alternating which goes first
+    dispatch_rounds: int = 3
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}")
         if len(set(self.attention_contexts)) < 2 or min(self.attention_contexts) < 1:
             raise ValueError("attention_contexts: at least two distinct positive contexts")
-        if self.attention_rounds < 1:
-            raise ValueError("attention_rounds must be at least 1")
+        if self.attention_rounds < 1 or self.dispatch_rounds < 1:
+            raise ValueError("attention_rounds and dispatch_rounds must be at least 1")
 
 
 def default_config(device: str = "cpu", dtype: str | None = None) -> MeasureConfig:

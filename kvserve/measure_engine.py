@@ -33,6 +33,12 @@ from kvserve.plan.hardware import MeasuredPoint
 
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32)
 DISPATCH_ROWS = (1, 4, 16)
+# decode_step.c runs the fused step as one OpenMP region (the team step) while the step's
+# rows x context x KV heads x head_dim stay below its ATTENTION_PARALLEL_VALUES (and more than one
+# thread runs); a test checks this copy against the kernel (tests/test_plan_engine_overhead.py)
+TEAM_MAX_VALUES = 65536
+FIXED_KIND = {"dispatch": "dispatch-fixed", "fused-dispatch": "fused-fixed",
+              "fork-dispatch": "fork-fixed"}  # fmt: skip
 
 
 def linear_shapes(cfg: MeasureConfig, model=None) -> list[tuple[int, int]]:
@@ -186,10 +192,10 @@ def measure_attention(
 
 
 def _tiny_decoder(
-    num_layers: int, fused: bool
+    num_layers: int, fused: bool, context: int = 64
 ) -> tuple[Callable[[int], Callable[[], object]], object]:
     """A random tiny DecoderLM in the engine's CPU layout, its fused decode step on or off;
-    returns (make_step(batch) -> one decode forward (+ logits of every row) at context 64, the
+    returns (make_step(batch) -> one decode forward (+ logits of every row) at `context`, the
     model: `model.fused.num_steps` counts the steps that ran fused)."""
     from kvserve.config import ModelConfig
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
@@ -200,12 +206,13 @@ def _tiny_decoder(
     config = ModelConfig(
         model_type="llama", vocab_size=256, hidden_size=64, num_layers=num_layers,
         num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+        rope_theta=10000.0, max_position_embeddings=max(256, 2 * context),
+        tie_word_embeddings=True,
     )  # fmt: skip
-    model = DecoderLM(config, get_arch("llama"), 256).eval()
+    model = DecoderLM(config, get_arch("llama"), config.max_position_embeddings).eval()
     model.use_cpu_weights()
     model.fused_decode = model.fused_decode and fused  # as the engine decides, or the per-op path
-    block_size, context = 16, 64
+    block_size = 16
     num_blocks = 16 * (context // block_size + 1) + 1
     _, caches = allocate_layers(
         num_layers, num_blocks, block_size, 2, 16, torch.float32, "auto", torch.device("cpu")
@@ -246,30 +253,51 @@ def measure_dispatch(
     (its fused step off) at `rows`: `dispatch` (seconds per decoder layer) and `dispatch-fixed`
     (the rest of a forward); the fused step at 1, 2 and `fused_rows()` rows, where it runs:
     `fused-dispatch` and `fused-fixed` (its cost per layer inside the native call, and the rest
-    of the step: embedding, RoPE tables, metadata, the call, the head); `fused_shape_rows`
-    overrides those rows (a quick probe)."""
+    of the step: embedding, RoPE tables, metadata, the call, the head: the team step, one
+    OpenMP region, at the tiny decoder's short context), and the same with the team step off
+    (`fork-dispatch`, `fork-fixed`: the path the fused step takes at longer contexts, a region
+    per linear); `fused_shape_rows` overrides those rows (a quick probe). Each point is the
+    median over `cfg.dispatch_rounds` rounds of the two decoders' difference."""
+    from kvserve.model import fused_decode
+
     max_fused = fused_rows()
     shapes = [("dispatch", False, rows)]
     if max_fused:
         fused_rows_ = fused_shape_rows or tuple(sorted({1, min(2, max_fused), max_fused}))
-        shapes.append(("fused-dispatch", True, tuple(n for n in fused_rows_ if n <= max_fused)))
+        fused_rows_ = tuple(n for n in fused_rows_ if n <= max_fused)
+        shapes += [("fused-dispatch", True, fused_rows_), ("fork-dispatch", True, fused_rows_)]
     points = []
     for kind, fused, shape_rows in shapes:
         (one, m_one), (many, m_many) = (
             _tiny_decoder(1, fused), _tiny_decoder(1 + dispatch_layers, fused)
         )  # fmt: skip
+        fork = kind == "fork-dispatch"
         for n in shape_rows:
             steps_before = m_many.fused.num_steps if fused and m_many.fused else 0
-            t_one = time_median_s(one(n), cfg)
-            t_many = time_median_s(many(n), cfg)
+            team_before = fused_decode.team_steps() if fused else 0
+            if fork:
+                fused_decode.set_team_step(False)
+            ones, slopes = [], []
+            try:  # rounds of one and many, alternating which goes first: a slow phase of the
+                # machine lands in one round's difference, not in all of one decoder's samples
+                for r in range(cfg.dispatch_rounds):
+                    order = (one, many) if r % 2 == 0 else (many, one)
+                    times = {dec: time_median_s(dec(n), cfg) for dec in order}
+                    ones.append(times[one])
+                    slopes.append((times[many] - times[one]) / dispatch_layers)
+            finally:
+                if fork:
+                    fused_decode.set_team_step(True)
             if fused and not (
                 m_one.fused and m_many.fused and m_many.fused.num_steps > steps_before
             ):
                 break  # the fused step did not run at n rows: there is no such step shape
-            per_layer = max(0.0, (t_many - t_one) / dispatch_layers)
-            fixed_kind = "dispatch-fixed" if kind == "dispatch" else "fused-fixed"
+            if fork and fused_decode.team_steps() > team_before:
+                break  # the team step ran although it was off
+            per_layer = max(0.0, statistics.median(slopes))
+            fixed = max(0.0, statistics.median(ones) - per_layer)
             points.append(MeasuredPoint(kind, n, 0.0, 0.0, 0.0, per_layer))
-            points.append(MeasuredPoint(fixed_kind, n, 0.0, 0.0, 0.0, max(0.0, t_one - per_layer)))
+            points.append(MeasuredPoint(FIXED_KIND[kind], n, 0.0, 0.0, 0.0, fixed))
     return points
 
 

@@ -111,7 +111,7 @@ def test_measure_engine_times_the_engines_own_modules():
     from kvserve.measure_engine import fused_rows
 
     if fused_rows():  # the C kernels built here: the fused step is a step shape of its own
-        expected |= {"fused-dispatch", "fused-fixed"}
+        expected |= {"fused-dispatch", "fused-fixed", "fork-dispatch", "fork-fixed"}
         fused = sorted(p.num_columns for p in points if p.kind == "fused-dispatch")
         assert fused[-1] == fused_rows() and fused[0] == 1
     assert kinds == expected

@@ -68,3 +68,19 @@ def test_a_gap_that_the_machines_drift_explains_is_named_not_corrected():
     steady["gemv_speed_vs_profile"] = 1.02
     explain([steady])
     assert "machine drift" not in steady["cause"]
+
+
+def test_the_benchmark_process_runs_with_the_engines_thread_settings():
+    # regression: the probes and the forward timed alone ran with OpenMP's spinning default while
+    # the profile and bench latency (the `kvserve` command line) ran with kvserve's PASSIVE
+    import os
+    import subprocess
+    import sys
+
+    from kvserve.threads import THREAD_VARIABLES
+
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES}
+    code = "import os, benchmarks.plan_vs_measured, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    assert out.stdout.strip() == "PASSIVE"

@@ -133,7 +133,8 @@ def register(subparsers: Any) -> None:
         "--measure-model",
         default=None,
         metavar="MODEL",
-        help="time the engine linears over this model's own matrices (default: one large one)",
+        help="time the engine linears over this model's own matrices (default: one large one) "
+        "and the engine's work outside the forward on it (sampler, runner, scheduler)",
     )
     g.add_argument(
         "--measure-contexts",
@@ -250,8 +251,13 @@ def _measure(args: argparse.Namespace) -> Any:
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer",
                   file=out)  # fmt: skip
             return
+        if p.kind.startswith("engine-"):
+            what = f"{p.kind} per step"
+            print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
+            return
         if "dispatch" in p.kind or p.kind.endswith("-fixed"):
-            path = "fused step" if p.kind.startswith("fused") else "per-op"
+            path = {"fused": "team step", "fork": "fused, forking"}.get(p.kind.split("-")[0],
+                                                                         "per-op")  # fmt: skip
             what = "per layer" if p.kind.endswith("dispatch") else "per step"
             what = f"host {what} ({path})"
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
@@ -277,11 +283,21 @@ def _measure(args: argparse.Namespace) -> Any:
 
             spec = load_model(_builtin_to_dir(args.measure_model))
         points = measure_engine(cfg, formats, progress=show, model=spec)
+        if args.measure_model:  # the engine outside the forward, on the real engine
+            from kvserve.measure_overhead import measure_overhead
+
+            points += measure_overhead(_builtin_to_dir(args.measure_model), progress=show)
         fused = [p.num_columns for p in points if p.kind == "fused-dispatch"]
+        forked = any(p.kind == "fork-dispatch" for p in points)
+        import torch
+
+        from kvserve.measure_engine import TEAM_MAX_VALUES
+
         profile = replace(
             profile,
             points=profile.points + tuple(points),
             decode_fused_rows=max(fused, default=0),
+            decode_team_values=TEAM_MAX_VALUES if forked and torch.get_num_threads() > 1 else 0,
             source=profile.source
             + "; engine linears ("
             + ", ".join(formats)
@@ -291,6 +307,7 @@ def _measure(args: argparse.Namespace) -> Any:
             + ",".join(str(c) for c in cfg.attention_contexts)
             + ", host cost per layer of the per-op path"
             + (f" and of the fused step (<= {max(fused)} rows)" if fused else "")
+            + (", the engine outside the forward" if args.measure_model else "")
             + " (kvserve.measure_engine)",
         )
     path = save_profile(profile, args.save)

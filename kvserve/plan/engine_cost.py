@@ -9,14 +9,23 @@ with those points the planner's step is
     step(B, t) = sum over weight categories of bytes / rate_fmt(B)     (linears and head)
                + L x attention_excess(B, t)                         (the KV cache read)
                + L x layer_host(B) + step_host(B)                   (host cost)
+               + engine(B)                      (the engine's work outside the forward)
 
-floored by the FLOPs at the measured peak. Two step shapes:
+floored by the FLOPs at the measured peak. Three step shapes (the path the engine takes):
 
-- **fused** (B <= the profile's `decode_fused_rows`, fp32 KV): every layer in one native call;
-  its host cost is the fused step's (`fused-dispatch`, `fused-fixed`), its linears the small-row
-  GEMV (the `linear:FMT` points at <= decode_fused_rows rows);
+- **team** (B <= the profile's `decode_fused_rows`, fp32 KV, and B x t x KV heads x head_dim
+  below `decode_team_values`): every layer in one native call running as one OpenMP region
+  (decode_step.c's team step); host cost `fused-dispatch`, `fused-fixed`;
+- **fork** (the fused step at longer contexts, where the attention forks its own threads): one
+  native call that opens a parallel region per linear; host cost `fork-dispatch`, `fork-fixed`
+  (a profile without them prices it as the team step); both use the small-row GEMV (the
+  `linear:FMT` points at <= decode_fused_rows rows);
 - **per-op** (larger B, or a quantised KV cache): one dispatched call per op (`dispatch`,
   `dispatch-fixed`), the batched linear kernels (the `linear:FMT` points above those rows).
+
+`engine(B)` is measured on the real engine (kvserve/measure_overhead.py): the sampler
+(`engine-sample`), the runner outside the forward (`engine-runner`) and the scheduler, output
+processing and step loop (`engine-loop`), seconds per step at each row count.
 
 Rates and host costs are interpolated in log2(B) between the measured batch sizes of the step's
 own shape and held constant beyond them. The cache read is the engine's decode attention timed at
@@ -38,6 +47,12 @@ from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.model import ModelSpec
 
 Points = tuple[tuple[int, float], ...]
+ENGINE_PART_NAMES = {
+    "engine-sample": "the sampler",
+    "engine-runner": "the runner's inputs and outputs",
+    "engine-loop": "the scheduler, output processing and step loop",
+}
+ENGINE_PARTS = tuple(ENGINE_PART_NAMES)
 
 
 def _interp_log2(points: Points, x: float) -> float:
@@ -113,6 +128,10 @@ class EngineCost:
     fused_fixed_s: Points = ()  # fused path: (rows, seconds per step outside the layers)
     attention_times: tuple[tuple[int, Points], ...] = ()  # (rows, ((context, s per layer), ...))
     small_rows: int = 0  # the linear kernels change above this many rows (0: one kernel)
+    fork_layer_s: Points = ()  # fused step, forking path: (rows, seconds per layer)
+    fork_fixed_s: Points = ()  # fused step, forking path: (rows, seconds per step)
+    team_values: int = 0  # team step while rows x context x KV heads x head_dim < this (0: none)
+    engine_parts: tuple[tuple[str, Points], ...] = ()  # (engine-* kind, (rows, s per step))
 
     @classmethod
     def from_profile(
@@ -151,6 +170,7 @@ class EngineCost:
             return None
         fused_layer, fused_fixed = by_kind.get("fused-dispatch", []), by_kind.get("fused-fixed", [])
         fused_rows = hardware.decode_fused_rows if fused_layer and fused_fixed else 0
+        parts = tuple((kind, tuple(by_kind[kind])) for kind in ENGINE_PARTS if by_kind.get(kind))
         by_format: dict[str, float] = {}
         for category, num_bytes in fmt.bytes_by_category(model).items():
             name = fmt.for_category(category).name
@@ -170,11 +190,33 @@ class EngineCost:
             tuple(fused_fixed),
             tuple((rows, tuple(sorted(pts))) for rows, pts in sorted(times.items())),
             hardware.decode_fused_rows,
+            tuple(by_kind.get("fork-dispatch", [])),
+            tuple(by_kind.get("fork-fixed", [])),
+            hardware.decode_team_values,
+            parts,
         )
 
-    def path(self, batch: float) -> str:
-        """The step shape the engine runs for `batch` decode rows: "fused" or "per-op"."""
-        return "fused" if self.fused_rows and batch <= self.fused_rows else "per-op"
+    def path(self, batch: float, mean_context: float | None = None) -> str:
+        """The step shape the engine runs for `batch` decode rows at `mean_context`: "team" (the
+        fused step as one region), "fork" (the fused step, a region per linear), "per-op", or
+        "fused" (a profile that does not tell the fused step's two paths apart)."""
+        if not (self.fused_rows and batch <= self.fused_rows):
+            return "per-op"
+        if not self.team_values or mean_context is None:
+            return "fused"
+        values = batch * mean_context * self.model.num_kv_heads * self.model.head_dim
+        return "team" if values < self.team_values else "fork"
+
+    def _host_points(self, path: str) -> tuple[Points, Points]:
+        if path == "fork" and self.fork_layer_s and self.fork_fixed_s:
+            return self.fork_layer_s, self.fork_fixed_s
+        if path in ("team", "fork", "fused"):
+            return self.fused_layer_s, self.fused_fixed_s
+        return self.layer_dispatch_s, self.forward_fixed_s  # all per-op points
+
+    def engine_terms_s(self, batch: float) -> dict[str, float]:
+        """The engine's per-step work outside the forward, by part (seconds; {} if not measured)."""
+        return {kind: _interp_log2(pts, batch) for kind, pts in self.engine_parts}
 
     def _kv_s(self, batch: float, mean_context: float) -> float:
         if self.attention_times:
@@ -191,7 +233,8 @@ class EngineCost:
 
     def terms_s(self, batch: float, mean_context: float) -> dict[str, float]:
         """The step's parts in seconds: weights, kv, dispatch, the FLOPs floor (compute), and
-        `bandwidth`: the weights and cache at the GEMV bandwidth (the memory-bound ideal)."""
+        `bandwidth`: the weights and cache at the GEMV bandwidth (the memory-bound ideal);
+        `engine`: the engine outside the forward (0 when the profile did not measure it)."""
         weights = 0.0
         for name, num_bytes in self.bytes_by_format:
             rate = self.linear_rates.get(name)
@@ -203,10 +246,7 @@ class EngineCost:
                 if rate
                 else self.bandwidth_bytes_per_s
             )
-        if self.path(batch) == "fused":
-            layer, fixed = self.fused_layer_s, self.fused_fixed_s
-        else:
-            layer, fixed = self.layer_dispatch_s, self.forward_fixed_s  # all per-op points
+        layer, fixed = self._host_points(self.path(batch, mean_context))
         dispatch = self.model.num_layers * _interp_log2(layer, batch) + _interp_log2(fixed, batch)
         flops = arith.decode_step_flops(self.model, batch, mean_context)
         total_bytes = sum(b for _, b in self.bytes_by_format)
@@ -215,24 +255,27 @@ class EngineCost:
             "weights": weights,
             "kv": self._kv_s(batch, mean_context),
             "dispatch": dispatch,
+            "engine": sum(self.engine_terms_s(batch).values()),
             "compute": flops / self.peak_flops_per_s,
             "bandwidth": total_bytes / self.bandwidth_bytes_per_s,
         }
 
     def decode_step_s(self, batch: float, mean_context: float) -> float:
         t = self.terms_s(batch, mean_context)
-        return max(t["weights"] + t["kv"] + t["dispatch"], t["compute"])
+        return max(t["weights"] + t["kv"] + t["dispatch"] + t["engine"], t["compute"])
 
     def decode_bound(self, batch: float, mean_context: float) -> str:
         """The largest part of the step: "memory" (the weights and cache at the GEMV bandwidth),
         "kernel" (what the measured kernels take beyond that: kernel efficiency), "dispatch"
-        (host cost), or "compute" (the FLOPs floor sets the step)."""
+        (the forward's host cost), "engine" (the engine's work outside the forward), or
+        "compute" (the FLOPs floor sets the step)."""
         t = self.terms_s(batch, mean_context)
         streaming = t["weights"] + t["kv"]
-        if t["compute"] >= streaming + t["dispatch"]:
+        if t["compute"] >= streaming + t["dispatch"] + t["engine"]:
             return "compute"
         memory = min(t["bandwidth"], streaming)
-        parts = {"memory": memory, "kernel": streaming - memory, "dispatch": t["dispatch"]}
+        parts = {"memory": memory, "kernel": streaming - memory, "dispatch": t["dispatch"],
+                 "engine": t["engine"]}  # fmt: skip
         return max(parts, key=parts.__getitem__)
 
     def sources(self) -> dict[str, str]:
@@ -260,9 +303,16 @@ class EngineCost:
         else:
             out["kv"] = "GEMV bandwidth"
         if self.fused_rows:
+            paths = (
+                f"as one region below {self.team_values} cached values (rows x context x KV "
+                "heads x head_dim), "
+                + ("its forking path above" if self.fork_layer_s else "priced the same above")
+                if self.team_values
+                else "one path"
+            )
             out["dispatch"] = (
-                f"the fused decode step (<= {self.fused_rows} rows) and the per-op decoder "
-                "(more rows), each at a tiny width, per layer and per step"
+                f"the fused decode step (<= {self.fused_rows} rows; {paths}) and the per-op "
+                "decoder (more rows), each at a tiny width, per layer and per step"
             )
         else:
             out["dispatch"] = "the engine's decoder at a tiny width, per layer and per forward" + (
@@ -270,5 +320,15 @@ class EngineCost:
                 if self.fused_layer_s
                 else " (no fused-step points in this profile: every step priced per-op; "
                 "re-measure with `kvserve plan --measure` for the fused decode step)"
+            )
+        if self.engine_parts:
+            out["engine"] = (
+                "the engine outside the forward, timed on the real engine per batch size: "
+                + ", ".join(ENGINE_PART_NAMES[k] for k, _ in self.engine_parts)
+            )
+        else:
+            out["engine"] = (
+                "not measured (0): re-measure with `kvserve plan --measure --measure-model M` "
+                "to count the sampler, runner and scheduler"
             )
         return out

@@ -49,6 +49,9 @@ class HardwareProfile:
     # the most decode rows the engine's fused decode step (one native call for every layer) took
     # when this profile was measured; 0: no fused step (or a profile from before it existed)
     decode_fused_rows: int = 0
+    # the fused step runs as one OpenMP region (the team step) while its rows x context x KV
+    # heads x head_dim stay below this (decode_step.c); 0: not measured or no team step
+    decode_team_values: int = 0
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "bandwidth_bytes_per_s", "peak_flops_per_s"):

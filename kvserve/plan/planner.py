@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvserve.plan import arith
-from kvserve.plan.engine_cost import EngineCost
+from kvserve.plan.engine_cost import ENGINE_PART_NAMES, EngineCost
 from kvserve.plan.formats import STANDARD_FORMATS, KVFormat, WeightFormat, parse_weight_format
 from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.model import ModelSpec, PlanError
@@ -262,6 +262,18 @@ def _little(
     return Little(rate, e2e_s, in_system, rho, e2e_mm1, in_mm1, max_concurrent, stable)
 
 
+def _engine_step_note(engine: EngineCost, context: float) -> str:
+    """The solo decode step's measured parts, the engine outside the forward among them."""
+    t, parts = engine.terms_s(1, context), engine.engine_terms_s(1)
+    inside = ", ".join(f"{ENGINE_PART_NAMES[k]} {v * 1e3:.2f} ms" for k, v in parts.items())
+    return (
+        f"decode step at B=1, context {context:g} ({engine.path(1, context)} path): weights "
+        f"{t['weights'] * 1e3:.2f} ms + cache {t['kv'] * 1e3:.2f} ms + host {t['dispatch'] * 1e3:.2f}"
+        f" ms + engine outside the forward {t['engine'] * 1e3:.2f} ms"
+        + (f" ({inside})" if inside else " (not measured)")
+    )
+
+
 def _latency(cost: arith.RooflineCost, w: Workload, b_max: int, peak_bw: float) -> Latency:
     t, n_prompt, n_shared = w.mean_decode_context, w.prompt_tokens, w.shared_prefix_tokens
     ttft_cold = cost.prefill_s(n_prompt)
@@ -410,6 +422,7 @@ def make_plan(
     if engine is not None:
         used = "; ".join(f"{k}: {v}" for k, v in engine.sources().items())
         notes.append(f"decode step from {hardware.name}'s measured engine profile ({used})")
+        notes.append(_engine_step_note(engine, w.mean_decode_context))
     latency = _latency(cost, w, b_max, hardware.bandwidth_bytes_per_s)
     load = money = little = None
     if b_max:

@@ -1,0 +1,194 @@
+"""The engine outside the forward and the fused step's two paths in the planner's decode step
+(kvserve.plan.engine_cost, kvserve/measure_overhead.py, docs/planning.md): a synthetic profile
+gives the expected sum and the term is in `kvserve plan`'s output; the team step vs the forking
+path by rows x context; the real engine's parts add up and land where the time is spent."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvserve.plan import arith, make_plan
+from kvserve.plan.engine_cost import EngineCost
+from kvserve.plan.hardware import HardwareProfile, save_profile
+from tests.test_plan_fused_profile import FP32, FUSED, PER_OP, SPEC, pt
+
+ENGINE = (
+    pt("engine-sample", 1, median_s=3e-4),
+    pt("engine-sample", 16, median_s=7e-4),
+    pt("engine-runner", 1, median_s=1e-4),
+    pt("engine-runner", 16, median_s=2e-4),
+    pt("engine-loop", 1, median_s=2e-4),
+    pt("engine-loop", 16, median_s=6e-4),
+)
+FORK = (
+    pt("fork-dispatch", 1, median_s=2e-4),
+    pt("fork-dispatch", 4, median_s=3e-4),
+    pt("fork-fixed", 1, median_s=5e-4),
+    pt("fork-fixed", 4, median_s=6e-4),
+)
+
+
+def hw(points, team_values: int = 0) -> HardwareProfile:
+    return HardwareProfile(
+        "m", 1e12, 1e9, 1e15, "fp32", measured=True, points=points, decode_fused_rows=4,
+        decode_team_values=team_values,
+    )  # fmt: skip
+
+
+def test_the_engine_term_is_the_sum_of_its_measured_parts():
+    with_engine = EngineCost.from_profile(SPEC, FP32, 0.0, hw(PER_OP + FUSED + ENGINE))
+    without = EngineCost.from_profile(SPEC, FP32, 0.0, hw(PER_OP + FUSED))
+    assert with_engine.terms_s(1, 0)["engine"] == pytest.approx(3e-4 + 1e-4 + 2e-4)
+    assert with_engine.terms_s(16, 0)["engine"] == pytest.approx(7e-4 + 2e-4 + 6e-4)
+    # log2 rows between the measured 1 and 16: 4 rows is half way
+    assert with_engine.terms_s(4, 0)["engine"] == pytest.approx((6e-4 + 15e-4) / 2)
+    for batch in (1, 4, 16):
+        assert with_engine.decode_step_s(batch, 0) == pytest.approx(
+            without.decode_step_s(batch, 0) + with_engine.terms_s(batch, 0)["engine"]
+        )
+    assert without.terms_s(1, 0)["engine"] == 0.0
+    assert "not measured" in without.sources()["engine"]
+    assert "the sampler" in with_engine.sources()["engine"]
+
+
+def test_the_bound_is_engine_when_the_engine_outside_the_forward_is_the_largest_part():
+    big = tuple(pt(p.kind, p.num_columns, median_s=p.median_s * 100) for p in ENGINE)
+    cost = EngineCost.from_profile(SPEC, FP32, 0.0, hw(PER_OP + FUSED + big))
+    assert cost.decode_bound(1, 0) == "engine"
+
+
+def test_the_term_is_in_the_plan_and_in_kvserve_plans_output(tmp_path, capsys):
+    from tests.test_plan_cli import run_plan
+
+    profile = hw(PER_OP + FUSED + ENGINE)
+    plan = make_plan(SPEC, profile, "fp32", "fp32")
+    t = plan.workload.mean_decode_context
+    cost = EngineCost.from_profile(SPEC, FP32, arith.kv_bytes_per_token(SPEC, 4), profile)
+    assert plan.latency.tpot_solo_s == pytest.approx(cost.decode_step_s(1, t))
+    note = next(n for n in plan.notes if n.startswith("decode step at B=1"))
+    assert "engine outside the forward 0.60 ms" in note
+    assert "the sampler 0.30 ms" in note and "the runner's inputs and outputs 0.10 ms" in note
+    path = save_profile(profile, tmp_path / "m.json")
+    rc, out, _ = run_plan(["SmolLM2-135M", "--hardware", str(path), "--weights", "fp32"], capsys)
+    assert rc == 0
+    assert "engine outside the forward" in out and "the scheduler" in out
+
+
+def test_the_fused_step_runs_as_a_team_at_short_contexts_and_forks_above():
+    # SPEC: 2 KV heads x head_dim 16 = 32 cached values per token; the team step below 4096
+    cost = EngineCost.from_profile(SPEC, FP32, 0.0, hw(PER_OP + FUSED + FORK, team_values=4096))
+    assert cost.path(1, 100) == "team" and cost.path(4, 30) == "team"
+    assert cost.path(4, 100) == "fork" and cost.path(1, 200) == "fork"
+    assert cost.path(16, 10) == "per-op"
+    assert cost.terms_s(1, 100)["dispatch"] == pytest.approx(3 * 2e-5 + 1e-4)
+    assert cost.terms_s(1, 200)["dispatch"] == pytest.approx(3 * 2e-4 + 5e-4)
+    assert cost.terms_s(4, 100)["dispatch"] == pytest.approx(3 * 3e-4 + 6e-4)
+    assert "as one region below 4096" in cost.sources()["dispatch"]
+    # a profile from before the team step told apart: one fused path, priced as measured
+    old = EngineCost.from_profile(SPEC, FP32, 0.0, hw(PER_OP + FUSED))
+    assert old.path(1, 200) == "fused"
+    assert old.terms_s(1, 200)["dispatch"] == pytest.approx(3 * 2e-5 + 1e-4)
+
+
+def test_the_engines_parts_add_up_to_the_step_less_the_forward():
+    from kvserve.measure_overhead import overhead_points, split_step
+
+    steps = [split_step(0.030, 0.025, 0.020, 0.003), split_step(0.040, 0.032, 0.024, 0.004)]
+    for s, (step_s, forward_s) in zip(steps, [(0.030, 0.020), (0.040, 0.024)], strict=True):
+        assert sum(s.values()) == pytest.approx(step_s - forward_s)
+    points = {p.kind: p.median_s for p in overhead_points({4: steps})}
+    assert points == pytest.approx(
+        {"engine-sample": 0.0035, "engine-runner": 0.003, "engine-loop": 0.0065}
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from tests.checkpoints import build_gpt2_tokenized_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_gpt2_tokenized_checkpoint(path)
+    return str(path)
+
+
+def test_measure_overhead_times_the_real_engine_and_puts_a_slow_sampler_in_its_part(
+    tiny_checkpoint, monkeypatch
+):
+    import kvserve.runner.model_runner as runner_mod
+    from kvserve.measure_overhead import PARTS, measure_overhead
+
+    forward, sample = runner_mod.forward_chunks, runner_mod.ModelRunner._sample
+    points = measure_overhead(tiny_checkpoint, rows=(1, 2), new_tokens=4, iters=1)
+    assert sorted((p.kind, p.num_columns) for p in points) == sorted(
+        (k, n) for k in PARTS for n in (1, 2)
+    )
+    assert all(p.median_s >= 0 for p in points)
+    # the timers are gone afterwards
+    assert runner_mod.forward_chunks is forward and runner_mod.ModelRunner._sample is sample
+
+    def slow_sample(self, *args, **kwargs):
+        time.sleep(0.05)  # an injected 50 ms in the sampler lands in engine-sample
+        return sample(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "_sample", slow_sample)
+    slow = {p.kind: p.median_s for p in measure_overhead(tiny_checkpoint, rows=(1,), new_tokens=3,
+                                                        iters=1)}  # fmt: skip
+    assert slow["engine-sample"] >= 0.05
+    assert slow["engine-runner"] < 0.05 and slow["engine-loop"] < 0.05
+
+
+def test_the_team_step_boundary_matches_the_kernel():
+    import torch
+
+    from kvserve.measure_engine import TEAM_MAX_VALUES, _tiny_decoder, fused_rows
+    from kvserve.model import fused_decode
+
+    if not fused_rows():
+        pytest.skip("no fused step here")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the team step needs more than one thread
+    try:
+        per_token = 2 * 16  # the tiny decoder's KV heads x head_dim
+        for context, team in ((TEAM_MAX_VALUES // per_token - 8, True),
+                              (TEAM_MAX_VALUES // per_token + 8, False)):  # fmt: skip
+            make_step, model = _tiny_decoder(1, True, context=context)
+            before = fused_decode.team_steps()
+            with torch.inference_mode():
+                make_step(1)()
+            assert model.fused is not None and model.fused.num_steps == 1
+            assert (fused_decode.team_steps() > before) == team, context
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_host_points_are_medians_of_rounds_so_one_slow_round_does_not_move_them(monkeypatch):
+    import kvserve.measure_engine as me
+    from kvserve.measure import MeasureConfig
+
+    calls = []
+
+    def fake_decoder(num_layers, fused, context=64):
+        def make_step(batch):
+            def step():
+                return None
+
+            step.layers = num_layers
+            return step
+
+        return make_step, None
+
+    def fake_timer(fn, cfg):
+        calls.append(fn.layers)
+        slow = 5e-3 if len(calls) in (3, 4) and fn.layers > 1 else 0.0  # round 2's many-layer call
+        return 1e-3 + fn.layers * 1e-4 + slow
+
+    monkeypatch.setattr(me, "_tiny_decoder", fake_decoder)
+    monkeypatch.setattr(me, "time_median_s", fake_timer)
+    monkeypatch.setattr(me, "fused_rows", lambda: 0)
+    points = me.measure_dispatch(MeasureConfig(dispatch_rounds=3), dispatch_layers=8, rows=(1,))
+    assert calls == [1, 9, 9, 1, 1, 9]  # one / many alternating which goes first
+    got = {p.kind: p.median_s for p in points}
+    assert got["dispatch"] == pytest.approx(1e-4)
+    assert got["dispatch-fixed"] == pytest.approx(1e-3)
