@@ -236,6 +236,35 @@ def test_team_step_equals_the_step_that_forks_per_linear(llama_dir, isa, quantiz
         torch.set_num_threads(threads)
 
 
+LONG_PROMPT = [(i * 53 + 7) % 250 + 3 for i in range(400)]  # 2 attention splits of 256 positions
+
+
+@needs_kernel
+def test_team_step_splits_a_long_context_with_the_same_bits_as_the_forking_step(llama_dir, isa):
+    """Past one attention split (256 positions) the team still runs the step (no context limit): it
+    cuts the attention's items over its threads and merges the splits itself, with the same bits as
+    paged_decode_attention forking over its threads; both close to a one-pass torch recompute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(llama_dir), num_blocks=64)
+        before = fused_decode.team_steps()
+        team = llm.engine.score(LONG_PROMPT, chunk_size=1)
+        assert fused_decode.team_steps() - before == len(LONG_PROMPT)
+        fused_decode.set_team_step(False)
+        try:
+            forked = llm.engine.score(LONG_PROMPT, chunk_size=1)
+        finally:
+            fused_decode.set_team_step(True)
+        assert fused_decode.team_steps() - before == len(LONG_PROMPT)  # the second pass forked
+        assert torch.equal(team, forked)
+        reference = LLM(str(llama_dir), num_blocks=64, attention_backend="torch")
+        expected = reference.engine.score(LONG_PROMPT)
+        assert_logits_close(team, expected, 1e-4, f"team step at 400 positions ({isa})")
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_kernel
 def test_fused_step_equals_a_one_pass_torch_recompute(llama_dir, isa):
     """Oracle: one pass over the prompt through the pure-torch reference path (no C kernels)."""

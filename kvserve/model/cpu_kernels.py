@@ -31,7 +31,9 @@ _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c")
 )
-_HEADERS = (Path(__file__).parent / "csrc" / "decode_step.h",)
+_HEADERS = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("decode_step.h", "paged_attention.h")
+)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
 

@@ -31,6 +31,7 @@
 #endif
 
 #include "decode_step.h"
+#include "paged_attention.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -205,10 +206,13 @@ int small_linear(const Linear *L, const float *x, int M, float *y, int num_threa
  * was taken by a neighbour does not hold the other core spinning. Each thread computes the RMSNorms
  * and SiLU-and-multiply (and rounds the activations of a quantised linear) itself into its own buffers
  * (the same code on the same inputs: the same bits),
- * so only the GEMVs' outputs and thread 0's RoPE, KV write and attention need a barrier: 5 per layer. */
+ * so only the GEMVs' outputs, thread 0's RoPE and KV write, and the attention need a barrier: 6 per
+ * layer, 7 when a context is longer than one attention split (the splits' merge). The attention's items
+ * (paged_attention.h: row, kv head, q-head chunk, context split) are cut over the team the way the
+ * forking call cuts them over its threads; a q head's numbers do not depend on the cut, so both steps
+ * give the same bits at any context length. */
 
 #define BARRIER_SPINS 4000 /* pause iterations before sleeping (~50-100 us) */
-#define ATTENTION_PARALLEL_VALUES 65536 /* paged_attention.c's PARALLEL_MIN_VALUES */
 
 typedef struct {
     atomic_int arrived, generation, sleepers;
@@ -285,7 +289,16 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
     const int max_kp = max_kp_of(mdl);
     StepBarrier bar = {0, 0, 0};
     int status = 0;
-    if (!qkv || !attn || !gate_up || !own || !acts) {
+    float *parts = NULL;
+    AttnWork work; /* the attention of layer 0; each layer points it at its own cache */
+    if (attention_setup(&work, qkv, mdl->layers[0].k_cache, mdl->layers[0].v_cache, NULL, NULL, NULL,
+                        block_table, context_lens, attn, qkv_width, M, H, KVH, Dh, mdl->block_size,
+                        max_blocks, mdl->scale, num_threads) != 0) {
+        status = -1;
+        goto done;
+    }
+    parts = malloc(sizeof(float) * attention_parts_floats(&work));
+    if (!qkv || !attn || !gate_up || !own || !acts || !parts) {
         status = -2;
         goto done;
     }
@@ -310,12 +323,17 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
                 rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
                 write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_width, slots, L->k_cache,
                          L->v_cache, M, kv_size, 1);
-                status = paged_decode_attention(qkv, L->k_cache, L->v_cache, NULL, NULL, NULL,
-                                                block_table, context_lens, attn, qkv_width, M, H,
-                                                KVH, Dh, mdl->block_size, max_blocks, mdl->scale, 1);
             }
             step_barrier(&bar, nt);
-            if (status != 0) break;
+            AttnWork w = work;
+            w.k = L->k_cache, w.v = L->v_cache;
+            attention_items(&w, parts, w.num_items * tid / nt, w.num_items * (tid + 1) / nt);
+            if (w.max_splits > 1) {
+                step_barrier(&bar, nt);
+                const int64_t heads = (int64_t)M * H;
+                attention_merge(&w, parts, heads * tid / nt, heads * (tid + 1) / nt);
+            }
+            step_barrier(&bar, nt);
             linear_share(&L->o, attn, M, hidden, own_acts, isa, tid, nt);
             step_barrier(&bar, nt);
             add_rms_norm(hidden, residual, L->post_norm, normed, residual, M, D, mdl->eps, 1);
@@ -325,27 +343,22 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
             linear_share(&L->down, act, M, hidden, own_acts, isa, tid, nt);
             step_barrier(&bar, nt);
         }
-        if (tid == 0 && status == 0) {
+        if (tid == 0) {
             add_rms_norm(hidden, residual, mdl->final_norm, normed, residual, M, D, mdl->eps, 1);
             memcpy(hidden, normed, sizeof(float) * M * D);
         }
     }
-    if (status == 0) atomic_fetch_add(&g_team_steps, 1);
+    atomic_fetch_add(&g_team_steps, 1);
 done:
     if (acts)
         for (int t = 0; t < num_threads; t++) free_acts(&acts[t]);
-    free(qkv), free(attn), free(gate_up), free(own), free(acts);
+    free(qkv), free(attn), free(gate_up), free(own), free(acts), free(parts);
     return status;
 }
 
-/* Whether the step can run as one region: more than one thread, and attention that
- * paged_decode_attention would run on one thread anyway (short contexts). */
-static int team_step(const Model *mdl, int M, const int32_t *context_lens, int num_threads) {
-    if (num_threads < 2) return 0;
-    int64_t total_tokens = 0;
-    for (int m = 0; m < M; m++) total_tokens += context_lens[m];
-    return total_tokens * mdl->num_kv_heads * mdl->head_dim < ATTENTION_PARALLEL_VALUES;
-}
+/* Whether the step runs as one region: whenever there is more than one thread (any context length:
+ * the team splits the attention itself). */
+static int team_step(int num_threads) { return num_threads >= 2; }
 
 /* The decoder layers for M single-token rows, then the final norm.
  * hidden: [M, D] in: the embedded tokens; out: the final norm of the residual stream.
@@ -355,7 +368,7 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
                   const int64_t *slots, const int32_t *block_table, int max_blocks,
                   const int32_t *context_lens, int num_threads) {
     if (M < 1 || M > DECODE_MAX_ROWS) return -1;
-    if (g_team_step && team_step(mdl, M, context_lens, num_threads))
+    if (g_team_step && team_step(num_threads))
         return decode_layers_team(mdl, hidden, M, cos_rows, sin_rows, slots, block_table, max_blocks,
                                   context_lens, num_threads);
     const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;
