@@ -100,6 +100,9 @@ def load_kernel() -> ctypes.CDLL | None:
         "decode_set_team_step": ([_INT], None),
         "decode_team_steps": ([], ctypes.c_int64),
         "decode_max_rows": ([], _INT),
+        "decode_set_f32_max_rows": ([_INT], None),
+        "decode_f32_max_rows": ([], _INT),
+        "decode_step_max_rows": ([_PTR], _INT),
         "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
         "decode_layers": ([_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _INT], _INT),
     }

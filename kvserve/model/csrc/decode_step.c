@@ -82,6 +82,15 @@ void decode_set_team_step(int enabled) { g_team_step = enabled; }
 static atomic_llong g_team_steps; /* steps run by decode_layers_team (tests check it is taken) */
 int64_t decode_team_steps(void) { return atomic_load(&g_team_steps); }
 int decode_max_rows(void) { return DECODE_MAX_ROWS; }
+/* Rows a step may have when every linear is fp32: the panel GEMV reuses each panel for all rows
+ * (row tiles of 4 while it is in cache), so the step needs no other kernel; tests and benchmarks set
+ * it (decode_set_f32_max_rows: 4 = the limit of the quantised steps). */
+#define F32_STEP_ROWS 16
+static int g_f32_max_rows = F32_STEP_ROWS;
+void decode_set_f32_max_rows(int rows) {
+    g_f32_max_rows = rows < 1 ? 1 : rows > F32_STEP_ROWS ? F32_STEP_ROWS : rows;
+}
+int decode_f32_max_rows(void) { return g_f32_max_rows; }
 
 /* ---- fp32 GEMV / GEMM on the panel layout (decode_step.h): panel p = columns 16p .. 16p + 15 ---------
  * w[p][k][c]: one 64-byte line per input k holds the panel's 16 columns, so a thread's panels are one
@@ -356,6 +365,17 @@ done:
     return status;
 }
 
+/* DECODE_MAX_ROWS (the quantised GEMV's tiles), or decode_f32_max_rows() when every linear is fp32 */
+int decode_step_max_rows(const Model *mdl) {
+    for (int l = 0; l < mdl->num_layers; l++) {
+        const Layer *L = &mdl->layers[l];
+        if (L->qkv.kind != LIN_F32 || L->o.kind != LIN_F32 || L->gate_up.kind != LIN_F32 ||
+            L->down.kind != LIN_F32)
+            return DECODE_MAX_ROWS;
+    }
+    return g_f32_max_rows > DECODE_MAX_ROWS ? g_f32_max_rows : DECODE_MAX_ROWS;
+}
+
 /* Whether the step runs as one region: whenever there is more than one thread (any context length:
  * the team splits the attention itself). */
 static int team_step(int num_threads) { return num_threads >= 2; }
@@ -367,7 +387,7 @@ static int team_step(int num_threads) { return num_threads >= 2; }
 int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows, const float *sin_rows,
                   const int64_t *slots, const int32_t *block_table, int max_blocks,
                   const int32_t *context_lens, int num_threads) {
-    if (M < 1 || M > DECODE_MAX_ROWS) return -1;
+    if (M < 1 || M > decode_step_max_rows(mdl)) return -1;
     if (g_team_step && team_step(num_threads))
         return decode_layers_team(mdl, hidden, M, cos_rows, sin_rows, slots, block_table, max_blocks,
                                   context_lens, num_threads);
