@@ -7,7 +7,8 @@
  * small ops are the same functions the per-op path calls (layer_ops.c, paged_attention.c); the GEMVs
  * split output columns over the threads.
  *
- * GEMV kernels (y[m, n] = sum_k x[m, k] w[n, k] + bias[n], M <= DECODE_MAX_ROWS):
+ * GEMV kernels (y[m, n] = sum_k x[m, k] w[n, k] + bias[n]; a step has M <= DECODE_MAX_ROWS rows, or
+ * up to F32_STEP_ROWS when every linear is fp32, decode_step_max_rows):
  *   fp32: the 16-column panel layout of decode_step.h (built once at load, fused_decode.f32_panels).
  *   int8 / int4: qgemv.c, the panel-interleaved layout of decode_step.h (activations rounded to int8
  *     as kvserve/quant/csrc/qgemm.cpp rounds them; integer dot products per 32-input block).
