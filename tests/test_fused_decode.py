@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.model import fused_decode
 from kvserve.model.linear import PackedLinear, onednn_available
 from kvserve.model.qlinear import QuantLinear, round_activations
@@ -232,6 +232,81 @@ def test_team_step_equals_the_step_that_forks_per_linear(llama_dir, isa, quantiz
         assert llm.engine.runner.model.fused.num_steps == 2 * len(PROMPT)
         assert fused_decode.team_steps() - before == len(PROMPT)  # the second pass forked
         assert torch.equal(team, forked)
+    finally:
+        torch.set_num_threads(threads)
+
+
+LONG_PROMPT = [(i * 53 + 7) % 250 + 3 for i in range(400)]  # 2 attention splits of 256 positions
+
+
+@needs_kernel
+def test_team_step_splits_a_long_context_with_the_same_bits_as_the_forking_step(llama_dir, isa):
+    """Past one attention split (256 positions) the team still runs the step (no context limit): it
+    cuts the attention's items over its threads and merges the splits itself, with the same bits as
+    paged_decode_attention forking over its threads; both close to a one-pass torch recompute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(llama_dir), num_blocks=64)
+        before = fused_decode.team_steps()
+        team = llm.engine.score(LONG_PROMPT, chunk_size=1)
+        assert fused_decode.team_steps() - before == len(LONG_PROMPT)
+        fused_decode.set_team_step(False)
+        try:
+            forked = llm.engine.score(LONG_PROMPT, chunk_size=1)
+        finally:
+            fused_decode.set_team_step(True)
+        assert fused_decode.team_steps() - before == len(LONG_PROMPT)  # the second pass forked
+        assert torch.equal(team, forked)
+        reference = LLM(str(llama_dir), num_blocks=64, attention_backend="torch")
+        expected = reference.engine.score(LONG_PROMPT)
+        assert_logits_close(team, expected, 1e-4, f"team step at 400 positions ({isa})")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _batch_logprobs(llm: LLM, count: int) -> list:
+    """Greedy tokens and their logprobs for `count` concurrent requests (decode steps of `count`
+    rows once the prompts are in)."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [[(i * 31 + j * 7 + 3) % 250 + 3 for j in range(5 + 3 * i)] for i in range(count)]
+    outputs = llm.generate(prompts, params)
+    return [[(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs] for o in outputs]
+
+
+@needs_kernel
+def test_fp32_team_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa):
+    """fp32 steps of up to 16 rows run fused (decode_step_max_rows), as one region, with the same
+    bits as the forking step; capped at 4 rows, those steps take the per-op oneDNN path instead."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert fused_decode.max_step_rows() == 16
+        llm = LLM(str(llama_dir), num_blocks=128, max_num_seqs=16, enable_prefix_caching=False)
+        _batch_logprobs(llm, 2)  # builds the fused step
+        fused = llm.engine.runner.model.fused
+        assert fused is not None and fused.max_rows() == 16
+        steps, team = fused.num_steps, fused_decode.team_steps()
+        team_run = _batch_logprobs(llm, 16)
+        big_steps = fused.num_steps - steps
+        assert big_steps >= 7 and fused_decode.team_steps() - team == big_steps
+        fused_decode.set_team_step(False)
+        try:
+            forked_run = _batch_logprobs(llm, 16)
+        finally:
+            fused_decode.set_team_step(True)
+        assert team_run == forked_run
+        fused_decode.set_f32_max_rows(4)
+        try:
+            steps = fused.num_steps
+            per_op_run = _batch_logprobs(llm, 16)
+            assert fused.num_steps - steps < big_steps  # the 16-row steps went per-op
+        finally:
+            fused_decode.set_f32_max_rows(16)
+        for team_req, per_op_req in zip(team_run, per_op_run, strict=True):
+            assert [t for t, _ in team_req] == [t for t, _ in per_op_req]
+            diffs = [abs(a - b) for (_, a), (_, b) in zip(team_req, per_op_req, strict=True)]
+            assert max(diffs) < 1e-4
     finally:
         torch.set_num_threads(threads)
 

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvserve import LLM
+from kvserve.model import fused_decode
 from kvserve.model.attention import build_attention_metadata, cpu_attention, torch_attention
 from kvserve.model.cpu_kernels import kernel_available
 from kvserve.model.kv_cache import allocate_layers, dequantise, quantise
@@ -45,9 +46,22 @@ def _filled_cache(kind: str, contexts: list[int], block_size: int = 16):
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
 @pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
-def test_cpu_kernel_equals_torch_backend(kind):
+def test_cpu_kernel_equals_torch_backend(kind, isa):
+    """Both kernels (the AVX2 one with its vector exp, fp32 caches; the portable loops) chosen at run
+    time by decode_isa()."""
     assert kernel_available()
+    if isa == "avx2" and fused_decode.isa() != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    fused_decode.set_max_isa(isa)
+    try:
+        _kernel_equals_torch_backend(kind)
+    finally:
+        fused_decode.set_max_isa("avx2")
+
+
+def _kernel_equals_torch_backend(kind):
     # One-token, block-straddling, multi-split (> 256 tokens) contexts, GQA 9 q heads over 3 kv heads.
     cache, meta = _filled_cache(kind, [1, 17, 300, 700, 40])
     q = torch.randn(5, 9, 64, generator=torch.Generator().manual_seed(1))

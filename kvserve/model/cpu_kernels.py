@@ -31,7 +31,9 @@ _SOURCES = tuple(
     Path(__file__).parent / "csrc" / name
     for name in ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c")
 )
-_HEADERS = (Path(__file__).parent / "csrc" / "decode_step.h",)
+_HEADERS = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("decode_step.h", "paged_attention.h")
+)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
 
@@ -98,6 +100,9 @@ def load_kernel() -> ctypes.CDLL | None:
         "decode_set_team_step": ([_INT], None),
         "decode_team_steps": ([], ctypes.c_int64),
         "decode_max_rows": ([], _INT),
+        "decode_set_f32_max_rows": ([_INT], None),
+        "decode_f32_max_rows": ([], _INT),
+        "decode_step_max_rows": ([_PTR], _INT),
         "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
         "decode_layers": ([_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _INT], _INT),
     }

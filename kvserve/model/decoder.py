@@ -183,12 +183,14 @@ class DecoderLM(nn.Module):
         in-place CPU attention, and a model whose every part has a native path."""
         if not (self.fused_decode and backend is cpu_attention and meta.single is not None):
             return None
-        if meta.multi or num_tokens > fused_decode.max_rows():
+        if meta.multi or num_tokens > fused_decode.max_step_rows():
             return None
         if self.fused is None or not self.fused.matches(kv_caches):
             self.fused = fused_decode.FusedDecoder.build(self, kv_caches)
             if self.fused is None:  # some part has no native path: never try again
                 self.fused_decode = False
+        if self.fused is not None and num_tokens > self.fused.max_rows():
+            return None  # quantised projections: at most fused_decode.max_rows()
         return self.fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 At batch 1 a step is ~10 dispatched calls per layer, and their Python and dispatch cost as much as the
 arithmetic (docs/performance.md, "The fused decode step"). `FusedDecoder` describes the model's weights
 and KV tensors once, as C structs (csrc/decode_step.c), and runs a step of up to `max_rows()`
-single-token rows with one ctypes call: the GEMVs (on the panel-interleaved fp32 or quantised
+single-token rows (`max_step_rows()` when every projection is fp32) with one ctypes call: the GEMVs (on the panel-interleaved fp32 or quantised
 layouts of csrc/decode_step.h, built once at load) split columns over the threads, the small ops and the paged attention
 are the same C functions the per-op path calls. `small_linear` runs one linear the same way (the LM
 head at decode).
@@ -56,6 +56,19 @@ def max_rows() -> int:
     """Rows the fused step and `small_linear` take (0 when the C kernels are not built here)."""
     library = cpu_kernels.load_kernel()
     return 0 if library is None else int(library.decode_max_rows())
+
+
+def max_step_rows() -> int:
+    """Rows a fused step may have: `max_rows()`, or more (16) when every projection is fp32 (the
+    panel GEMV reuses each weight panel for all rows; csrc/decode_step.c decode_step_max_rows)."""
+    library = cpu_kernels.load_kernel()
+    return 0 if library is None else max(max_rows(), int(library.decode_f32_max_rows()))
+
+
+def set_f32_max_rows(rows: int) -> None:
+    """Cap the rows of an fp32 fused step (1-16; benchmarks and tests compare 16 with 4, where
+    larger batches take the per-op oneDNN path)."""
+    cpu_kernels.load_kernel().decode_set_f32_max_rows(rows)
 
 
 def isa() -> str:
@@ -174,6 +187,10 @@ class FusedDecoder:
         )  # fmt: skip
         keep += [layers, final_norm]
         return cls(model, kv_caches, struct, keep)
+
+    def max_rows(self) -> int:
+        """Rows this model's step takes (csrc/decode_step.c decode_step_max_rows)."""
+        return int(cpu_kernels.load_kernel().decode_step_max_rows(ctypes.byref(self.model_struct)))
 
     def matches(self, kv_caches: list) -> bool:
         return _cache_key(kv_caches) == self.cache_key

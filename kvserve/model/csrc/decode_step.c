@@ -7,7 +7,8 @@
  * small ops are the same functions the per-op path calls (layer_ops.c, paged_attention.c); the GEMVs
  * split output columns over the threads.
  *
- * GEMV kernels (y[m, n] = sum_k x[m, k] w[n, k] + bias[n], M <= DECODE_MAX_ROWS):
+ * GEMV kernels (y[m, n] = sum_k x[m, k] w[n, k] + bias[n]; a step has M <= DECODE_MAX_ROWS rows, or
+ * up to F32_STEP_ROWS when every linear is fp32, decode_step_max_rows):
  *   fp32: the 16-column panel layout of decode_step.h (built once at load, fused_decode.f32_panels).
  *   int8 / int4: qgemv.c, the panel-interleaved layout of decode_step.h (activations rounded to int8
  *     as kvserve/quant/csrc/qgemm.cpp rounds them; integer dot products per 32-input block).
@@ -31,6 +32,7 @@
 #endif
 
 #include "decode_step.h"
+#include "paged_attention.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -81,6 +83,15 @@ void decode_set_team_step(int enabled) { g_team_step = enabled; }
 static atomic_llong g_team_steps; /* steps run by decode_layers_team (tests check it is taken) */
 int64_t decode_team_steps(void) { return atomic_load(&g_team_steps); }
 int decode_max_rows(void) { return DECODE_MAX_ROWS; }
+/* Rows a step may have when every linear is fp32: the panel GEMV reuses each panel for all rows
+ * (row tiles of 4 while it is in cache), so the step needs no other kernel; tests and benchmarks set
+ * it (decode_set_f32_max_rows: 4 = the limit of the quantised steps). */
+#define F32_STEP_ROWS 16
+static int g_f32_max_rows = F32_STEP_ROWS;
+void decode_set_f32_max_rows(int rows) {
+    g_f32_max_rows = rows < 1 ? 1 : rows > F32_STEP_ROWS ? F32_STEP_ROWS : rows;
+}
+int decode_f32_max_rows(void) { return g_f32_max_rows; }
 
 /* ---- fp32 GEMV / GEMM on the panel layout (decode_step.h): panel p = columns 16p .. 16p + 15 ---------
  * w[p][k][c]: one 64-byte line per input k holds the panel's 16 columns, so a thread's panels are one
@@ -205,10 +216,13 @@ int small_linear(const Linear *L, const float *x, int M, float *y, int num_threa
  * was taken by a neighbour does not hold the other core spinning. Each thread computes the RMSNorms
  * and SiLU-and-multiply (and rounds the activations of a quantised linear) itself into its own buffers
  * (the same code on the same inputs: the same bits),
- * so only the GEMVs' outputs and thread 0's RoPE, KV write and attention need a barrier: 5 per layer. */
+ * so only the GEMVs' outputs, thread 0's RoPE and KV write, and the attention need a barrier: 6 per
+ * layer, 7 when a context is longer than one attention split (the splits' merge). The attention's items
+ * (paged_attention.h: row, kv head, q-head chunk, context split) are cut over the team the way the
+ * forking call cuts them over its threads; a q head's numbers do not depend on the cut, so both steps
+ * give the same bits at any context length. */
 
 #define BARRIER_SPINS 4000 /* pause iterations before sleeping (~50-100 us) */
-#define ATTENTION_PARALLEL_VALUES 65536 /* paged_attention.c's PARALLEL_MIN_VALUES */
 
 typedef struct {
     atomic_int arrived, generation, sleepers;
@@ -285,7 +299,16 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
     const int max_kp = max_kp_of(mdl);
     StepBarrier bar = {0, 0, 0};
     int status = 0;
-    if (!qkv || !attn || !gate_up || !own || !acts) {
+    float *parts = NULL;
+    AttnWork work; /* the attention of layer 0; each layer points it at its own cache */
+    if (attention_setup(&work, qkv, mdl->layers[0].k_cache, mdl->layers[0].v_cache, NULL, NULL, NULL,
+                        block_table, context_lens, attn, qkv_width, M, H, KVH, Dh, mdl->block_size,
+                        max_blocks, mdl->scale, num_threads) != 0) {
+        status = -1;
+        goto done;
+    }
+    parts = malloc(sizeof(float) * attention_parts_floats(&work));
+    if (!qkv || !attn || !gate_up || !own || !acts || !parts) {
         status = -2;
         goto done;
     }
@@ -310,12 +333,17 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
                 rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
                 write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_width, slots, L->k_cache,
                          L->v_cache, M, kv_size, 1);
-                status = paged_decode_attention(qkv, L->k_cache, L->v_cache, NULL, NULL, NULL,
-                                                block_table, context_lens, attn, qkv_width, M, H,
-                                                KVH, Dh, mdl->block_size, max_blocks, mdl->scale, 1);
             }
             step_barrier(&bar, nt);
-            if (status != 0) break;
+            AttnWork w = work;
+            w.k = L->k_cache, w.v = L->v_cache;
+            attention_items(&w, parts, w.num_items * tid / nt, w.num_items * (tid + 1) / nt);
+            if (w.max_splits > 1) {
+                step_barrier(&bar, nt);
+                const int64_t heads = (int64_t)M * H;
+                attention_merge(&w, parts, heads * tid / nt, heads * (tid + 1) / nt);
+            }
+            step_barrier(&bar, nt);
             linear_share(&L->o, attn, M, hidden, own_acts, isa, tid, nt);
             step_barrier(&bar, nt);
             add_rms_norm(hidden, residual, L->post_norm, normed, residual, M, D, mdl->eps, 1);
@@ -325,27 +353,33 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
             linear_share(&L->down, act, M, hidden, own_acts, isa, tid, nt);
             step_barrier(&bar, nt);
         }
-        if (tid == 0 && status == 0) {
+        if (tid == 0) {
             add_rms_norm(hidden, residual, mdl->final_norm, normed, residual, M, D, mdl->eps, 1);
             memcpy(hidden, normed, sizeof(float) * M * D);
         }
     }
-    if (status == 0) atomic_fetch_add(&g_team_steps, 1);
+    atomic_fetch_add(&g_team_steps, 1);
 done:
     if (acts)
         for (int t = 0; t < num_threads; t++) free_acts(&acts[t]);
-    free(qkv), free(attn), free(gate_up), free(own), free(acts);
+    free(qkv), free(attn), free(gate_up), free(own), free(acts), free(parts);
     return status;
 }
 
-/* Whether the step can run as one region: more than one thread, and attention that
- * paged_decode_attention would run on one thread anyway (short contexts). */
-static int team_step(const Model *mdl, int M, const int32_t *context_lens, int num_threads) {
-    if (num_threads < 2) return 0;
-    int64_t total_tokens = 0;
-    for (int m = 0; m < M; m++) total_tokens += context_lens[m];
-    return total_tokens * mdl->num_kv_heads * mdl->head_dim < ATTENTION_PARALLEL_VALUES;
+/* DECODE_MAX_ROWS (the quantised GEMV's tiles), or decode_f32_max_rows() when every linear is fp32 */
+int decode_step_max_rows(const Model *mdl) {
+    for (int l = 0; l < mdl->num_layers; l++) {
+        const Layer *L = &mdl->layers[l];
+        if (L->qkv.kind != LIN_F32 || L->o.kind != LIN_F32 || L->gate_up.kind != LIN_F32 ||
+            L->down.kind != LIN_F32)
+            return DECODE_MAX_ROWS;
+    }
+    return g_f32_max_rows > DECODE_MAX_ROWS ? g_f32_max_rows : DECODE_MAX_ROWS;
 }
+
+/* Whether the step runs as one region: whenever there is more than one thread (any context length:
+ * the team splits the attention itself). */
+static int team_step(int num_threads) { return num_threads >= 2; }
 
 /* The decoder layers for M single-token rows, then the final norm.
  * hidden: [M, D] in: the embedded tokens; out: the final norm of the residual stream.
@@ -354,8 +388,8 @@ static int team_step(const Model *mdl, int M, const int32_t *context_lens, int n
 int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows, const float *sin_rows,
                   const int64_t *slots, const int32_t *block_table, int max_blocks,
                   const int32_t *context_lens, int num_threads) {
-    if (M < 1 || M > DECODE_MAX_ROWS) return -1;
-    if (g_team_step && team_step(mdl, M, context_lens, num_threads))
+    if (M < 1 || M > decode_step_max_rows(mdl)) return -1;
+    if (g_team_step && team_step(num_threads))
         return decode_layers_team(mdl, hidden, M, cos_rows, sin_rows, slots, block_table, max_blocks,
                                   context_lens, num_threads);
     const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;

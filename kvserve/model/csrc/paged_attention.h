@@ -1,0 +1,37 @@
+/* Decode attention over the paged cache, cut into items (paged_attention.c): shared by the forking
+ * call (paged_decode_attention) and the fused step's one-region team (decode_step.c). */
+#ifndef KVSERVE_PAGED_ATTENTION_H
+#define KVSERVE_PAGED_ATTENTION_H
+#include <stdint.h>
+
+#define SPLIT_TOKENS 256 /* context positions per item: the flash-decoding split */
+#define MAX_GROUP 32     /* q heads per kv head */
+
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    const uint16_t *k_scale, *v_scale;
+    const float *lut; /* NULL: fp32 cache */
+    const int32_t *block_table, *context_lens;
+    float *out;
+    int64_t q_row_stride;
+    int batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+    float scale;
+    /* from attention_setup: */
+    int max_splits, chunks, isa; /* splits of the longest context; q-head chunks per kv head */
+    int64_t num_items, total_values;
+} AttnWork;
+
+/* Describe one call (the arguments of paged_decode_attention); -1 for shapes it refuses. */
+int attention_setup(AttnWork *w, const float *q, const void *k, const void *v,
+                    const uint16_t *k_scale, const uint16_t *v_scale, const float *lut,
+                    const int32_t *block_table, const int32_t *context_lens, float *out,
+                    int64_t q_row_stride, int batch, int num_heads, int num_kv_heads, int head_dim,
+                    int block_size, int max_blocks, float scale, int num_threads);
+/* floats of the `parts` scratch: [B, KVH, splits, G, D + 2] */
+int64_t attention_parts_floats(const AttnWork *w);
+/* items [i0, i1) of w->num_items (any thread, any order); then, once every item is done, */
+void attention_items(const AttnWork *w, float *parts, int64_t i0, int64_t i1);
+/* the output rows [r0, r1) of B x H (a no-op when there is one split: the items wrote them) */
+void attention_merge(const AttnWork *w, const float *parts, int64_t r0, int64_t r1);
+#endif
