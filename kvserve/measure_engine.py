@@ -33,10 +33,11 @@ from kvserve.plan.hardware import MeasuredPoint
 
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32)
 DISPATCH_ROWS = (1, 4, 16)
-# decode_step.c runs the fused step as one OpenMP region (the team step) while the step's
-# rows x context x KV heads x head_dim stay below its ATTENTION_PARALLEL_VALUES (and more than one
-# thread runs); a test checks this copy against the kernel (tests/test_plan_engine_overhead.py)
-TEAM_MAX_VALUES = 65536
+FUSED_ROWS = (1, 2, 4, 8, 16)  # the fused step's host cost, at those it takes
+# decode_step.c runs the fused step as one OpenMP region (the team step) at every context whenever
+# at least this many threads run (team_step); a test checks the planner's path rule against the
+# kernel's choice (tests/test_plan_engine_overhead.py)
+TEAM_MIN_THREADS = 2
 FIXED_KIND = {"dispatch": "dispatch-fixed", "fused-dispatch": "fused-fixed",
               "fork-dispatch": "fork-fixed"}  # fmt: skip
 
@@ -60,7 +61,10 @@ def measure_linear(
     model=None,
 ) -> list[MeasuredPoint]:
     """The engine's linear modules for weight format `fmt` over `linear_shapes`, at each batch
-    row count: one sample calls every matrix once, in order."""
+    row count: one sample calls every matrix once, in order; fp32 also `linear-fused:fp32`, the
+    panel GEMV the fused step streams fp32 weights with at the rows (8, 16) where the per-op path
+    takes oneDNN instead."""
+    from kvserve.model import fused_decode
     from kvserve.model.linear import make_linear
     from kvserve.plan.formats import parse_tensor_format
     from kvserve.plan.model import TensorShape
@@ -79,6 +83,36 @@ def measure_linear(
         # plan's weight bytes over this rate is the measured time (kernels' layouts may differ)
         num_bytes += tensor_format.num_bytes(TensorShape("w", "linear", out_f, in_f))
         flops_per_row += 2 * out_f * in_f
+    kinds = [(f"linear:{fmt}", modules, tiny, rows)]
+    if fmt == "fp32" and fused_decode.max_step_rows() > fused_decode.max_rows():
+        keep: list = []
+
+        def panel(mods: list) -> list:  # the fused step's own GEMV on each matrix's fp32 panels
+            descs = [(fused_decode.linear_descriptor(m, keep), k) for m, k in mods]
+            return [(lambda x, d=d: fused_decode.small_linear(d, x), k) for d, k in descs]
+
+        panel_rows = tuple(
+            n for n in FUSED_ROWS if fused_decode.max_rows() < n <= fused_decode.max_step_rows()
+        )
+        if all(fused_decode.linear_descriptor(m, keep) for m, _ in modules + tiny):
+            kinds.append(("linear-fused:fp32", panel(modules), panel(tiny), panel_rows))
+    points = []
+    for kind, mods, tiny_mods, kind_rows in kinds:
+        points += _linear_points(kind, mods, tiny_mods, kind_rows, cfg, deadline, num_bytes,
+                                 flops_per_row)  # fmt: skip
+    return points
+
+
+def _linear_points(
+    kind: str,
+    modules: list,
+    tiny: list,
+    rows: tuple[int, ...],
+    cfg: MeasureConfig,
+    deadline: float,
+    num_bytes: float,
+    flops_per_row: int,
+) -> list[MeasuredPoint]:
     points = []
     for i, n in enumerate(rows):
         if i and time.perf_counter() > deadline:  # every format gets its first row count
@@ -99,7 +133,7 @@ def measure_linear(
         flops = flops_per_row * n
         points.append(
             MeasuredPoint(
-                f"linear:{fmt}",
+                kind,
                 n,
                 flops / median_s,
                 num_bytes / median_s,
@@ -192,7 +226,7 @@ def measure_attention(
 
 
 def _tiny_decoder(
-    num_layers: int, fused: bool, context: int = 64
+    num_layers: int, fused: bool, context: int = 64, max_batch: int = 16
 ) -> tuple[Callable[[int], Callable[[], object]], object]:
     """A random tiny DecoderLM in the engine's CPU layout, its fused decode step on or off;
     returns (make_step(batch) -> one decode forward (+ logits of every row) at `context`, the
@@ -213,7 +247,7 @@ def _tiny_decoder(
     model.use_cpu_weights()
     model.fused_decode = model.fused_decode and fused  # as the engine decides, or the per-op path
     block_size = 16
-    num_blocks = 16 * (context // block_size + 1) + 1
+    num_blocks = max_batch * (context // block_size + 1) + 1
     _, caches = allocate_layers(
         num_layers, num_blocks, block_size, 2, 16, torch.float32, "auto", torch.device("cpu")
     )
@@ -237,10 +271,30 @@ def _tiny_decoder(
 
 
 def fused_rows() -> int:
-    """The most decode rows the engine's fused decode step takes here (0: not built)."""
+    """The most decode rows the engine's fused decode step takes here when every projection is
+    fp32, as the tiny decoder's are (0: not built)."""
     from kvserve.model import fused_decode
 
-    return fused_decode.max_rows()
+    return fused_decode.max_step_rows()
+
+
+def fused_profile_fields(points: list[MeasuredPoint], num_threads: int) -> dict[str, object]:
+    """The HardwareProfile fields that say which step shape the engine runs (docs/planning.md):
+    the fused step's rows with quantised projections (`decode_fused_rows`: the per-op fp32 linear
+    changes kernel there too) and with fp32 ones (`decode_fused_f32_rows`: the most rows its host
+    cost was measured at), and whether it is the team step at every context (`num_threads`, the
+    threads the engine runs with)."""
+    from kvserve.model import fused_decode
+
+    fused = [p.num_columns for p in points if p.kind == "fused-dispatch"]
+    if not fused:
+        return {"decode_fused_rows": 0, "decode_fused_f32_rows": 0,
+                "decode_team_any_context": False}  # fmt: skip
+    return {
+        "decode_fused_rows": min(fused_decode.max_rows(), max(fused)),
+        "decode_fused_f32_rows": max(fused),
+        "decode_team_any_context": num_threads >= TEAM_MIN_THREADS,
+    }
 
 
 def measure_dispatch(
@@ -251,49 +305,40 @@ def measure_dispatch(
 ) -> list[MeasuredPoint]:
     """Per batch size, from the tiny decoder at 1 and 1 + dispatch_layers layers: the per-op path
     (its fused step off) at `rows`: `dispatch` (seconds per decoder layer) and `dispatch-fixed`
-    (the rest of a forward); the fused step at 1, 2 and `fused_rows()` rows, where it runs:
+    (the rest of a forward); the fused step at `FUSED_ROWS` up to `fused_rows()`, where it runs:
     `fused-dispatch` and `fused-fixed` (its cost per layer inside the native call, and the rest
     of the step: embedding, RoPE tables, metadata, the call, the head: the team step, one
-    OpenMP region, at the tiny decoder's short context), and the same with the team step off
-    (`fork-dispatch`, `fork-fixed`: the path the fused step takes at longer contexts, a region
-    per linear); `fused_shape_rows` overrides those rows (a quick probe). Each point is the
-    median over `cfg.dispatch_rounds` rounds of the two decoders' difference."""
-    from kvserve.model import fused_decode
-
+    OpenMP region, with more than one thread); `fused_shape_rows` overrides those rows (a quick
+    probe). Each point is the median over `cfg.dispatch_rounds` rounds of the two decoders'
+    difference. (The forking path of older kernels, `fork-dispatch`, is no step shape now: the
+    kernel runs the team step at every context.)"""
     max_fused = fused_rows()
     shapes = [("dispatch", False, rows)]
     if max_fused:
-        fused_rows_ = fused_shape_rows or tuple(sorted({1, min(2, max_fused), max_fused}))
-        fused_rows_ = tuple(n for n in fused_rows_ if n <= max_fused)
-        shapes += [("fused-dispatch", True, fused_rows_), ("fork-dispatch", True, fused_rows_)]
+        fused_rows_ = tuple(n for n in fused_shape_rows or FUSED_ROWS if n <= max_fused)
+        if max_fused not in fused_rows_ and not fused_shape_rows:
+            fused_rows_ += (max_fused,)
+        shapes += [("fused-dispatch", True, fused_rows_)]
+
     points = []
     for kind, fused, shape_rows in shapes:
         (one, m_one), (many, m_many) = (
             _tiny_decoder(1, fused), _tiny_decoder(1 + dispatch_layers, fused)
         )  # fmt: skip
-        fork = kind == "fork-dispatch"
         for n in shape_rows:
             steps_before = m_many.fused.num_steps if fused and m_many.fused else 0
-            team_before = fused_decode.team_steps() if fused else 0
-            if fork:
-                fused_decode.set_team_step(False)
             ones, slopes = [], []
-            try:  # rounds of one and many, alternating which goes first: a slow phase of the
-                # machine lands in one round's difference, not in all of one decoder's samples
-                for r in range(cfg.dispatch_rounds):
-                    order = (one, many) if r % 2 == 0 else (many, one)
-                    times = {dec: time_median_s(dec(n), cfg) for dec in order}
-                    ones.append(times[one])
-                    slopes.append((times[many] - times[one]) / dispatch_layers)
-            finally:
-                if fork:
-                    fused_decode.set_team_step(True)
+            # rounds of one and many, alternating which goes first: a slow phase of the machine
+            # lands in one round's difference, not in all of one decoder's samples
+            for r in range(cfg.dispatch_rounds):
+                order = (one, many) if r % 2 == 0 else (many, one)
+                times = {dec: time_median_s(dec(n), cfg) for dec in order}
+                ones.append(times[one])
+                slopes.append((times[many] - times[one]) / dispatch_layers)
             if fused and not (
                 m_one.fused and m_many.fused and m_many.fused.num_steps > steps_before
             ):
                 break  # the fused step did not run at n rows: there is no such step shape
-            if fork and fused_decode.team_steps() > team_before:
-                break  # the team step ran although it was off
             per_layer = max(0.0, statistics.median(slopes))
             fixed = max(0.0, statistics.median(ones) - per_layer)
             points.append(MeasuredPoint(kind, n, 0.0, 0.0, 0.0, per_layer))

@@ -111,9 +111,16 @@ def test_measure_engine_times_the_engines_own_modules():
     from kvserve.measure_engine import fused_rows
 
     if fused_rows():  # the C kernels built here: the fused step is a step shape of its own
-        expected |= {"fused-dispatch", "fused-fixed", "fork-dispatch", "fork-fixed"}
+        from kvserve.model import fused_decode
+
+        expected |= {"fused-dispatch", "fused-fixed"}
         fused = sorted(p.num_columns for p in points if p.kind == "fused-dispatch")
         assert fused[-1] == fused_rows() and fused[0] == 1
+        if fused_decode.max_step_rows() > fused_decode.max_rows():  # fp32 steps of 16 rows
+            expected.add("linear-fused:fp32")
+            panel = [p for p in points if p.kind == "linear-fused:fp32"]
+            assert [p.num_columns for p in panel] == [8, 16]
+            assert panel[0].bytes_per_s * panel[0].median_s == pytest.approx(4 * 128 * 64)
     assert kinds == expected
     assert all(p.bytes_per_s > 0 for p in points if p.kind == "attention")
     timed = [(p.num_columns, p.context_tokens) for p in points if p.kind == "attention-time"]
@@ -135,8 +142,10 @@ def test_linears_over_a_models_own_matrices_count_the_planners_bytes():
     shapes = linear_shapes(cfg, TIED)
     # per layer: q/k/v fused (64 + 2 x 32) x 64, o 64 x 64, gate/up 256 x 64, down 64 x 128
     assert shapes == [(128, 64), (64, 64), (256, 64), (64, 128)] * 2
-    (p,) = measure_linear(cfg, "fp32", deadline=float("inf"), rows=(2,), model=TIED)
-    assert p.bytes_per_s * p.median_s == pytest.approx(4 * sum(o * i for o, i in shapes))
+    points = measure_linear(cfg, "fp32", deadline=float("inf"), rows=(2,), model=TIED)
+    assert [p.num_columns for p in points if p.kind == "linear:fp32"] == [2]
+    for p in points:  # and the fused step's panel GEMV above 4 rows, where it is built
+        assert p.bytes_per_s * p.median_s == pytest.approx(4 * sum(o * i for o, i in shapes))
 
 
 def test_the_kv_term_reads_at_the_measured_attention_rate():

@@ -6,10 +6,11 @@ path by rows x context; the real engine's parts add up and land where the time i
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
-from kvserve.plan import arith, make_plan
+from kvserve.plan import arith, make_plan, parse_weight_format
 from kvserve.plan.engine_cost import EngineCost
 from kvserve.plan.hardware import HardwareProfile, save_profile
 from tests.test_plan_fused_profile import FP32, FUSED, PER_OP, SPEC, pt
@@ -139,28 +140,79 @@ def test_measure_overhead_times_the_real_engine_and_puts_a_slow_sampler_in_its_p
     assert slow["engine-runner"] < 0.05 and slow["engine-loop"] < 0.05
 
 
-def test_the_team_step_boundary_matches_the_kernel():
+@pytest.mark.parametrize("threads", [2, 1])
+def test_the_planners_path_rule_matches_the_kernels_choice(threads):
+    """The profile fields `kvserve plan --measure` writes (measure_engine.fused_profile_fields)
+    and EngineCost.path give the step shape the kernel takes, read from its own counters: the
+    fused step or not (the decoder's step count), one OpenMP region or not (team_steps())."""
     import torch
 
-    from kvserve.measure_engine import TEAM_MAX_VALUES, _tiny_decoder, fused_rows
+    from kvserve.measure_engine import _tiny_decoder, fused_profile_fields, fused_rows
     from kvserve.model import fused_decode
 
     if not fused_rows():
         pytest.skip("no fused step here")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # the team step needs more than one thread
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
-        per_token = 2 * 16  # the tiny decoder's KV heads x head_dim
-        for context, team in ((TEAM_MAX_VALUES // per_token - 8, True),
-                              (TEAM_MAX_VALUES // per_token + 8, False)):  # fmt: skip
-            make_step, model = _tiny_decoder(1, True, context=context)
-            before = fused_decode.team_steps()
+        measured = [pt("fused-dispatch", n, median_s=1e-5) for n in (1, fused_rows())]
+        measured += [pt("fused-fixed", n, median_s=1e-4) for n in (1, fused_rows())]
+        profile = replace(hw(PER_OP + tuple(measured)), **fused_profile_fields(measured, threads))
+        cost = EngineCost.from_profile(SPEC, FP32, 0.0, profile)
+        # short contexts, beyond 256 positions per split (the flash-decoding merge), and long;
+        # the fp32 step's most rows and one more
+        shapes = [(1, 40), (1, 700), (1, 2100), (4, 300), (fused_rows(), 40),
+                  (fused_rows(), 600), (fused_rows() + 1, 40)]  # fmt: skip
+        for rows, context in shapes:
+            make_step, model = _tiny_decoder(1, True, context=context, max_batch=rows)
+            team_before = fused_decode.team_steps()
             with torch.inference_mode():
-                make_step(1)()
-            assert model.fused is not None and model.fused.num_steps == 1
-            assert (fused_decode.team_steps() > before) == team, context
+                make_step(rows)()
+            ran_fused = model.fused is not None and model.fused.num_steps == 1
+            ran_team = fused_decode.team_steps() > team_before
+            kernel = "team" if ran_team else "fused" if ran_fused else "per-op"
+            assert cost.path(rows, context) == kernel, (rows, context, threads)
+        assert cost.path(fused_rows(), 40) == ("team" if threads > 1 else "fused")
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(saved)
+
+
+def test_quantised_steps_are_fused_up_to_four_rows_and_fp32_ones_up_to_sixteen():
+    profile = replace(
+        hw(PER_OP + FUSED), decode_fused_rows=4, decode_fused_f32_rows=16,
+        decode_team_any_context=True,
+    )  # fmt: skip
+    fp32 = EngineCost.from_profile(SPEC, FP32, 0.0, profile)
+    int8 = EngineCost.from_profile(SPEC, parse_weight_format("int8"), 0.0, profile)
+    assert fp32.path(16, 5000) == "team" and fp32.path(17, 10) == "per-op"
+    assert int8.path(4, 5000) == "team" and int8.path(5, 10) == "per-op"
+    assert "as one region at every context" in fp32.sources()["dispatch"]
+    # an fp32 KV cache only (the planner passes fused_eligible=False for a quantised one)
+    no_kv = EngineCost.from_profile(SPEC, FP32, 0.0, profile, fused_eligible=False)
+    assert no_kv.path(1, 10) == "per-op"
+
+
+def test_fused_fp32_steps_above_four_rows_stream_at_the_panel_gemvs_rate():
+    rates = (
+        pt("linear:fp32", 1, 10e9), pt("linear:fp32", 4, 8e9), pt("linear:fp32", 8, 40e9),
+        pt("linear:fp32", 16, 60e9),  # oneDNN, the per-op path above 4 rows
+        pt("linear-fused:fp32", 8, 6e9), pt("linear-fused:fp32", 16, 5e9),
+    )  # fmt: skip
+    profile = replace(
+        hw(PER_OP + FUSED + rates), decode_fused_rows=4, decode_fused_f32_rows=16,
+        decode_team_any_context=True,
+    )  # fmt: skip
+    cost = EngineCost.from_profile(SPEC, FP32, 0.0, profile)
+    w = sum(num_bytes for _, num_bytes in cost.bytes_by_format)  # every tensor fp32
+    assert cost.terms_s(8, 10)["weights"] == pytest.approx(w / 6e9)  # fused: the panel GEMV
+    assert cost.terms_s(16, 10)["weights"] == pytest.approx(w / 5e9)
+    assert cost.terms_s(2, 10)["weights"] == pytest.approx(w / 9e9)
+    per_op = replace(cost, fused_rows=4)  # an int8-row limit: 8 rows take oneDNN's rate
+    assert per_op.terms_s(8, 10)["weights"] == pytest.approx(w / 40e9)
+    # without panel points the small-row rate is held
+    old = EngineCost.from_profile(SPEC, FP32, 0.0, replace(profile, points=PER_OP + FUSED
+                                                           + rates[:4]))  # fmt: skip
+    assert old.terms_s(16, 10)["weights"] == pytest.approx(w / 8e9)
 
 
 def test_host_points_are_medians_of_rounds_so_one_slow_round_does_not_move_them(monkeypatch):

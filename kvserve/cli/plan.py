@@ -288,16 +288,14 @@ def _measure(args: argparse.Namespace) -> Any:
 
             points += measure_overhead(_builtin_to_dir(args.measure_model), progress=show)
         fused = [p.num_columns for p in points if p.kind == "fused-dispatch"]
-        forked = any(p.kind == "fork-dispatch" for p in points)
         import torch
 
-        from kvserve.measure_engine import TEAM_MAX_VALUES
+        from kvserve.measure_engine import fused_profile_fields
 
         profile = replace(
             profile,
             points=profile.points + tuple(points),
-            decode_fused_rows=max(fused, default=0),
-            decode_team_values=TEAM_MAX_VALUES if forked and torch.get_num_threads() > 1 else 0,
+            **fused_profile_fields(points, torch.get_num_threads()),
             source=profile.source
             + "; engine linears ("
             + ", ".join(formats)

@@ -13,13 +13,15 @@ with those points the planner's step is
 
 floored by the FLOPs at the measured peak. Three step shapes (the path the engine takes):
 
-- **team** (B <= the profile's `decode_fused_rows`, fp32 KV, and B x t x KV heads x head_dim
-  below `decode_team_values`): every layer in one native call running as one OpenMP region
-  (decode_step.c's team step); host cost `fused-dispatch`, `fused-fixed`;
-- **fork** (the fused step at longer contexts, where the attention forks its own threads): one
-  native call that opens a parallel region per linear; host cost `fork-dispatch`, `fork-fixed`
-  (a profile without them prices it as the team step); both use the small-row GEMV (the
-  `linear:FMT` points at <= decode_fused_rows rows);
+- **team** (B <= the fused step's rows: the profile's `decode_fused_f32_rows` (16) when every
+  projection is fp32, `decode_fused_rows` (4) when quantised; an fp32 KV cache; more than one
+  thread): every layer in one native call running as one OpenMP region (decode_step.c's team
+  step, at every context: the team splits the attention itself); host cost `fused-dispatch`,
+  `fused-fixed`;
+- **fork** (profiles of an older kernel, `decode_team_values`: the fused step above that many
+  cached values forked its own threads): one native call that opens a parallel region per
+  linear; host cost `fork-dispatch`, `fork-fixed`; both fused paths stream fp32 weights with the
+  panel GEMV (the `linear:FMT` points at <= decode_fused_rows rows, `linear-fused:fp32` above);
 - **per-op** (larger B, or a quantised KV cache): one dispatched call per op (`dispatch`,
   `dispatch-fixed`), the batched linear kernels (the `linear:FMT` points above those rows).
 
@@ -53,6 +55,7 @@ ENGINE_PART_NAMES = {
     "engine-loop": "the scheduler, output processing and step loop",
 }
 ENGINE_PARTS = tuple(ENGINE_PART_NAMES)
+FP32_KERNEL = ("fp32", "bf16", "fp16")  # weight formats the engine runs on its fp32 kernels
 
 
 def _interp_log2(points: Points, x: float) -> float:
@@ -132,6 +135,8 @@ class EngineCost:
     fork_fixed_s: Points = ()  # fused step, forking path: (rows, seconds per step)
     team_values: int = 0  # team step while rows x context x KV heads x head_dim < this (0: none)
     engine_parts: tuple[tuple[str, Points], ...] = ()  # (engine-* kind, (rows, s per step))
+    team_any_context: bool = False  # the fused step is the team step at every context
+    fused_linear_rates: tuple[tuple[str, Points], ...] = ()  # panel GEMV above small_rows
 
     @classmethod
     def from_profile(
@@ -147,12 +152,16 @@ class EngineCost:
         `fused_eligible`: whether the engine can run this plan's decode steps fused (it needs an
         fp32 KV cache; docs/planning.md)."""
         rates: dict[str, list[tuple[int, float]]] = {}
+        fused_rates: dict[str, list[tuple[int, float]]] = {}
         by_kind: dict[str, list[tuple[int, float]]] = {}
         times: dict[int, list[tuple[int, float]]] = {}
         for p in hardware.points:
             if p.kind.startswith("linear:"):
                 fmt_name = p.kind.removeprefix("linear:")
                 rates.setdefault(fmt_name, []).append((p.num_columns, p.bytes_per_s))
+            elif p.kind.startswith("linear-fused:"):
+                fmt_name = p.kind.removeprefix("linear-fused:")
+                fused_rates.setdefault(fmt_name, []).append((p.num_columns, p.bytes_per_s))
             elif p.kind == "attention-time":
                 # timed on another model's cache: the read scales with the bytes per token
                 scale = (
@@ -169,7 +178,12 @@ class EngineCost:
         if not dispatch or not fixed:
             return None
         fused_layer, fused_fixed = by_kind.get("fused-dispatch", []), by_kind.get("fused-fixed", [])
-        fused_rows = hardware.decode_fused_rows if fused_layer and fused_fixed else 0
+        fused_rows = 0
+        if fused_layer and fused_fixed:  # more rows when every projection is fp32 (decode_step.c)
+            f32 = fmt.for_category("linear").name in FP32_KERNEL
+            fused_rows = (
+                hardware.decode_fused_f32_rows if f32 else 0
+            ) or hardware.decode_fused_rows
         parts = tuple((kind, tuple(by_kind[kind])) for kind in ENGINE_PARTS if by_kind.get(kind))
         by_format: dict[str, float] = {}
         for category, num_bytes in fmt.bytes_by_category(model).items():
@@ -194,6 +208,8 @@ class EngineCost:
             tuple(by_kind.get("fork-fixed", [])),
             hardware.decode_team_values,
             parts,
+            hardware.decode_team_any_context,
+            tuple((k, tuple(v)) for k, v in sorted(fused_rates.items())),
         )
 
     def path(self, batch: float, mean_context: float | None = None) -> str:
@@ -202,6 +218,8 @@ class EngineCost:
         "fused" (a profile that does not tell the fused step's two paths apart)."""
         if not (self.fused_rows and batch <= self.fused_rows):
             return "per-op"
+        if self.team_any_context:
+            return "team"
         if not self.team_values or mean_context is None:
             return "fused"
         values = batch * mean_context * self.model.num_kv_heads * self.model.head_dim
@@ -235,18 +253,25 @@ class EngineCost:
         """The step's parts in seconds: weights, kv, dispatch, the FLOPs floor (compute), and
         `bandwidth`: the weights and cache at the GEMV bandwidth (the memory-bound ideal);
         `engine`: the engine outside the forward (0 when the profile did not measure it)."""
+        path = self.path(batch, mean_context)
+        fused_rates = dict(self.fused_linear_rates)
         weights = 0.0
         for name, num_bytes in self.bytes_by_format:
             rate = self.linear_rates.get(name)
-            # fp32 changes kernel above `small_rows` (GEMV -> oneDNN); int8 / int4 run the panel
-            # GEMV at every row count (docs/planning.md)
-            boundary = self.small_rows if name in ("fp32", "bf16", "fp16") else 0
+            # fp32 changes kernel above `small_rows` (GEMV -> oneDNN) on the per-op path; the fused
+            # step keeps the panel GEMV up to its rows (`linear-fused:fp32`; without those points
+            # the small-row rate held); int8 / int4 run the panel GEMV at every row count
+            boundary = self.small_rows if name in FP32_KERNEL else 0
+            if rate and boundary and path != "per-op" and batch > boundary:
+                small = tuple(p for p in rate if p[0] <= boundary) or rate
+                rate = small + fused_rates.get(name, ())
+                boundary = 0
             weights += num_bytes / (
                 _interp_log2(_side(rate, batch, boundary), batch)
                 if rate
                 else self.bandwidth_bytes_per_s
             )
-        layer, fixed = self._host_points(self.path(batch, mean_context))
+        layer, fixed = self._host_points(path)
         dispatch = self.model.num_layers * _interp_log2(layer, batch) + _interp_log2(fixed, batch)
         flops = arith.decode_step_flops(self.model, batch, mean_context)
         total_bytes = sum(b for _, b in self.bytes_by_format)
@@ -303,13 +328,16 @@ class EngineCost:
         else:
             out["kv"] = "GEMV bandwidth"
         if self.fused_rows:
-            paths = (
-                f"as one region below {self.team_values} cached values (rows x context x KV "
-                "heads x head_dim), "
-                + ("its forking path above" if self.fork_layer_s else "priced the same above")
-                if self.team_values
-                else "one path"
-            )
+            if self.team_any_context:
+                paths = "as one region at every context"
+            elif self.team_values:
+                paths = (
+                    f"as one region below {self.team_values} cached values (rows x context x KV "
+                    "heads x head_dim), "
+                    + ("its forking path above" if self.fork_layer_s else "priced the same above")
+                )
+            else:
+                paths = "one path"
             out["dispatch"] = (
                 f"the fused decode step (<= {self.fused_rows} rows; {paths}) and the per-op "
                 "decoder (more rows), each at a tiny width, per layer and per step"

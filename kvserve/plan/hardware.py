@@ -49,8 +49,14 @@ class HardwareProfile:
     # the most decode rows the engine's fused decode step (one native call for every layer) took
     # when this profile was measured; 0: no fused step (or a profile from before it existed)
     decode_fused_rows: int = 0
-    # the fused step runs as one OpenMP region (the team step) while its rows x context x KV
-    # heads x head_dim stay below this (decode_step.c); 0: not measured or no team step
+    # the most rows of a fused step whose projections are all fp32 (decode_step.c
+    # decode_step_max_rows: the panel GEMV takes 16); 0: decode_fused_rows (an older profile)
+    decode_fused_f32_rows: int = 0
+    # the fused step runs as one OpenMP region (the team step) at every context: measured with
+    # more than one thread on a kernel whose team splits the attention itself (decode_step.c)
+    decode_team_any_context: bool = False
+    # an older kernel's rule: the team step while rows x context x KV heads x head_dim stay below
+    # this, a region per linear above; 0: not measured or no team step
     decode_team_values: int = 0
 
     def __post_init__(self) -> None:
