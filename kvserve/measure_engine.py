@@ -226,22 +226,26 @@ def measure_attention(
 
 
 def _tiny_decoder(
-    num_layers: int, fused: bool, context: int = 64, max_batch: int = 16
+    num_layers: int, fused: bool, context: int = 64, max_batch: int = 16, shape=None
 ) -> tuple[Callable[[int], Callable[[], object]], object]:
     """A random tiny DecoderLM in the engine's CPU layout, its fused decode step on or off;
     returns (make_step(batch) -> one decode forward (+ logits of every row) at `context`, the
-    model: `model.fused.num_steps` counts the steps that ran fused)."""
+    model: `model.fused.num_steps` counts the steps that ran fused). `shape` (a
+    kvserve.plan.ModelSpec): its layers' widths and heads instead of the tiny ones (the
+    vocabulary stays tiny)."""
     from kvserve.config import ModelConfig
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
     from kvserve.model.decoder import DecoderLM
     from kvserve.model.kv_cache import allocate_layers
     from kvserve.model.registry import get_arch
 
+    widths = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
+    if shape is not None:
+        widths = {k: getattr(shape, k) for k in widths}
     config = ModelConfig(
-        model_type="llama", vocab_size=256, hidden_size=64, num_layers=num_layers,
-        num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, rms_norm_eps=1e-5,
+        model_type="llama", vocab_size=256, num_layers=num_layers, rms_norm_eps=1e-5,
         rope_theta=10000.0, max_position_embeddings=max(256, 2 * context),
-        tie_word_embeddings=True,
+        tie_word_embeddings=True, **widths,
     )  # fmt: skip
     model = DecoderLM(config, get_arch("llama"), config.max_position_embeddings).eval()
     model.use_cpu_weights()
@@ -249,8 +253,9 @@ def _tiny_decoder(
     block_size = 16
     num_blocks = max_batch * (context // block_size + 1) + 1
     _, caches = allocate_layers(
-        num_layers, num_blocks, block_size, 2, 16, torch.float32, "auto", torch.device("cpu")
-    )
+        num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32,
+        "auto", torch.device("cpu"),
+    )  # fmt: skip
     backend = get_attention_backend("auto", torch.device("cpu"), torch.float32)
     per_seq = context // block_size + 1
 
@@ -354,7 +359,8 @@ def measure_engine(
     model=None,
 ) -> list[MeasuredPoint]:
     """The dispatch and attention points and each format's linear points (CPU only: the engine's
-    CPU layouts); the linears over `model`'s own matrices when given (a kvserve.plan.ModelSpec)."""
+    CPU layouts); the linears over `model`'s own matrices when given (a kvserve.plan.ModelSpec),
+    and then the fused step's host per layer on its layer shapes (kvserve/measure_team.py)."""
     deadline = time.perf_counter() + budget_s
     points: list[MeasuredPoint] = []
     with torch.inference_mode():
@@ -371,6 +377,16 @@ def measure_engine(
                 points.append(p)
                 if progress:
                     progress(p)
+        if model is not None:  # the team step's host cost on the model's own layer shapes
+            from kvserve.measure_team import measure_team_host
+
+            fixed = [(p.num_columns, p.median_s) for p in points if p.kind == "fused-fixed"]
+            team = measure_team_host(cfg, model, fixed)
+            if team:  # replaces the tiny decoder's slope (docs/planning.md)
+                points = [p for p in points if p.kind != "fused-dispatch"] + team
+                for p in team:
+                    if progress:
+                        progress(p)
     return points
 
 
