@@ -263,7 +263,7 @@ def _measure(args: argparse.Namespace) -> Any:
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
             return
         what = "GEMV" if p.kind == "gemv" else f"GEMM {p.num_columns:>5} columns"
-        if p.kind.startswith("linear:"):
+        if p.kind.startswith(("linear:", "linear-fused:")):
             what = f"{p.kind} {p.num_columns:>3} rows"
         print(
             f"  {what:<20} {fmt_s(p.median_s):>10}  {fmt_flops(p.flops_per_s):>15}  "
