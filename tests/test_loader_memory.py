@@ -7,6 +7,7 @@ peak for a 7B fp32 model before this was fixed)."""
 
 import gc
 
+import pytest
 import torch
 
 from kvserve import LLM
@@ -58,6 +59,9 @@ def test_a_tied_fp32_table_is_served_from_the_head_panels_and_not_kept_twice(tmp
     assert model.embed_tokens.panels is model.cpu_head.panels  # one tensor, shared
     ids = torch.tensor([0, 15, 16, 63, 64, 76, 5, 5])
     assert torch.equal(model.embed_tokens(ids), table[ids])
+    for bad in (77, 79, -1):  # a padded column, and a negative id, are refused as nn.Embedding does
+        with pytest.raises(IndexError):
+            model.embed_tokens(torch.tensor([3, bad]))
     gc.collect()
     copies = [
         t

@@ -69,6 +69,30 @@ def _kernel_equals_torch_backend(kind):
     torch.testing.assert_close(cpu_attention(q, cache, meta, 0.125), expected, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_a_nan_in_the_cache_or_query_reaches_the_output_as_in_torch(isa):
+    """A NaN score must not be hidden (the AVX2 max once returned its finite operand): the row whose
+    cache or query holds a NaN comes out NaN in every kernel, as torch's softmax gives; the others
+    stay finite. Contexts of one split and of several (the merge)."""
+    if isa == "avx2" and fused_decode.isa() != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    cache, meta = _filled_cache("auto", [40, 600, 40])
+    q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(2))
+    q[2, 0, 5] = float("nan")  # row 2: query head 0 (kv head 0)
+    table = meta.single.block_table
+    cache.k[table[0, 1], 3, 0, 7] = float("nan")  # row 0, position 19, kv head 0
+    cache.k[table[1, 30], 9, 1, 0] = float("nan")  # row 1, position 489 (a later split), kv head 1
+    fused_decode.set_max_isa(isa)
+    try:
+        out = cpu_attention(q, cache, meta, 0.125)  # [3, 9, 64]
+    finally:
+        fused_decode.set_max_isa("avx2")
+    expected = torch_attention(q, cache, meta, 0.125)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert out.isnan().flatten(1).any(dim=-1).tolist() == [True, True, True]
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantise_round_trip(kind):
     values = torch.randn(7, 3, 64) * torch.tensor([1e-3, 1.0, 50.0])[None, :, None]

@@ -129,15 +129,25 @@ def test_measure_overhead_times_the_real_engine_and_puts_a_slow_sampler_in_its_p
     # the timers are gone afterwards
     assert runner_mod.forward_chunks is forward and runner_mod.ModelRunner._sample is sample
 
+    # An injected delay of 1,000 s in the sampler, on a clock of our own (no sleep): it lands in
+    # engine-sample only (the real parts take milliseconds).
+    import types
+
+    import kvserve.measure_overhead as overhead_mod
+
+    delay_s = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + delay_s[0])
+
     def slow_sample(self, *args, **kwargs):
-        time.sleep(0.05)  # an injected 50 ms in the sampler lands in engine-sample
+        delay_s[0] += 1000.0
         return sample(self, *args, **kwargs)
 
+    monkeypatch.setattr(overhead_mod, "time", clock)
     monkeypatch.setattr(runner_mod.ModelRunner, "_sample", slow_sample)
     slow = {p.kind: p.median_s for p in measure_overhead(tiny_checkpoint, rows=(1,), new_tokens=3,
                                                         iters=1)}  # fmt: skip
-    assert slow["engine-sample"] >= 0.05
-    assert slow["engine-runner"] < 0.05 and slow["engine-loop"] < 0.05
+    assert slow["engine-sample"] >= 1000.0
+    assert slow["engine-runner"] < 1000.0 and slow["engine-loop"] < 1000.0
 
 
 @pytest.mark.parametrize("threads", [2, 1])

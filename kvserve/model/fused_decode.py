@@ -84,7 +84,7 @@ def set_max_isa(name: str) -> None:
 
 
 def set_team_step(enabled: bool) -> None:
-    """Run a short-context step's layers in one OpenMP region (the default) or fork and join per
+    """Run a fused step's layers in one OpenMP region (the default, any context) or fork and join per
     linear (the same arithmetic and bits; tests compare the two)."""
     cpu_kernels.load_kernel().decode_set_team_step(int(enabled))
 

@@ -89,6 +89,12 @@ class PanelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids [T] -> [T, hidden]; the two index tensors broadcast ahead of the sliced dim
+        if input_ids.numel() and (
+            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings
+        ):  # the padded columns (and negative ids) would index silently, as nn.Embedding never does
+            raise IndexError(
+                f"token id out of range for an embedding of {self.num_embeddings} rows"
+            )
         return self.panels[input_ids // fused_decode.FPANEL, :, input_ids % fused_decode.FPANEL]
 
 

@@ -207,7 +207,7 @@ int small_linear(const Linear *L, const float *x, int M, float *y, int num_threa
     return 0;
 }
 
-/* ---- one OpenMP region for the whole step (short contexts) -----------------------------------------
+/* ---- one OpenMP region for the whole step (any context) --------------------------------------
  * Under OMP_WAIT_POLICY=PASSIVE (kvserve's default, docs/performance.md "Threads") every parallel
  * region and every libgomp barrier puts the other threads to sleep in the kernel and wakes them again
  * (tens of us each on this VM); a step of ~5 regions per layer paid that 150 times. The team step
@@ -317,6 +317,7 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
             status = -2;
             goto done;
         }
+    atomic_llong next_item = 0; /* the attention's next unclaimed item (reset every layer) */
 #pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -333,11 +334,17 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
                 rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
                 write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_width, slots, L->k_cache,
                          L->v_cache, M, kv_size, 1);
+                atomic_store_explicit(&next_item, 0, memory_order_relaxed); /* its last use ended
+                                                           at least two barriers ago */
             }
             step_barrier(&bar, nt);
             AttnWork w = work;
             w.k = L->k_cache, w.v = L->v_cache;
-            attention_items(&w, parts, w.num_items * tid / nt, w.num_items * (tid + 1) / nt);
+            /* items are claimed one at a time: a batch mixing one long context with short ones
+             * has most of its work in a few items (the bits do not depend on who runs an item) */
+            for (int64_t i; (i = atomic_fetch_add_explicit(&next_item, 1, memory_order_relaxed)) <
+                            w.num_items;)
+                attention_items(&w, parts, i, i + 1);
             if (w.max_splits > 1) {
                 step_barrier(&bar, nt);
                 const int64_t heads = (int64_t)M * H;

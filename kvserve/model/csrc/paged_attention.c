@@ -113,7 +113,7 @@ INL float hsum8(__m256 v) {
 INL __m256 exp8_nonpositive(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.33654f);
     const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
+    x = _mm256_max_ps(lo, x); /* lo first: a NaN x passes through (max_ps returns its 2nd operand) */
     const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
@@ -161,12 +161,18 @@ static void attend_avx2(const AttnWork *a, int b, int h, int g0, int g1, int t0,
     for (int g = g0; g < g1; g++) {
         float *s = scores[g];
         for (int i = n; i < ((n + 7) & ~7); i++) s[i] = -INFINITY; /* the tail's lanes give 0 */
-        __m256 mv = _mm256_set1_ps(-FLT_MAX);
-        for (int i = 0; i < n8; i += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(s + i));
+        __m256 mv = _mm256_set1_ps(-FLT_MAX), nan = _mm256_setzero_ps();
+        for (int i = 0; i < n8; i += 8) {
+            const __m256 v = _mm256_load_ps(s + i);
+            mv = _mm256_max_ps(mv, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
         float m = -FLT_MAX, lanes[8];
         _mm256_storeu_ps(lanes, mv);
         for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
-        for (int i = n8; i < n; i++) m = s[i] > m ? s[i] : m;
+        int any_nan = _mm256_movemask_ps(nan) != 0;
+        for (int i = n8; i < n; i++) m = s[i] > m ? s[i] : m, any_nan |= s[i] != s[i];
+        if (any_nan) m = NAN; /* a NaN score (a NaN in q or the cache) makes the output NaN, as torch */
         const __m256 mb = _mm256_set1_ps(m);
         __m256 lv = _mm256_setzero_ps();
         for (int i = 0; i < n; i += 8) {
