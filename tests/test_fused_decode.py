@@ -221,19 +221,26 @@ def test_team_step_equals_the_step_that_forks_per_linear(llama_dir, isa, quantiz
     torch.set_num_threads(2)
     try:
         llm = LLM(str(llama_dir), num_blocks=64, quantization=quantization)
-        before = fused_decode.team_steps()
-        team = llm.engine.score(PROMPT, chunk_size=1)
-        assert fused_decode.team_steps() - before == len(PROMPT)
-        fused_decode.set_team_step(False)
-        try:
-            forked = llm.engine.score(PROMPT, chunk_size=1)
-        finally:
-            fused_decode.set_team_step(True)
+        team, forked = _team_then_forked(llm, PROMPT)
         assert llm.engine.runner.model.fused.num_steps == 2 * len(PROMPT)
-        assert fused_decode.team_steps() - before == len(PROMPT)  # the second pass forked
         assert torch.equal(team, forked)
     finally:
         torch.set_num_threads(threads)
+
+
+def _team_then_forked(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prompt` scored one token a step twice: by the team step (checked taken at every step), then
+    with it switched off (checked not taken)."""
+    before = fused_decode.team_steps()
+    team = llm.engine.score(prompt, chunk_size=1)
+    assert fused_decode.team_steps() - before == len(prompt)
+    fused_decode.set_team_step(False)
+    try:
+        forked = llm.engine.score(prompt, chunk_size=1)
+    finally:
+        fused_decode.set_team_step(True)
+    assert fused_decode.team_steps() - before == len(prompt)  # the second pass forked
+    return team, forked
 
 
 LONG_PROMPT = [(i * 53 + 7) % 250 + 3 for i in range(400)]  # 2 attention splits of 256 positions
@@ -248,15 +255,7 @@ def test_team_step_splits_a_long_context_with_the_same_bits_as_the_forking_step(
     torch.set_num_threads(2)
     try:
         llm = LLM(str(llama_dir), num_blocks=64)
-        before = fused_decode.team_steps()
-        team = llm.engine.score(LONG_PROMPT, chunk_size=1)
-        assert fused_decode.team_steps() - before == len(LONG_PROMPT)
-        fused_decode.set_team_step(False)
-        try:
-            forked = llm.engine.score(LONG_PROMPT, chunk_size=1)
-        finally:
-            fused_decode.set_team_step(True)
-        assert fused_decode.team_steps() - before == len(LONG_PROMPT)  # the second pass forked
+        team, forked = _team_then_forked(llm, LONG_PROMPT)
         assert torch.equal(team, forked)
         reference = LLM(str(llama_dir), num_blocks=64, attention_backend="torch")
         expected = reference.engine.score(LONG_PROMPT)
