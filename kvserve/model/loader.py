@@ -93,7 +93,7 @@ def load_model(
     with torch.device("meta"):
         model = DecoderLM(config, arch, max_positions)
     checkpoint = read_checkpoint(model_dir)
-    artifact = artifact_tensors(model_dir, checkpoint)  # compressed-tensors: codes, kept apart
+    artifact = artifact_tensors(model_dir, checkpoint)  # a quantised checkpoint's codes, apart
     if artifact is not None and quantization is not None:
         raise QuantizationError(
             f"{model_dir} is already quantised (quantization_config in config.json): drop "
@@ -103,22 +103,27 @@ def load_model(
     missing: list[str] = []
     used: set[str] = set()
     expected = model.state_dict()
+    codes = artifact or {}
     for name, meta_tensor in expected.items():
         sources = [_hf_name(n) for n in _checkpoint_names(name)]
-        absent = [s for s in sources if s not in checkpoint]
+        absent = [s for s in sources if s not in checkpoint and s not in codes]
         if absent:
             missing.extend(absent)
             continue
-        tensor = (
-            torch.cat([checkpoint[s] for s in sources])
-            if len(sources) > 1
-            else checkpoint[sources[0]]
-        )
-        if tensor.shape != meta_tensor.shape:
-            raise ModelLoadError(
-                f"{model_dir}: tensor {sources} has shape {tuple(tensor.shape)}, expected "
-                f"{tuple(meta_tensor.shape)} from config.json"
+        if any(s in codes for s in sources):
+            tensor = _quantized_stand_in(model, name, [codes.get(s) for s in sources], sources)
+            if tensor.is_meta:  # a linear's weight: its QuantLinear replaces it below
+                _check_shape(model_dir, sources, tensor, meta_tensor)
+                state[name] = tensor
+                used.update(sources)
+                continue
+        else:
+            tensor = (
+                torch.cat([checkpoint[s] for s in sources])
+                if len(sources) > 1
+                else checkpoint[sources[0]]
             )
+        _check_shape(model_dir, sources, tensor, meta_tensor)
         state[name] = tensor.to(dtype=TORCH_DTYPES[dtype], device=device)
         used.update(sources)
     if missing:
@@ -137,6 +142,9 @@ def load_model(
     if artifact:
         install_artifact_linears(model, artifact, device)
         log_kernels(model, str(model_dir))
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        if left:  # a quantised weight whose module is not a linear kvserve can run quantised
+            raise ModelLoadError(f"{model_dir}: no quantised kernel for {left[:4]}")
     if quantization is not None:
         scheme = parse_weight_scheme(quantization)
         if scheme.is_quantized:
@@ -159,6 +167,33 @@ def load_model(
             ", ".join(unused[:5]),
         )
     return model.eval()
+
+
+def _check_shape(
+    model_dir: Path, sources: list[str], tensor: torch.Tensor, meta_tensor: torch.Tensor
+) -> None:
+    if tensor.shape != meta_tensor.shape:
+        raise ModelLoadError(
+            f"{model_dir}: tensor {sources} has shape {tuple(tensor.shape)}, expected "
+            f"{tuple(meta_tensor.shape)} from config.json"
+        )
+
+
+def _quantized_stand_in(
+    model: DecoderLM, name: str, parts: list[QuantizedTensor | None], sources: list[str]
+) -> torch.Tensor:
+    """What the float state dict holds for a parameter whose checkpoint tensors are quantised: for a
+    linear's weight, a meta tensor of its shape (no memory: `install_artifact_linears` puts a
+    QuantLinear of the codes in its place, so the fp32 model is never materialised); for anything
+    else, the dequantised fp32 weight."""
+    if any(p is None for p in parts):
+        raise ModelLoadError(f"{name}: some of {sources} are quantised and some are not")
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if isinstance(owner, torch.nn.Linear) and attr == "weight":
+        rows = sum(p.shape[0] for p in parts)
+        return torch.empty(rows, parts[0].shape[1], device="meta")  # [out, in]
+    return torch.cat([p.dequantize() for p in parts])
 
 
 def log_kernels(model: DecoderLM, scheme_name: str) -> None:
@@ -189,7 +224,7 @@ def install_artifact_linears(
             continue
         if not all(present):
             raise ModelLoadError(f"{name}: some of {sources} are quantised and some are not")
-        qt = concat_rows([artifact[s] for s in sources])
+        qt = concat_rows([artifact.pop(s) for s in sources])  # popped: each freed once packed
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         layer = QuantLinear(qt, module.bias, device)

@@ -218,9 +218,9 @@ def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 def artifact_tensors(
     model_dir: Path, checkpoint: dict[str, torch.Tensor]
 ) -> dict[str, QuantizedTensor] | None:
-    """For a compressed-tensors, GPTQ or AWQ checkpoint: {HF weight name: QuantizedTensor}, and
-    `checkpoint` rewritten in place to hold each one's dequantised `weight` (so the float loader can
-    run) and none of the compressed entries. None for a float checkpoint."""
+    """For a compressed-tensors, GPTQ or AWQ checkpoint: {HF weight name: QuantizedTensor}, with the
+    compressed entries removed from `checkpoint` (nothing is dequantised here: the loader builds
+    the integer linears from the codes). None for a float checkpoint."""
     qconfig = read_quantization_config(model_dir)
     if qconfig is None:
         return None
@@ -239,6 +239,5 @@ def artifact_tensors(
             "weight_shape",
         ):
             checkpoint.pop(f"{prefix}.{suffix}", None)
-        checkpoint[f"{prefix}.weight"] = qt.dequantize()
         out[f"{prefix}.weight"] = qt
     return out

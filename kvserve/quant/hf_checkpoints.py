@@ -158,9 +158,8 @@ def _check_shapes(cfg: _Config, entries: dict[str, torch.Tensor], prefix: str) -
 def hf_quantized_tensors(
     qconfig: dict, checkpoint: dict[str, torch.Tensor], where: str
 ) -> dict[str, QuantizedTensor]:
-    """{`<prefix>.weight`: QuantizedTensor} of a GPTQ or AWQ checkpoint; `checkpoint` is rewritten in
-    place to hold each linear's dequantised `weight` instead of its packed entries (the float
-    loader then runs unchanged)."""
+    """{`<prefix>.weight`: QuantizedTensor} of a GPTQ or AWQ checkpoint; each linear's packed entries
+    are removed from `checkpoint` (nothing is dequantised: the loader builds the integer linears)."""
     cfg = _Config(qconfig, where)
     read = _read_gptq if cfg.method == "gptq" else _read_awq
     out: dict[str, QuantizedTensor] = {}
@@ -173,7 +172,6 @@ def hf_quantized_tensors(
         }
         _check_shapes(cfg, entries, prefix)
         qt = read(cfg, entries, prefix)
-        checkpoint[f"{prefix}.weight"] = qt.dequantize()
         out[f"{prefix}.weight"] = qt
     if not out:
         raise ModelLoadError(
