@@ -119,6 +119,21 @@ def test_the_cut_into_items_does_not_change_the_bits(isa):
     )
 
 
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_prompt_chunks_equal_the_masked_torch_backend(kind):
+    """The cpu backend's prompt chunks (causal over the chunk, the cached prefix merged by logsumexp)
+    against the torch backend's one masked SDPA: a chunk from position 0, one after a 300-token
+    prefix, a one-token decode row beside them."""
+    cache, decode = _filled_cache(kind, [340, 90, 20])
+    ids = [row[:n] for row, n in zip(decode.single.block_table.tolist(), (22, 6, 2), strict=True)]
+    meta = build_attention_metadata(
+        [(300, 40, ids[0]), (0, 90, ids[1]), (19, 1, ids[2])], 16, torch.device("cpu")
+    )
+    q = torch.randn(131, 9, 64, generator=torch.Generator().manual_seed(4))
+    expected = torch_attention(q, cache, meta, 0.125)
+    torch.testing.assert_close(cpu_attention(q, cache, meta, 0.125), expected, atol=1e-5, rtol=1e-5)
+
+
 @needs_kernel
 def test_a_context_longer_than_its_block_table_row_is_refused():
     """The kernel would read past the row (the scheduler never builds one): a clear error instead."""
