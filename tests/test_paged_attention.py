@@ -3,6 +3,7 @@ full fp32 recompute, and the decode path's KV reads (no gather) and the cache's 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -91,6 +92,59 @@ def test_a_nan_in_the_cache_or_query_reaches_the_output_as_in_torch(isa):
     expected = torch_attention(q, cache, meta, 0.125)
     assert torch.equal(out.isnan(), expected.isnan())
     assert out.isnan().flatten(1).any(dim=-1).tolist() == [True, True, True]
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_the_cut_into_items_does_not_change_the_bits(isa):
+    """The thread count picks the cut (all kv heads per item; one kv head; q-head chunks of one): a
+    row's numbers must not depend on it."""
+    if isa == "avx2" and fused_decode.isa() != "avx2":
+        pytest.skip("this CPU has no AVX2")
+    cache, meta = _filled_cache("auto", [600])
+    q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(3))
+    threads = torch.get_num_threads()
+    fused_decode.set_max_isa(isa)
+    try:
+        outs = []
+        for num_threads in (1, 2, 8):  # 3 items of 9 heads; 9 of 3; 27 of 1
+            torch.set_num_threads(num_threads)
+            outs.append(cpu_attention(q, cache, meta, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+        fused_decode.set_max_isa("avx2")
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    torch.testing.assert_close(
+        outs[0], torch_attention(q, cache, meta, 0.125), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8"])
+def test_prompt_chunks_equal_the_masked_torch_backend(kind):
+    """The cpu backend's prompt chunks (causal over the chunk, the cached prefix merged by logsumexp)
+    against the torch backend's one masked SDPA: a chunk from position 0, one after a 300-token
+    prefix, a one-token decode row beside them."""
+    cache, decode = _filled_cache(kind, [340, 90, 20])
+    ids = [row[:n] for row, n in zip(decode.single.block_table.tolist(), (22, 6, 2), strict=True)]
+    meta = build_attention_metadata(
+        [(300, 40, ids[0]), (0, 90, ids[1]), (19, 1, ids[2])], 16, torch.device("cpu")
+    )
+    q = torch.randn(131, 9, 64, generator=torch.Generator().manual_seed(4))
+    expected = torch_attention(q, cache, meta, 0.125)
+    torch.testing.assert_close(cpu_attention(q, cache, meta, 0.125), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_context_longer_than_its_block_table_row_is_refused():
+    """The kernel would read past the row (the scheduler never builds one): a clear error instead."""
+    cache, meta = _filled_cache("auto", [40])
+    group = meta.single
+    short = dataclasses.replace(
+        group, block_table=group.block_table[:, :2]
+    )  # 2 x 16 < 40 positions
+    q = torch.randn(1, 9, 64)
+    with pytest.raises(ValueError, match="exceeds the block table's 2 blocks x 16 positions"):
+        cpu_attention(q, cache, dataclasses.replace(meta, single=short), 0.125)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

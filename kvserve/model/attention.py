@@ -2,8 +2,8 @@
 
 The KV cache of one layer is a `LayerKVCache` (model/kv_cache.py). Backends take the block tables and read
 the cache themselves: `cpu` runs decode rows through a kernel that reads the blocks in place
-(model/cpu_kernels.py) and prompt chunks through torch; `torch` gathers each chunk's blocks into a
-contiguous copy for SDPA (any device, any dtype).
+(model/cpu_kernels.py) and prompt chunks through torch's CPU flash kernel (causal, without a mask);
+`torch` gathers each chunk's blocks into a contiguous copy for SDPA with a mask (any device, any dtype).
 """
 
 from __future__ import annotations
@@ -150,7 +150,46 @@ def _multi_torch(
     return attended.squeeze(0).transpose(0, 1)
 
 
+def _flash_cpu():
+    """torch's CPU flash-attention kernel (the one SDPA picks here), which also returns the logsumexp
+    of each query's scores; None where this torch lacks it."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _multi_cpu(
+    q: torch.Tensor, cache: LayerKVCache, chunk: MultiTokenChunk, scale: float
+) -> torch.Tensor:
+    """As `_multi_torch`, without a mask: the chunk's own keys causally (the kernel skips the masked
+    blocks, where a mask makes it compute every score), the cached prefix's keys in full, the two
+    softmaxes merged by their logsumexps (flash-decoding's merge)."""
+    flash = _flash_cpu()
+    if flash is None or q.dtype != torch.float32:
+        return _multi_torch(q, cache, chunk, scale)
+    _, block_size, num_kv_heads, head_dim = cache.k.shape
+    num_blocks = chunk.block_ids.shape[0]
+    num_new = q.shape[0]
+    start = chunk.context_len - num_new
+    keys, values = cache.gather(chunk.block_ids, q.dtype)
+    # [num_blocks, block_size, kv_heads, head_dim] -> [1, kv_heads, ctx, head_dim]
+    keys = keys.view(num_blocks * block_size, num_kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
+    values = values.view(num_blocks * block_size, num_kv_heads, head_dim).transpose(0, 1)[None]
+    query = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, num_new, head_dim]
+    end = chunk.context_len
+    own, own_lse = flash(
+        query, keys[:, :, start:end], values[:, :, start:end], 0.0, True, scale=scale
+    )  # [1, num_heads, num_new, head_dim], [1, num_heads, num_new]
+    if start > 0:
+        prefix, prefix_lse = flash(
+            query, keys[:, :, :start], values[:, :, :start], 0.0, False, scale=scale
+        )
+        lse = torch.logaddexp(own_lse, prefix_lse)
+        own = own * (own_lse - lse).exp_().unsqueeze(-1)
+        own += prefix * (prefix_lse - lse).exp_().unsqueeze(-1)
+    return own.squeeze(0).transpose(0, 1)  # [num_new, num_heads, head_dim]
+
+
 SingleAttention = Callable[[torch.Tensor, LayerKVCache, SingleTokenGroup, float], torch.Tensor]
+MultiAttention = Callable[[torch.Tensor, LayerKVCache, MultiTokenChunk, float], torch.Tensor]
 
 
 def _attend(
@@ -159,6 +198,7 @@ def _attend(
     meta: AttentionMetadata,
     scale: float,
     single_fn: SingleAttention,
+    multi_fn: MultiAttention = _multi_torch,
 ) -> torch.Tensor:
     """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]: one call for the decode rows, one per
     multi-token chunk."""
@@ -168,7 +208,7 @@ def _attend(
     if meta.single is not None:
         out[meta.single.rows] = single_fn(q[meta.single.rows], cache, meta.single, scale)
     for chunk in meta.multi:
-        out[chunk.row_start : chunk.row_end] = _multi_torch(
+        out[chunk.row_start : chunk.row_end] = multi_fn(
             q[chunk.row_start : chunk.row_end], cache, chunk, scale
         )
     return out
@@ -201,8 +241,9 @@ def _single_cpu(
 def cpu_attention(
     q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Decode rows read the paged cache in place (C kernel, fp32 model); prompt chunks as `torch`."""
-    return _attend(q, cache, meta, scale, _single_cpu)
+    """Decode rows read the paged cache in place (C kernel, fp32 model); prompt chunks through torch's
+    CPU flash kernel without a mask (causal over the chunk, the cached prefix in full)."""
+    return _attend(q, cache, meta, scale, _single_cpu, _multi_cpu)
 
 
 AttentionBackend = Callable[[torch.Tensor, LayerKVCache, AttentionMetadata, float], torch.Tensor]

@@ -148,6 +148,11 @@ def paged_decode(
         batch, num_heads, num_kv_heads, head_dim, block_size, block_table.shape[1],
         scale, torch.get_num_threads(),
     )  # fmt: skip
+    if status == -3:
+        raise ValueError(
+            f"a context length in {context_lens.tolist()} is negative or exceeds the block table's "
+            f"{block_table.shape[1]} blocks x {block_size} positions"
+        )
     if status != 0:
         raise ValueError(
             f"paged attention kernel refused the shapes (status {status}): {num_heads} heads, "

@@ -5,8 +5,12 @@
  * fp32 values, or 8-bit codes with one fp16 scale per (token, kv head): value = lut[code] * scale, where
  * lut maps a code to its float (int8: the signed integer; fp8 e4m3: the decoded float).
  *
- * Work is split into items (batch row, kv head, chunk of its q heads, context split of SPLIT_TOKENS
- * positions) so one long request still spreads over every thread; each item keeps a partial softmax
+ * Work is split into items (batch row, a range of its q heads, context split of SPLIT_TOKENS positions) so
+ * one long request still spreads over every thread. An item takes every kv head of its row when the rows
+ * and splits alone give each thread 2 items: it then reads each position's K and V rows of all kv heads
+ * as one contiguous run (plain streams from memory: strided per-head rows read ~1.5x slower here), and
+ * each K and V row serves all G q heads of its group. Fewer items: one kv head per item, and its group's
+ * q heads cut into chunks. Each item keeps a partial softmax
  * (max, sum, weighted values) per q head, and a second pass merges the splits (flash-decoding). A q head's
  * numbers do not depend on how the items are cut or which thread runs them: the forking call
  * (paged_decode_attention) and the fused step's team (decode_step.c, attention_items / attention_merge)
@@ -24,10 +28,9 @@
  *   k_scale, v_scale [num_blocks, block_size, KVH] fp16 (8-bit caches only)
  *   block_table    [B, max_blocks] int32
  *   context_lens   [B] int32
- *   parts          [B, KVH, splits, G, D + 2] fp32 scratch: per q head m[G], l[G], acc[G][D]
+ *   parts          [B, splits, H, D + 2] fp32 scratch: per (row, split) m[H], l[H], acc[H][D]
  */
 #include <float.h>
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -35,13 +38,26 @@
 #include <string.h>
 
 #include "paged_attention.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #define PARALLEL_MIN_VALUES 65536
 #define MAX_HEAD_DIM 256
 
 int decode_isa(void); /* decode_step.c: 2 = AVX2 allowed, 0 = portable loops */
 
+#ifdef __F16C__
 static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> binary32, subnormals included */
+    const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    float value = exponent == 0    ? ldexpf((float)mantissa, -24)
+                  : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                                   : ldexpf((float)(mantissa | 1024), exponent - 25);
+    return sign ? -value : value;
+}
+#endif
 
 /* Row of D values for (slot, head) as fp32 into dst (8-bit: dequantised). */
 static inline const float *load_row(const AttnWork *a, const void *cache, const uint16_t *scales,
@@ -58,40 +74,45 @@ static inline int64_t slot_of(const AttnWork *a, const int32_t *table, int t) {
     return (int64_t)table[t / a->block_size] * a->block_size + t % a->block_size;
 }
 
-/* Partial attention of q heads [g0, g1) of kv head h over positions [t0, t1) of row b (portable loops).
- * Writes per q head g: max score m[g], sum of exp(score - m) l[g], sum of exp(score - m) * v acc[g*D]. */
-static void attend_portable(const AttnWork *a, int b, int h, int g0, int g1, int t0, int t1,
-                            float *m_out, float *l_out, float *acc_out) {
+/* Partial attention of q heads [hq0, hq1) of row b (any kv heads) over positions [t0, t1) (portable
+ * loops). Writes per q head hq: max score m[hq], sum of exp(score - m) l[hq], sum of exp(score - m) * v
+ * acc[hq*D]. */
+static void attend_portable(const AttnWork *a, int b, int hq0, int hq1, int t0, int t1, float *m_out,
+                            float *l_out, float *acc_out) {
     const int D = a->head_dim, G = a->num_heads / a->num_kv_heads;
     const int32_t *table = a->block_table + (int64_t)b * a->max_blocks;
     float scores[MAX_GROUP][SPLIT_TOKENS];
     float row[MAX_HEAD_DIM];
-    const float *q = a->q + b * a->q_row_stride + (int64_t)h * G * D;
+    const float *q = a->q + b * a->q_row_stride;
     for (int t = t0; t < t1; t++) {
-        const float *k = load_row(a, a->k, a->k_scale, slot_of(a, table, t), h, row);
-        for (int g = g0; g < g1; g++) {
-            const float *qg = q + g * D;
+        const int64_t slot = slot_of(a, table, t);
+        const float *k = NULL;
+        for (int hq = hq0; hq < hq1; hq++) {
+            if (hq == hq0 || hq % G == 0) k = load_row(a, a->k, a->k_scale, slot, hq / G, row);
+            const float *qh = q + hq * D;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < D; d++) dot += qg[d] * k[d];
-            scores[g][t - t0] = dot * a->scale;
+            for (int d = 0; d < D; d++) dot += qh[d] * k[d];
+            scores[hq - hq0][t - t0] = dot * a->scale;
         }
     }
-    for (int g = g0; g < g1; g++) {
-        float m = -FLT_MAX, l = 0.f;
-        for (int i = 0; i < t1 - t0; i++) m = scores[g][i] > m ? scores[g][i] : m;
+    for (int hq = hq0; hq < hq1; hq++) {
+        float m = -FLT_MAX, l = 0.f, *s = scores[hq - hq0];
+        for (int i = 0; i < t1 - t0; i++) m = s[i] > m ? s[i] : m;
         for (int i = 0; i < t1 - t0; i++) {
-            scores[g][i] = expf(scores[g][i] - m);
-            l += scores[g][i];
+            s[i] = expf(s[i] - m);
+            l += s[i];
         }
-        m_out[g] = m;
-        l_out[g] = l;
-        memset(acc_out + g * D, 0, sizeof(float) * D);
+        m_out[hq] = m;
+        l_out[hq] = l;
+        memset(acc_out + hq * D, 0, sizeof(float) * D);
     }
     for (int t = t0; t < t1; t++) {
-        const float *v = load_row(a, a->v, a->v_scale, slot_of(a, table, t), h, row);
-        for (int g = g0; g < g1; g++) {
-            float p = scores[g][t - t0], *acc = acc_out + g * D;
+        const int64_t slot = slot_of(a, table, t);
+        const float *v = NULL;
+        for (int hq = hq0; hq < hq1; hq++) {
+            if (hq == hq0 || hq % G == 0) v = load_row(a, a->v, a->v_scale, slot, hq / G, row);
+            float p = scores[hq - hq0][t - t0], *acc = acc_out + hq * D;
 #pragma omp simd
             for (int d = 0; d < D; d++) acc[d] += p * v[d];
         }
@@ -129,37 +150,77 @@ INL __m256 exp8_nonpositive(__m256 x) {
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-/* The same item on AVX2 (fp32 cache, D % 8 == 0). Scores: one dot per (position, q head), two
- * accumulators over D; softmax on 8 scores at a time; values: per q head, CHUNK values of acc in
- * registers while the positions stream. */
-static void attend_avx2(const AttnWork *a, int b, int h, int g0, int g1, int t0, int t1, float *m_out,
+/* 8 dot products (one per position) of D values, summed across lanes at once: a[j] holds position j's
+ * lane sums; returns the 8 totals in position order (3 hadds and a lane swap for 8 positions, not 8
+ * horizontal sums). */
+INL __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                   __m256 a7) {
+    const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3); /* [0-3 lo, 0-3 hi] ... */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+#define PREFETCH_AHEAD 16 /* positions: K rows are prefetched this far ahead of the scores */
+#define V_TILE 32         /* positions whose V rows stay in L1 while every q head of the group uses them */
+
+/* every cache line of n floats from row (a 64-byte line holds 16) */
+#define prefetch_row(row, n, hint)                                                                 \
+    for (int64_t d_ = 0; d_ < (n); d_ += 16) _mm_prefetch((const char *)((row) + d_), hint)
+
+/* The same item on AVX2 (fp32 cache, D % 8 == 0). Scores: 8 positions at a time per q head, 8 dot
+ * products accumulated in registers and reduced together (a tail group repeats its last position; its
+ * extra lanes are masked); the item's rows are prefetched ahead, V into L2 while the scores run.
+ * Softmax on 8 scores at a time. Values: tiles of V_TILE positions, every q head of the item
+ * accumulating CHUNK values in registers over the tile while its V rows are in L1. */
+static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int t1, float *m_out,
                         float *l_out, float *acc_out) {
-    const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, n = t1 - t0;
+    const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, n = t1 - t0, bs = a->block_size;
     const int32_t *table = a->block_table + (int64_t)b * a->max_blocks;
-    const float *q = a->q + b * a->q_row_stride + (int64_t)h * G * D;
+    const float *q = a->q + b * a->q_row_stride;
     const float *kc = (const float *)a->k, *vc = (const float *)a->v;
-    const int64_t head_off = (int64_t)h * D, slot_stride = (int64_t)a->num_kv_heads * D;
+    const int64_t slot_stride = (int64_t)a->num_kv_heads * D;
+    /* the item's kv heads [hq0 / G, (hq1 - 1) / G] are one contiguous run of each slot */
+    const int64_t span_off = (int64_t)(hq0 / G) * D, span = (int64_t)((hq1 - 1) / G + 1) * D - span_off;
     float scores[MAX_GROUP][SPLIT_TOKENS] __attribute__((aligned(32)));
-    int64_t rows[SPLIT_TOKENS]; /* offset of each position's head row in either cache */
-    for (int t = t0; t < t1; t++) rows[t - t0] = slot_of(a, table, t) * slot_stride + head_off;
-    for (int i = 0; i < n; i++) {
-        const float *k = kc + rows[i];
-        if (i + 2 < n) _mm_prefetch((const char *)(kc + rows[i + 2]), _MM_HINT_T0);
-        for (int g = g0; g < g1; g++) {
-            const float *qg = q + g * D;
-            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-            int d = 0;
-            for (; d + 16 <= D; d += 16) {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(k + d + 8), s1);
+    int64_t rows[SPLIT_TOKENS + 8]; /* offset of each position's slot in either cache */
+    for (int t = t0; t < t1;) { /* one block at a time: one division per block */
+        const int64_t base = (int64_t)table[t / bs] * bs;
+        for (int off = t % bs; off < bs && t < t1; off++, t++) rows[t - t0] = (base + off) * slot_stride;
+    }
+    for (int i = n; i < ((n + 7) & ~7); i++) rows[i] = rows[n - 1]; /* the tail group's extra lanes */
+    for (int i = 0; i < n && i < PREFETCH_AHEAD; i++)
+        prefetch_row(kc + rows[i] + span_off, span, _MM_HINT_T0);
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    for (int i = 0; i < n; i += 8) {
+        for (int j = i + PREFETCH_AHEAD; j < i + 8 + PREFETCH_AHEAD && j < n; j++)
+            prefetch_row(kc + rows[j] + span_off, span, _MM_HINT_T0);
+        for (int j = i; j < i + 8 && j < n; j++) prefetch_row(vc + rows[j] + span_off, span, _MM_HINT_T1);
+        for (int hq = hq0; hq < hq1; hq++) {
+            const float *qh = q + hq * D, *kh = kc + (int64_t)(hq / G) * D;
+            const float *k0 = kh + rows[i], *k1 = kh + rows[i + 1], *k2 = kh + rows[i + 2],
+                        *k3 = kh + rows[i + 3], *k4 = kh + rows[i + 4], *k5 = kh + rows[i + 5],
+                        *k6 = kh + rows[i + 6], *k7 = kh + rows[i + 7];
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+                   a7 = a0;
+            for (int d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(qh + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + d), a4);
+                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + d), a5);
+                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + d), a6);
+                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + d), a7);
             }
-            if (d < D) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), s0);
-            scores[g][i] = hsum8(_mm256_add_ps(s0, s1)) * a->scale;
+            _mm256_store_ps(scores[hq - hq0] + i,
+                            _mm256_mul_ps(reduce8(a0, a1, a2, a3, a4, a5, a6, a7), scale));
         }
     }
     const int n8 = n & ~7;
-    for (int g = g0; g < g1; g++) {
-        float *s = scores[g];
+    for (int hq = hq0; hq < hq1; hq++) {
+        float *s = scores[hq - hq0];
         for (int i = n; i < ((n + 7) & ~7); i++) s[i] = -INFINITY; /* the tail's lanes give 0 */
         __m256 mv = _mm256_set1_ps(-FLT_MAX), nan = _mm256_setzero_ps();
         for (int i = 0; i < n8; i += 8) {
@@ -180,22 +241,36 @@ static void attend_avx2(const AttnWork *a, int b, int h, int g0, int g1, int t0,
             _mm256_store_ps(s + i, p);
             lv = _mm256_add_ps(lv, p);
         }
-        m_out[g] = m;
-        l_out[g] = hsum8(lv);
+        m_out[hq] = m;
+        l_out[hq] = hsum8(lv);
+        memset(acc_out + hq * D, 0, sizeof(float) * D);
     }
-    for (int g = g0; g < g1; g++) {
-        const float *p = scores[g];
-        for (int c = 0; c < D; c += CHUNK) {
-            const int w = (D - c < CHUNK ? D - c : CHUNK) / 8;
-            __m256 acc[CHUNK / 8];
-            for (int j = 0; j < CHUNK / 8; j++) acc[j] = _mm256_setzero_ps();
-            for (int i = 0; i < n; i++) {
-                const __m256 pb = _mm256_broadcast_ss(p + i);
-                const float *v = vc + rows[i] + c;
-                for (int j = 0; j < CHUNK / 8; j++)
-                    if (j < w) acc[j] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    for (int i0 = 0; i0 < n; i0 += V_TILE) {
+        const int i1 = i0 + V_TILE < n ? i0 + V_TILE : n;
+        for (int hq = hq0; hq < hq1; hq++) {
+            const float *p = scores[hq - hq0], *vh = vc + (int64_t)(hq / G) * D;
+            for (int c = 0; c < D; c += CHUNK) {
+                float *out = acc_out + hq * D + c;
+                if (D - c >= CHUNK) { /* a full chunk: 8 accumulators, no lane test */
+                    __m256 acc[CHUNK / 8];
+                    for (int j = 0; j < CHUNK / 8; j++) acc[j] = _mm256_loadu_ps(out + 8 * j);
+                    for (int i = i0; i < i1; i++) {
+                        const __m256 pb = _mm256_broadcast_ss(p + i);
+                        const float *v = vh + rows[i] + c;
+                        for (int j = 0; j < CHUNK / 8; j++)
+                            acc[j] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(v + 8 * j), acc[j]);
+                    }
+                    for (int j = 0; j < CHUNK / 8; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);
+                } else {
+                    for (int j = 0; j < (D - c) / 8; j++) {
+                        __m256 acc = _mm256_loadu_ps(out + 8 * j);
+                        for (int i = i0; i < i1; i++)
+                            acc = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i),
+                                                  _mm256_loadu_ps(vh + rows[i] + c + 8 * j), acc);
+                        _mm256_storeu_ps(out + 8 * j, acc);
+                    }
+                }
             }
-            for (int j = 0; j < w; j++) _mm256_storeu_ps(acc_out + g * D + c + 8 * j, acc[j]);
         }
     }
 }
@@ -207,7 +282,7 @@ int attention_setup(AttnWork *w, const float *q, const void *k, const void *v,
                     int64_t q_row_stride, int batch, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int max_blocks, float scale, int num_threads) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
-        head_dim > MAX_HEAD_DIM)
+        head_dim > MAX_HEAD_DIM || block_size < 1)
         return -1;
     *w = (AttnWork){q, k, v, k_scale, v_scale, lut, block_table, context_lens, out, q_row_stride,
                     batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
@@ -215,78 +290,86 @@ int attention_setup(AttnWork *w, const float *q, const void *k, const void *v,
     int max_splits = 1;
     int64_t total_tokens = 0;
     for (int b = 0; b < batch; b++) {
+        /* a longer context would read past its block-table row */
+        if (context_lens[b] < 0 || context_lens[b] > (int64_t)max_blocks * block_size) return -3;
         int n = (context_lens[b] + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
         max_splits = n > max_splits ? n : max_splits;
         total_tokens += context_lens[b];
     }
     w->max_splits = max_splits;
     w->total_values = total_tokens * num_kv_heads * head_dim;
-    /* q-head chunks per kv head: cut a group further while there are fewer than 2 items a thread */
+    /* kv heads per item: all of them (one contiguous read per position) while the rows and splits give
+     * 2 items a thread, else fewer; with one kv head per item, its q heads cut into chunks likewise */
+    const int64_t units = (int64_t)batch * max_splits, want = 2 * (int64_t)num_threads;
+    int kv_per_item = num_kv_heads;
+    while (kv_per_item > 1 && (num_kv_heads % kv_per_item || kv_per_item * G > MAX_GROUP ||
+                               units * (num_kv_heads / kv_per_item) < want))
+        kv_per_item--;
     int chunks = 1;
-    while (chunks < G && (int64_t)batch * num_kv_heads * max_splits * chunks < 2 * num_threads) {
+    while (kv_per_item == 1 && chunks < G && units * num_kv_heads * chunks < want) {
         chunks++;
         while (G % chunks) chunks++;
     }
+    w->kv_per_item = kv_per_item;
     w->chunks = chunks;
-    w->num_items = (int64_t)batch * num_kv_heads * chunks * max_splits;
+    w->num_items = units * (num_kv_heads / kv_per_item) * chunks;
     w->isa = decode_isa() >= 2 && lut == NULL && head_dim % 8 == 0 ? 2 : 0;
     return 0;
 }
 
 int64_t attention_parts_floats(const AttnWork *w) {
-    const int G = w->num_heads / w->num_kv_heads;
-    return (int64_t)w->batch * w->num_kv_heads * w->max_splits * G * (w->head_dim + 2);
+    return (int64_t)w->batch * w->max_splits * w->num_heads * (w->head_dim + 2);
 }
 
 void attention_items(const AttnWork *w, float *parts, int64_t i0, int64_t i1) {
-    const int G = w->num_heads / w->num_kv_heads, D = w->head_dim, S = w->max_splits;
-    const int per = G / w->chunks;
+    const int H = w->num_heads, D = w->head_dim, S = w->max_splits;
+    const int per = w->kv_per_item * (H / w->num_kv_heads) / w->chunks; /* q heads per item */
+    const int64_t ranges = (int64_t)H / per;                              /* q-head ranges per row */
     for (int64_t item = i0; item < i1; item++) {
-        const int split = item % S, c = (item / S) % w->chunks;
-        const int64_t bh = item / ((int64_t)S * w->chunks); /* b * KVH + h */
-        const int h = bh % w->num_kv_heads, b = bh / w->num_kv_heads, g0 = c * per, g1 = g0 + per;
+        const int split = item % S, hq0 = (item / S) % ranges * per, hq1 = hq0 + per;
+        const int b = item / (S * ranges);
         int t0 = split * SPLIT_TOKENS, t1 = t0 + SPLIT_TOKENS;
         t1 = t1 < w->context_lens[b] ? t1 : w->context_lens[b];
-        float *m = parts + (bh * S + split) * G * (D + 2), *l = m + G;
-        /* one split: acc straight into the output rows of this group's q heads */
-        float *acc = S == 1 ? w->out + bh * G * D : l + G;
+        float *m = parts + ((int64_t)b * S + split) * H * (D + 2), *l = m + H;
+        /* one split: acc straight into the output row */
+        float *acc = S == 1 ? w->out + (int64_t)b * H * D : l + H;
         if (t0 >= t1) {
-            for (int g = g0; g < g1; g++) m[g] = -INFINITY, l[g] = 0.f;
-            if (S == 1) memset(acc + g0 * D, 0, sizeof(float) * (g1 - g0) * D);
+            for (int hq = hq0; hq < hq1; hq++) m[hq] = -INFINITY, l[hq] = 0.f;
+            if (S == 1) memset(acc + hq0 * D, 0, sizeof(float) * per * D);
             continue;
         }
 #ifdef __AVX2__
         if (w->isa >= 2)
-            attend_avx2(w, b, h, g0, g1, t0, t1, m, l, acc);
+            attend_avx2(w, b, hq0, hq1, t0, t1, m, l, acc);
         else
 #endif
-            attend_portable(w, b, h, g0, g1, t0, t1, m, l, acc);
+            attend_portable(w, b, hq0, hq1, t0, t1, m, l, acc);
         if (S == 1)
-            for (int g = g0; g < g1; g++) {
-                const float total = 0.f + l[g] * 1.f, inv = total > 0.f ? 1.f / total : 0.f;
-                for (int d = 0; d < D; d++) acc[g * D + d] = (0.f + acc[g * D + d]) * inv;
+            for (int hq = hq0; hq < hq1; hq++) {
+                const float total = 0.f + l[hq] * 1.f, inv = total > 0.f ? 1.f / total : 0.f;
+                for (int d = 0; d < D; d++) acc[hq * D + d] = (0.f + acc[hq * D + d]) * inv;
             }
     }
 }
 
 void attention_merge(const AttnWork *w, const float *parts, int64_t r0, int64_t r1) {
-    const int G = w->num_heads / w->num_kv_heads, D = w->head_dim, S = w->max_splits;
+    const int H = w->num_heads, D = w->head_dim, S = w->max_splits;
     if (S == 1) return; /* the items wrote the output */
     for (int64_t r = r0; r < r1; r++) { /* r = b * H + hq */
-        const int hq = r % w->num_heads, b = r / w->num_heads, h = hq / G, g = hq % G;
-        const float *first = parts + ((int64_t)b * w->num_kv_heads + h) * S * G * (D + 2);
+        const int hq = r % H, b = r / H;
+        const float *first = parts + (int64_t)b * S * H * (D + 2);
         float *o = w->out + r * D;
         float big = -INFINITY, total = 0.f;
         for (int s = 0; s < S; s++) {
-            float ms = first[s * G * (D + 2) + g];
+            float ms = first[s * H * (D + 2) + hq];
             big = ms > big ? ms : big;
         }
         memset(o, 0, sizeof(float) * D);
         for (int s = 0; s < S; s++) {
-            const float *m = first + s * G * (D + 2), *l = m + G, *acc = l + G + g * D;
-            if (l[g] == 0.f) continue;
-            float wt = expf(m[g] - big);
-            total += l[g] * wt;
+            const float *m = first + s * H * (D + 2), *l = m + H, *acc = l + H + hq * D;
+            if (l[hq] == 0.f) continue;
+            float wt = expf(m[hq] - big);
+            total += l[hq] * wt;
             for (int d = 0; d < D; d++) o[d] += acc[d] * wt;
         }
         float inv = total > 0.f ? 1.f / total : 0.f;
@@ -300,10 +383,10 @@ int paged_decode_attention(const float *q, const void *k, const void *v, const u
                            int num_heads, int num_kv_heads, int head_dim, int block_size,
                            int max_blocks, float scale, int num_threads) {
     AttnWork w;
-    if (attention_setup(&w, q, k, v, k_scale, v_scale, lut, block_table, context_lens, out,
-                        q_row_stride, batch, num_heads, num_kv_heads, head_dim, block_size,
-                        max_blocks, scale, num_threads) != 0)
-        return -1;
+    const int refused = attention_setup(&w, q, k, v, k_scale, v_scale, lut, block_table, context_lens,
+                                        out, q_row_stride, batch, num_heads, num_kv_heads, head_dim,
+                                        block_size, max_blocks, scale, num_threads);
+    if (refused) return refused;
     /* Small work stays on this thread: waking the others costs more than it saves. */
     const int parallel = w.total_values >= PARALLEL_MIN_VALUES && num_threads > 1;
     float *parts = malloc(sizeof(float) * attention_parts_floats(&w));

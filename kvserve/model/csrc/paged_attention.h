@@ -18,17 +18,19 @@ typedef struct {
     int batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
     /* from attention_setup: */
-    int max_splits, chunks, isa; /* splits of the longest context; q-head chunks per kv head */
+    int max_splits, kv_per_item, chunks, isa; /* splits of the longest context; kv heads per item;
+                                                 q-head chunks per kv head (kv_per_item 1) */
     int64_t num_items, total_values;
 } AttnWork;
 
-/* Describe one call (the arguments of paged_decode_attention); -1 for shapes it refuses. */
+/* Describe one call (the arguments of paged_decode_attention); -1 for shapes it refuses, -3 for a
+ * context longer than its block-table row (max_blocks x block_size positions) or negative. */
 int attention_setup(AttnWork *w, const float *q, const void *k, const void *v,
                     const uint16_t *k_scale, const uint16_t *v_scale, const float *lut,
                     const int32_t *block_table, const int32_t *context_lens, float *out,
                     int64_t q_row_stride, int batch, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int max_blocks, float scale, int num_threads);
-/* floats of the `parts` scratch: [B, KVH, splits, G, D + 2] */
+/* floats of the `parts` scratch: [B, splits, H, D + 2] */
 int64_t attention_parts_floats(const AttnWork *w);
 /* items [i0, i1) of w->num_items (any thread, any order); then, once every item is done, */
 void attention_items(const AttnWork *w, float *parts, int64_t i0, int64_t i1);
