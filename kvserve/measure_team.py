@@ -27,7 +27,7 @@ import torch
 
 from kvserve.measure import MeasureConfig
 from kvserve.measure_engine import _tiny_decoder, fused_rows, interleaved_medians_s
-from kvserve.plan.engine_cost import _interp_log2
+from kvserve.plan.engine_points import _interp_log2
 from kvserve.plan.hardware import MeasuredPoint
 
 TEAM_HOST_ROWS = (1, 4, 16)
