@@ -79,8 +79,8 @@ def test_draws_follow_the_quantiles_are_seeded_and_per_request():
 
 
 def test_the_simulator_delivers_tokens_late_and_in_order():
-    from kvserve.sim.setup import profile_deployment
     from kvserve.sim.cost import StepProfile
+    from kvserve.sim.setup import profile_deployment
     from kvserve.sim.study import EngineShape, Policy, evaluate
     from kvserve.sim.workload import SimRequest
 
@@ -89,7 +89,10 @@ def test_the_simulator_delivers_tokens_late_and_in_order():
     shape = EngineShape(num_blocks=500, max_model_len=512, max_num_seqs=4, chunk_tokens=64)
     requests = tuple(SimRequest(i, 0.5 * i, 10, 30) for i in range(4))
     runs = {}
-    for name, meta in (("plain", {"fit": fit}), ("jitter", {"fit": fit, "delivery_jitter": jitter})):
+    for name, meta in (
+        ("plain", {"fit": fit}),
+        ("jitter", {"fit": fit, "delivery_jitter": jitter}),
+    ):
         cost = profile_deployment(StepProfile(("const",), (0.005,), meta), noise=True).cost
         runs[name], _ = evaluate(Policy.parse("on_demand-chunked"), shape, cost, requests, None)
     plain, late = (runs[k]["summary"]["latency_s"] for k in ("plain", "jitter"))
