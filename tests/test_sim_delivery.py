@@ -33,13 +33,11 @@ def synthetic_run(jitter_scale_s: float, seed: int = 0, num_requests: int = 40, 
                 t += STEP_S
                 ends.append(t)
             if run == 1:
-                d = rng.exponential(jitter_scale_s, tokens)
-                delays += list(d)
-                events = tuple(
-                    StreamEvent(e + OFFSET_S + dj, 3, k + 1)
-                    for k, (e, dj) in enumerate(zip(ends, np.maximum.accumulate(ends + d) - ends,
-                                                    strict=True))
-                )  # fmt: skip
+                ends_s = np.asarray(ends)
+                # received in order: a late token holds the next one back
+                received = np.maximum.accumulate(ends_s + rng.exponential(jitter_scale_s, tokens))
+                delays += list(received - ends_s)
+                events = tuple(StreamEvent(t + OFFSET_S, 3, k + 1) for k, t in enumerate(received))
                 records.append(RequestRecord(f"r{i}", i, "measured", "ok", 0.0, 0.0, 1.0, tokens,
                                              events=events, num_prompt_tokens_server=prompt))  # fmt: skip
     steps.sort(key=lambda r: r["t_start_s"])
