@@ -16,21 +16,22 @@ STEP_S = 5e-3
 
 def synthetic_run(jitter_scale_s: float, seed: int = 0, num_requests: int = 40, tokens: int = 20):
     """Requests one after another, each a prompt step then decode steps of STEP_S; the client
-    receives every token at its step's end + OFFSET_S + an exponential delay. A second run's
-    steps (the same chunk keys, a minute earlier) are in the log too, as in a calibration log."""
+    receives every token at its step's end + OFFSET_S + an exponential delay. Another run's
+    steps (the same chunk keys, a minute earlier, another pace) are in the log too, as in a
+    calibration log of two runs."""
     rng = np.random.default_rng(seed)
     steps, records, delays = [], [], []
-    for run, t0 in ((0, 0.0), (1, 60.0)):
+    for run, t0, spacing_s, step_s in ((0, 0.0, 0.7, 7e-3), (1, 60.0, 1.0, STEP_S)):
         for i in range(num_requests):
             prompt = 30 + i % 15  # lengths repeat: several candidates per token
-            t = t0 + 1.0 * i
+            t = t0 + spacing_s * i
             ends = []
             for j in range(tokens):
                 chunk = [prompt, 0] if j == 0 else [1, prompt + j - 1]
                 steps.append({"index": len(steps), "t_start_s": t, "waited_s": 0.0,
-                              "commands_s": 0.0, "step_s": STEP_S, "deliver_s": 0.0,
+                              "commands_s": 0.0, "step_s": step_s, "deliver_s": 0.0,
                               "chunks": [chunk]})  # fmt: skip
-                t += STEP_S
+                t += step_s
                 ends.append(t)
             if run == 1:
                 ends_s = np.asarray(ends)
@@ -91,7 +92,7 @@ def test_the_simulator_delivers_tokens_late_and_in_order():
         ("plain", {"fit": fit}),
         ("jitter", {"fit": fit, "delivery_jitter": jitter}),
     ):
-        cost = profile_deployment(StepProfile(("const",), (0.005,), meta), noise=True).cost
+        cost = profile_deployment(StepProfile(("const",), (0.005,), meta), noise=True).cost_model
         runs[name], _ = evaluate(Policy.parse("on_demand-chunked"), shape, cost, requests, None)
     plain, late = (runs[k]["summary"]["latency_s"] for k in ("plain", "jitter"))
     # constant steps: every ITL is one step without jitter; with it, the tail widens
