@@ -214,7 +214,7 @@ def main() -> int:
             forwards = {}
             if not args.no_forward:  # the model's part of the same steps, timed alone, now
                 from kvserve.measure import MeasureConfig
-                from kvserve.measure_engine import time_model_forwards
+                from kvserve.measure_forward import time_model_forwards
 
                 shapes = [(b, int(t)) for b, (_, t) in sorted(steps.items())]
                 quant = None if weights == "fp32" else weights

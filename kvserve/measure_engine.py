@@ -226,13 +226,14 @@ def measure_attention(
 
 
 def _tiny_decoder(
-    num_layers: int, fused: bool, context: int = 64, max_batch: int = 16, shape=None
-) -> tuple[Callable[[int], Callable[[], object]], object]:
+    num_layers: int, fused: bool, context: int = 64, max_batch: int = 16, shape=None, scheme=None
+) -> tuple[Callable[..., Callable[[], object]], object]:
     """A random tiny DecoderLM in the engine's CPU layout, its fused decode step on or off;
     returns (make_step(batch) -> one decode forward (+ logits of every row) at `context`, the
     model: `model.fused.num_steps` counts the steps that ran fused). `shape` (a
     kvserve.plan.ModelSpec): its layers' widths and heads instead of the tiny ones (the
-    vocabulary stays tiny)."""
+    vocabulary stays tiny); `scheme` (a TensorScheme): its block linears quantised by RTN, as the
+    engine's `--quantization` does; make_step(batch, at) runs at `at` <= `context` tokens."""
     from kvserve.config import ModelConfig
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
     from kvserve.model.decoder import DecoderLM
@@ -248,6 +249,10 @@ def _tiny_decoder(
         tie_word_embeddings=True, **widths,
     )  # fmt: skip
     model = DecoderLM(config, get_arch("llama"), config.max_position_embeddings).eval()
+    if scheme is not None:
+        from kvserve.model.linear import quantize_linears
+
+        quantize_linears(model.layers, scheme, "cpu")
     model.use_cpu_weights()
     model.fused_decode = model.fused_decode and fused  # as the engine decides, or the per-op path
     block_size = 16
@@ -256,14 +261,18 @@ def _tiny_decoder(
         num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32,
         "auto", torch.device("cpu"),
     )  # fmt: skip
+    for c in caches:  # values, as a served cache holds (not the zero pages of a fresh tensor)
+        c.k.normal_()
+        c.v.normal_()
     backend = get_attention_backend("auto", torch.device("cpu"), torch.float32)
     per_seq = context // block_size + 1
 
-    def make_step(batch: int) -> Callable[[], object]:
-        chunks = [(context, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in
-                  range(batch)]  # fmt: skip
+    def make_step(batch: int, at: int | None = None) -> Callable[[], object]:
+        at = context if at is None else at
+        chunks = [(at, 1, list(range(1 + i * per_seq, 1 + i * per_seq + at // block_size + 1)))
+                  for i in range(batch)]  # fmt: skip
         ids = torch.zeros(batch, dtype=torch.long)
-        positions = torch.full((batch,), context, dtype=torch.long)
+        positions = torch.full((batch,), at, dtype=torch.long)
 
         def step() -> object:
             meta = build_attention_metadata(chunks, block_size, torch.device("cpu"))
@@ -378,71 +387,16 @@ def measure_engine(
                 if progress:
                     progress(p)
         if model is not None:  # the team step's host cost on the model's own layer shapes
-            from kvserve.measure_team import measure_team_host
+            from kvserve.measure_team import measure_head, measure_team_host, measure_team_layers
 
             fixed = [(p.num_columns, p.median_s) for p in points if p.kind == "fused-fixed"]
             team = measure_team_host(cfg, model, fixed)
             if team:  # replaces the tiny decoder's slope (docs/planning.md)
                 points = [p for p in points if p.kind != "fused-dispatch"] + team
-                for p in team:
-                    if progress:
-                        progress(p)
+            for fmt in formats:  # the team step's own layers and the head, per format
+                team += measure_team_layers(cfg, model, fmt, fixed) + measure_head(cfg, model, fmt)
+            points += [p for p in team if p.kind != "fused-dispatch"]
+            for p in team:
+                if progress:
+                    progress(p)
     return points
-
-
-def time_model_forward(
-    model_dir: str,
-    batch: int,
-    context: int,
-    quantization: str | None = None,
-    cfg: MeasureConfig | None = None,
-) -> float:
-    """Median seconds of one decode forward (+ the head on every row); see time_model_forwards."""
-    return time_model_forwards(model_dir, [(batch, context)], quantization, cfg)[(batch, context)]
-
-
-def time_model_forwards(
-    model_dir: str,
-    shapes: list[tuple[int, int]],
-    quantization: str | None = None,
-    cfg: MeasureConfig | None = None,
-) -> dict[tuple[int, int], float]:
-    """{(batch, context): median seconds of one decode forward (+ the head on every row)} of the
-    checkpoint in `model_dir`, loaded once as the engine loads it (its own weights and
-    quantisation), for `batch` sequences at `context` cached tokens: the model's part of a
-    decode step (the fused step where the engine takes it), without the scheduler, the sampler
-    or the engine's bookkeeping (benchmarks/plan_vs_measured.py)."""
-    from kvserve.config import ModelConfig
-    from kvserve.model.attention import build_attention_metadata, get_attention_backend
-    from kvserve.model.kv_cache import allocate_layers
-    from kvserve.model.loader import load_model
-
-    cfg = cfg or MeasureConfig(min_time_s=1.0, min_samples=5)
-    config = ModelConfig.from_dir(model_dir)
-    block_size = 16
-    cpu = torch.device("cpu")
-    longest = max(c for _, c in shapes)
-    out = {}
-    with torch.inference_mode():
-        model = load_model(model_dir, config, longest + 1, "float32", "cpu", quantization).eval()
-        backend = get_attention_backend("auto", cpu, torch.float32)
-        for batch, context in shapes:
-            per_seq = context // block_size + 1
-            _, caches = allocate_layers(
-                config.num_layers, batch * per_seq + 1, block_size, config.num_kv_heads,
-                config.head_dim, torch.float32, "auto", cpu,
-            )  # fmt: skip
-            chunks = [
-                (context, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
-                for i in range(batch)
-            ]
-            ids = torch.zeros(batch, dtype=torch.long)
-            positions = torch.full((batch,), context, dtype=torch.long)
-
-            def step(chunks=chunks, ids=ids, positions=positions, caches=caches) -> object:
-                meta = build_attention_metadata(chunks, block_size, cpu)
-                return model.compute_logits(model(ids, positions, caches, meta, backend))
-
-            out[(batch, context)] = time_median_s(step, cfg)
-            del caches
-    return out

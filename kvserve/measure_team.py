@@ -27,7 +27,7 @@ import torch
 
 from kvserve.measure import MeasureConfig
 from kvserve.measure_engine import _tiny_decoder, fused_rows, interleaved_medians_s
-from kvserve.plan.engine_cost import _interp_log2
+from kvserve.plan.engine_points import _interp_log2
 from kvserve.plan.hardware import MeasuredPoint
 
 TEAM_HOST_ROWS = (1, 4, 16)
@@ -91,4 +91,107 @@ def measure_team_host(
             points.append(
                 MeasuredPoint("fused-dispatch", n, 0.0, 0.0, 0.0, max(0.0, host_s) / layers)
             )
+    return points
+
+
+TEAM_LAYER_KIND = "team-layer:"  # + the block linears' format
+HEAD_KIND = "head:"  # + the head's format
+SHORT_CONTEXT = 16
+
+
+def _layer_bytes(model, fmt: str) -> tuple[float, int]:
+    """(the planner's bytes of one block's linears in `fmt`, K and V bytes of one cached token of
+    one layer, fp32) for a kvserve.plan.ModelSpec."""
+    from kvserve.measure_engine import linear_shapes
+    from kvserve.plan.formats import parse_tensor_format
+    from kvserve.plan.model import TensorShape
+
+    tensor_format = parse_tensor_format(fmt)
+    shapes = linear_shapes(MeasureConfig(), model)[:4]  # one layer's q/k/v, o, gate/up, down
+    num_bytes = sum(tensor_format.num_bytes(TensorShape("w", "linear", o, i)) for o, i in shapes)
+    return num_bytes, 2 * model.num_kv_heads * model.head_dim * 4
+
+
+def measure_team_layers(
+    cfg: MeasureConfig,
+    model,
+    fmt: str,
+    fused_fixed: list[tuple[int, float]],
+    rows: tuple[int, ...] = TEAM_HOST_ROWS,
+    max_layers: int = 12,
+    contexts: tuple[int, ...] | None = None,
+) -> list[MeasuredPoint]:
+    """`team-layer:FMT` points: the team step's own time per layer on `model`'s layer shapes with
+    block linears in `fmt` (fp32, or quantised by RTN: a quantised decoder of the same shapes), at
+    each row count it takes and at `SHORT_CONTEXT` and the longest of `cfg.attention_contexts`
+    cached tokens (interleaved rounds): (step - `fused-fixed`) / layers. Everything the step does
+    in a layer (its GEMVs inside the one OpenMP region, the attention split across the team, the
+    barriers, the host work) is in it, so the planner prices the team path's linears and cache
+    read from these, not from kernels called alone (docs/planning.md). `bytes_per_s`: the layer's
+    weight bytes in `fmt` over the time; `kv_token_bytes`: the K and V bytes of a token of a layer
+    (for a plan of another model's shapes). [] when the fused step does not run here."""
+    from kvserve.measure_engine import _tiny_decoder, fused_rows
+
+    if not fused_rows() or not fused_fixed:
+        return []
+    scheme = None
+    if fmt != "fp32":
+        from kvserve.quant.scheme import parse_tensor_scheme
+
+        scheme = parse_tensor_scheme(fmt)
+    from kvserve.model import fused_decode
+
+    layers = min(model.num_layers, max_layers)
+    limit = fused_rows() if fmt == "fp32" else fused_decode.max_rows()  # quantised: 4 rows
+    contexts = tuple(sorted({SHORT_CONTEXT, *(contexts or (max(cfg.attention_contexts),))}))
+    rows = tuple(n for n in rows if n <= limit)
+    make_step, decoder = _tiny_decoder(layers, True, max(contexts), max(rows), model, scheme)
+    layer_bytes, kv_token_bytes = _layer_bytes(model, fmt)
+    points = []
+    with torch.inference_mode():
+        for n in rows:
+            steps_before = decoder.fused.num_steps if decoder.fused else 0
+            calls = {c: make_step(n, c) for c in contexts}
+            med = interleaved_medians_s(calls, cfg, cfg.dispatch_rounds)
+            if not (decoder.fused and decoder.fused.num_steps > steps_before):
+                break  # the fused step did not run at n rows (quantised: more than it takes)
+            fixed_s = _interp_log2(tuple(fused_fixed), n)
+            for c in contexts:
+                per_layer = max(med[c] - fixed_s, 1e-9) / layers
+                points.append(MeasuredPoint(TEAM_LAYER_KIND + fmt, n, 0.0,
+                                            layer_bytes / per_layer, 0.0, per_layer, c,
+                                            kv_token_bytes))  # fmt: skip
+    return points
+
+
+def measure_head(
+    cfg: MeasureConfig, model, fmt: str, rows: tuple[int, ...] = TEAM_HOST_ROWS
+) -> list[MeasuredPoint]:
+    """`head:FMT` points: the engine's head module (`make_linear`, as the loader builds
+    `cpu_head`) over `model`'s vocabulary x hidden matrix in `fmt`, at each row count: its
+    planner bytes over the streaming time (the calls' time less a 64 x 64 call's, the per-call
+    cost the host points count). One matrix of tens of MB streams at its own rate, not the block
+    matrices' (`linear:FMT`)."""
+    from kvserve.model.linear import make_linear
+    from kvserve.plan.formats import parse_tensor_format
+    from kvserve.plan.model import TensorShape
+
+    scheme = None
+    if fmt != "fp32":
+        from kvserve.quant.scheme import parse_tensor_scheme
+
+        scheme = parse_tensor_scheme(fmt)
+    v, d = model.vocab_size, model.hidden_size
+    head = make_linear(torch.randn(v, d) * d**-0.5, None, scheme, cfg.device)  # [vocab, hidden]
+    tiny = make_linear(torch.randn(64, 64) / 8, None, scheme, cfg.device)
+    num_bytes = parse_tensor_format(fmt).num_bytes(TensorShape("head", "head", v, d))
+    points = []
+    with torch.inference_mode():
+        for n in rows:
+            x, x_tiny = torch.randn(n, d), torch.randn(n, 64)  # [rows, hidden], [rows, 64]
+            calls = {0: lambda x=x: head(x), 1: lambda x=x_tiny: tiny(x)}
+            med = interleaved_medians_s(calls, cfg, cfg.dispatch_rounds)
+            stream_s = max(med[0] - med[1], 0.05 * med[0])
+            points.append(MeasuredPoint(HEAD_KIND + fmt, n, 2 * v * d * n / stream_s,
+                                        num_bytes / stream_s, 0.0, stream_s))  # fmt: skip
     return points

@@ -251,6 +251,11 @@ def _measure(args: argparse.Namespace) -> Any:
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer",
                   file=out)  # fmt: skip
             return
+        if p.kind.startswith("team-layer:"):
+            what = f"{p.kind} at {p.context_tokens}"
+            print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer "
+                  f"{fmt_bw(p.bytes_per_s):>12}", file=out)  # fmt: skip
+            return
         if p.kind.startswith("engine-"):
             what = f"{p.kind} per step"
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
@@ -263,7 +268,7 @@ def _measure(args: argparse.Namespace) -> Any:
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
             return
         what = "GEMV" if p.kind == "gemv" else f"GEMM {p.num_columns:>5} columns"
-        if p.kind.startswith(("linear:", "linear-fused:")):
+        if p.kind.startswith(("linear:", "linear-fused:", "head:")):
             what = f"{p.kind} {p.num_columns:>3} rows"
         print(
             f"  {what:<20} {fmt_s(p.median_s):>10}  {fmt_flops(p.flops_per_s):>15}  "

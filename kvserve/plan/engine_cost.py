@@ -25,6 +25,12 @@ floored by the FLOPs at the measured peak. Three step shapes (the path the engin
 - **per-op** (larger B, or a quantised KV cache): one dispatched call per op (`dispatch`,
   `dispatch-fixed`), the batched linear kernels (the `linear:FMT` points above those rows).
 
+On the team path a profile measured with a model (`team-layer:FMT`, kvserve/measure_team.py) prices
+the block linears and the cache read from the team step's own time per layer on the model's shapes
+(the line through two contexts: its no-context value and its slope per cached token), host cost
+included, instead of from kernels timed alone; the head streams at `head:FMT` (the head module
+itself) where measured.
+
 `engine(B)` is measured on the real engine (kvserve/measure_overhead.py): the sampler
 (`engine-sample`), the runner outside the forward (`engine-runner`) and the scheduler, output
 processing and step loop (`engine-loop`), seconds per step at each row count.
@@ -40,15 +46,22 @@ the per-op points, without attention-time points the cache streams at the measur
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from kvserve.plan import arith
+from kvserve.plan.engine_points import (
+    Points,
+    _interp_log2,
+    _side,
+    _team_layer_fit,
+    attention_excess_s,
+)
 from kvserve.plan.formats import WeightFormat
 from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.model import ModelSpec
 
-Points = tuple[tuple[int, float], ...]
+__all__ = ["ENGINE_PARTS", "ENGINE_PART_NAMES", "EngineCost", "attention_excess_s"]
+
 ENGINE_PART_NAMES = {
     "engine-sample": "the sampler",
     "engine-runner": "the runner's inputs and outputs",
@@ -56,61 +69,6 @@ ENGINE_PART_NAMES = {
 }
 ENGINE_PARTS = tuple(ENGINE_PART_NAMES)
 FP32_KERNEL = ("fp32", "bf16", "fp16")  # weight formats the engine runs on its fp32 kernels
-
-
-def _interp_log2(points: Points, x: float) -> float:
-    """Linear in log2(x) between measured (x, y) points, constant beyond the ends."""
-    pts = sorted(points)
-    if x <= pts[0][0]:
-        return pts[0][1]
-    if x >= pts[-1][0]:
-        return pts[-1][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
-        if x0 <= x <= x1:
-            f = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
-            return y0 + f * (y1 - y0)
-    return pts[-1][1]
-
-
-def _merged(points: Points) -> Points:
-    """Sorted by x, points measured at the same x averaged into one."""
-    by_x: dict[float, list[float]] = {}
-    for px, py in points:
-        by_x.setdefault(px, []).append(py)
-    return tuple(sorted((px, sum(ys) / len(ys)) for px, ys in by_x.items()))
-
-
-def _interp_linear(points: Points, x: float) -> float:
-    """Linear between measured (x, y) points and beyond the ends (the nearest two's slope); points
-    at the same x are averaged."""
-    pts = _merged(points)
-    if len(pts) == 1:
-        return pts[0][1] * x / pts[0][0] if pts[0][0] else pts[0][1]
-    i = 0
-    while i < len(pts) - 2 and x > pts[i + 1][0]:
-        i += 1
-    (x0, y0), (x1, y1) = pts[i], pts[i + 1]
-    return y0 + (x - x0) * (y1 - y0) / (x1 - x0)
-
-
-def attention_excess_s(points: Points, context: float) -> float:
-    """Seconds per layer the cache read adds at `context` over a zero-length context, from
-    (context, seconds per layer) points of one row count: the linear interpolation less its
-    intercept at context 0 (clamped to [0, the first point's time])."""
-    pts = _merged(points)
-    if len(pts) == 1:
-        return max(0.0, _interp_linear(pts, context))
-    intercept = min(max(0.0, _interp_linear(pts[:2], 0.0)), pts[0][1])
-    return max(0.0, _interp_linear(pts, context) - intercept)
-
-
-def _side(points: Points, batch: float, boundary: int) -> Points:
-    """The points measured on the same side of `boundary` rows as `batch` (another kernel runs
-    on the other side); all of them when that side has none or there is no boundary."""
-    if not boundary:
-        return points
-    same = tuple(p for p in points if (p[0] <= boundary) == (batch <= boundary))
-    return same or points
 
 
 @dataclass(frozen=True)
@@ -137,6 +95,11 @@ class EngineCost:
     engine_parts: tuple[tuple[str, Points], ...] = ()  # (engine-* kind, (rows, s per step))
     team_any_context: bool = False  # the fused step is the team step at every context
     fused_linear_rates: tuple[tuple[str, Points], ...] = ()  # panel GEMV above small_rows
+    category_bytes: tuple[tuple[str, str, float], ...] = ()  # (category, format name, bytes)
+    # the team step's own layers on the model's shapes, per block-linear format: (rows, seconds
+    # per layer at no context, seconds per layer per cached token), scaled to this model
+    team_layers: tuple[tuple[str, tuple[tuple[int, float, float], ...]], ...] = ()
+    head_rates: tuple[tuple[str, Points], ...] = ()  # the head module: format -> (rows, bytes/s)
 
     @classmethod
     def from_profile(
@@ -155,6 +118,8 @@ class EngineCost:
         fused_rates: dict[str, list[tuple[int, float]]] = {}
         by_kind: dict[str, list[tuple[int, float]]] = {}
         times: dict[int, list[tuple[int, float]]] = {}
+        team_raw: dict[str, list] = {}
+        head: dict[str, list[tuple[int, float]]] = {}
         for p in hardware.points:
             if p.kind.startswith("linear:"):
                 fmt_name = p.kind.removeprefix("linear:")
@@ -170,6 +135,12 @@ class EngineCost:
                     else 1.0
                 )
                 times.setdefault(p.num_columns, []).append((p.context_tokens, p.median_s * scale))
+            elif p.kind.startswith("team-layer:"):
+                team_raw.setdefault(p.kind.removeprefix("team-layer:"), []).append(p)
+            elif p.kind.startswith("head:"):
+                head.setdefault(p.kind.removeprefix("head:"), []).append(
+                    (p.num_columns, p.bytes_per_s)
+                )
             elif p.kind == "attention":
                 by_kind.setdefault(p.kind, []).append((p.num_columns, p.bytes_per_s))
             else:
@@ -186,9 +157,16 @@ class EngineCost:
             ) or hardware.decode_fused_rows
         parts = tuple((kind, tuple(by_kind[kind])) for kind in ENGINE_PARTS if by_kind.get(kind))
         by_format: dict[str, float] = {}
+        category_bytes = []
         for category, num_bytes in fmt.bytes_by_category(model).items():
             name = fmt.for_category(category).name
             by_format[name] = by_format.get(name, 0.0) + num_bytes
+            category_bytes.append((category, name, num_bytes))
+        layer_bytes = fmt.bytes_by_category(model)["linear"] / model.num_layers
+        team = {
+            name: _team_layer_fit(pts, layer_bytes, kv_bytes_per_token / model.num_layers)
+            for name, pts in team_raw.items()
+        }
         return cls(
             model,
             tuple(sorted(by_format.items())),
@@ -210,6 +188,9 @@ class EngineCost:
             parts,
             hardware.decode_team_any_context,
             tuple((k, tuple(v)) for k, v in sorted(fused_rates.items())),
+            tuple(category_bytes),
+            tuple(sorted((k, v) for k, v in team.items() if v)),
+            tuple((k, tuple(sorted(v))) for k, v in sorted(head.items())),
         )
 
     def path(self, batch: float, mean_context: float | None = None) -> str:
@@ -231,6 +212,14 @@ class EngineCost:
         if path in ("team", "fork", "fused"):
             return self.fused_layer_s, self.fused_fixed_s
         return self.layer_dispatch_s, self.forward_fixed_s  # all per-op points
+
+    def _team_layer(self, path: str) -> tuple[tuple[int, float, float], ...]:
+        """The team step's measured layers for this plan's block-linear format on the team path
+        (() otherwise, or in a profile without them)."""
+        if path != "team":
+            return ()
+        linear = next((n for c, n, _ in self.category_bytes if c == "linear"), None)
+        return dict(self.team_layers).get(linear, ())
 
     def engine_terms_s(self, batch: float) -> dict[str, float]:
         """The engine's per-step work outside the forward, by part (seconds; {} if not measured)."""
@@ -255,14 +244,26 @@ class EngineCost:
         `engine`: the engine outside the forward (0 when the profile did not measure it)."""
         path = self.path(batch, mean_context)
         fused_rates = dict(self.fused_linear_rates)
-        weights = 0.0
-        for name, num_bytes in self.bytes_by_format:
+        team = self._team_layer(path)
+        heads = dict(self.head_rates)
+        weights, kv = 0.0, None
+        parts = self.category_bytes or tuple(("", n, b) for n, b in self.bytes_by_format)
+        for category, name, num_bytes in parts:
+            if team and category == "linear":  # the team step's own layers (docs/planning.md)
+                w_s = _interp_log2(tuple((r, w) for r, w, _ in team), batch)
+                per_token = _interp_log2(tuple((r, k) for r, _, k in team), batch)
+                weights += self.model.num_layers * w_s
+                kv = self.model.num_layers * per_token * mean_context
+                continue
             rate = self.linear_rates.get(name)
+            head = category in ("embed", "head") and name in heads  # the head module itself
+            if head:
+                rate = heads[name]
             # fp32 changes kernel above `small_rows` (GEMV -> oneDNN) on the per-op path; the fused
             # step keeps the panel GEMV up to its rows (`linear-fused:fp32`; without those points
             # the small-row rate held); int8 / int4 run the panel GEMV at every row count
             boundary = self.small_rows if name in FP32_KERNEL else 0
-            if rate and boundary and path != "per-op" and batch > boundary:
+            if rate and boundary and path != "per-op" and batch > boundary and not head:
                 small = tuple(p for p in rate if p[0] <= boundary) or rate
                 rate = small + fused_rates.get(name, ())
                 boundary = 0
@@ -272,13 +273,15 @@ class EngineCost:
                 else self.bandwidth_bytes_per_s
             )
         layer, fixed = self._host_points(path)
-        dispatch = self.model.num_layers * _interp_log2(layer, batch) + _interp_log2(fixed, batch)
+        # the team layers' times hold their host cost: only the step's fixed part is added
+        per_layer = 0.0 if team else _interp_log2(layer, batch)
+        dispatch = self.model.num_layers * per_layer + _interp_log2(fixed, batch)
         flops = arith.decode_step_flops(self.model, batch, mean_context)
         total_bytes = sum(b for _, b in self.bytes_by_format)
         total_bytes += batch * self.kv_bytes_per_token * mean_context
         return {
             "weights": weights,
-            "kv": self._kv_s(batch, mean_context),
+            "kv": self._kv_s(batch, mean_context) if kv is None else kv,
             "dispatch": dispatch,
             "engine": sum(self.engine_terms_s(batch).values()),
             "compute": flops / self.peak_flops_per_s,
@@ -316,6 +319,17 @@ class EngineCost:
                 )
             else:
                 out[f"weights ({name})"] = "the engine's linear kernel, measured per batch size"
+        for name, pts in self.team_layers:
+            out[f"team step ({name})"] = (
+                f"on the team path the block linears ({name}) and the cache read are the team "
+                "step's own time per layer on the model's shapes at rows "
+                + ", ".join(str(r) for r, _, _ in pts)
+                + " (its no-context part and its slope per cached token; host cost included)"
+            )
+        for name, pts in self.head_rates:
+            out[f"head ({name})"] = "the head module timed at rows " + ", ".join(
+                str(r) for r, _ in pts
+            )
         if self.attention_times:
             contexts = sorted({c for _, pts in self.attention_times for c, _ in pts})
             out["kv"] = (

@@ -8,8 +8,9 @@ Each iteration does what `LLMEngine.step` does, in simulated time:
     now += cost_model.step_s(StepLoad.of(SchedulerOutput))
     scheduler.update(SchedulerOutput, fake RunnerOutput)   (one FAKE_TOKEN_ID per sampling chunk)
 
-Tokens are stamped at the end of the step that sampled them; a request is first scheduled at the
-start of its first step. When nothing can run, time jumps to the next arrival.
+Tokens are stamped at the end of the step that sampled them (plus the measured delivery jitter,
+when the cost model has one: kvserve.sim.delivery); a request is first scheduled at the start of
+its first step. When nothing can run, time jumps to the next arrival.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def simulate_continuous(
     by_id = {t.request_id: t for t in timelines}
     # A calibrated server profile says how long a request takes to reach the engine loop.
     overhead_s = float(getattr(cost_model, "request_overhead_s", 0.0))
+    # ... and how each token's delivery to the client scatters (kvserve.sim.delivery)
+    delivery = getattr(cost_model, "delivery", None)
     pending = sorted(timelines, key=lambda t: (t.request.arrival_s, t.request.index))
     run = SimRun(policy, timelines, num_blocks=num_blocks)
     now = 0.0
@@ -114,9 +117,14 @@ def simulate_continuous(
         run.peak_kv_usage = max(run.peak_kv_usage, kv.usage)
         for update in scheduler.update(out, fake_runner_output(out, acceptance)):
             timeline = by_id[update.request_id]
-            timeline.token_times_s.extend([now] * len(update.new_token_ids))
+            times = [now] * len(update.new_token_ids)
+            if delivery is not None:  # received in order, each after its own jitter
+                last = timeline.token_times_s[-1] if timeline.token_times_s else 0.0
+                for i, d in enumerate(delivery.delays_s(timeline.request.index, len(times))):
+                    last = times[i] = max(last, now + d)
+            timeline.token_times_s.extend(times)
             if update.finish_reason is not None:
-                timeline.finish_s = now
+                timeline.finish_s = max([now, *times])
         if on_step is not None:
             on_step(kv, out, now)
     run.num_preemptions = scheduler.stats.num_preemptions

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvserve.core.outputs import SchedulerOutput
 from kvserve.sim.cost import CostModel, StepLoad
+from kvserve.sim.delivery import DeliveryJitter
 from kvserve.sim.workload import SimError
 
 _NORMAL = NormalDist()
@@ -79,6 +80,7 @@ class NoisyCost:
     seed: int = 0
     class_quantiles: dict[str, tuple[float, ...]] = field(default_factory=dict)
     lag1_correlation: float = 0.0
+    delivery: DeliveryJitter | None = None  # per-token delivery jitter (kvserve.sim.delivery)
     _rng: np.random.Generator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +95,8 @@ class NoisyCost:
         """Restart the draw sequence: every run of one simulation sees the same noise."""
         self._rng = np.random.default_rng(self.seed)
         self._z = float(self._rng.standard_normal())
+        if self.delivery is not None:
+            self.delivery.reset()
 
     @property
     def mean_ratio(self) -> float:
@@ -132,15 +136,19 @@ class NoisyCost:
             levels = np.linspace(0.0, 1.0, len(q))
             return [float(np.interp(p, levels, q)) for p in (0.01, 0.5, 0.99)]
 
-        return self.base.describe() | {
-            "noise": {
-                "kind": "residual ratios, drawn per step"
-                + (", per step class" if self._by_class else "")
-                + (", AR(1)-correlated" if self.lag1_correlation else ""),
-                "seed": self.seed,
-                "ratio_p1_p50_p99": summary(self._q),
-                "ratio_p1_p50_p99_by_class": {k: summary(v) for k, v in self._by_class.items()},
-                "lag1_correlation": self.lag1_correlation,
-                "mean_ratio": self.mean_ratio,
+        return (
+            self.base.describe()
+            | {
+                "noise": {
+                    "kind": "residual ratios, drawn per step"
+                    + (", per step class" if self._by_class else "")
+                    + (", AR(1)-correlated" if self.lag1_correlation else ""),
+                    "seed": self.seed,
+                    "ratio_p1_p50_p99": summary(self._q),
+                    "ratio_p1_p50_p99_by_class": {k: summary(v) for k, v in self._by_class.items()},
+                    "lag1_correlation": self.lag1_correlation,
+                    "mean_ratio": self.mean_ratio,
+                }
             }
-        }
+            | ({"delivery_jitter": self.delivery.describe()} if self.delivery else {})
+        )

@@ -62,8 +62,10 @@ def fit_server_profile(
     doc: dict[str, Any],
     overhead_s: float | None = None,
     features: tuple[str, ...] = SERVER_FEATURES,
+    delivery: dict | None = None,
 ) -> StepProfile:
-    """A step profile from a `/debug/steps` answer (and the request overhead, when measured)."""
+    """A step profile from a `/debug/steps` answer (and the request overhead and the delivery
+    jitter, kvserve.sim.delivery, when measured)."""
     loads, costs = loads_and_costs(doc.get("steps", []))
     if len(loads) < 4 * len(features):
         raise SimError(
@@ -74,7 +76,7 @@ def fit_server_profile(
         "engine": doc.get("engine", {}),
         "source": "server /debug/steps (commands + step + deliver per iteration)",
         "request_overhead_s": overhead_s or 0.0,
-    }
+    } | ({"delivery_jitter": delivery} if delivery else {})
     return fit_profile(loads, costs, features, meta=meta)
 
 
@@ -138,14 +140,17 @@ def calibrate_server_main(args: Any) -> str:
     import sys
 
     from kvserve.bench.records import read_jsonl
+    from kvserve.sim.delivery import delivery_jitter
     from kvserve.sim.fit import FitBound, judge_fit
 
     out = sys.stderr if args.json else sys.stdout
     doc = load_steps(args.calibrate_server, args.steps_since)
-    overhead = None
+    overhead, delivery = None, None
     if args.calibrate_run:
-        overhead = request_overhead_s(read_jsonl(Path(args.calibrate_run) / "requests.jsonl"))
-    profile = fit_server_profile(doc, overhead)
+        records = read_jsonl(Path(args.calibrate_run) / "requests.jsonl")
+        overhead = request_overhead_s(records)
+        delivery = delivery_jitter(records, doc.get("steps", []))
+    profile = fit_server_profile(doc, overhead, delivery=delivery)
     fit = profile.meta["fit"]
     bound = FitBound(args.max_fit_error, args.max_fit_p90_error)
     coef = ", ".join(f"{f}={c:.3g}" for f, c in zip(profile.features, profile.coef_s, strict=True))
@@ -155,6 +160,14 @@ def calibrate_server_main(args: Any) -> str:
         f"overhead {profile.request_overhead_s * 1e3:.1f} ms; seconds per unit: {coef}",
         file=out,
     )
+    if delivery:
+        q = delivery["quantiles"]
+        print(
+            f"delivery jitter over {delivery['num_tokens']} tokens: p50 {q[50] * 1e3:.2f} ms, "
+            f"p90 {q[90] * 1e3:.2f} ms, p99 {q[99] * 1e3:.2f} ms, lag-1 correlation "
+            f"{delivery['lag1_correlation']:.2f}",
+            file=out,
+        )
     bad = judge_fit(profile, bound, args.accept_poor_fit)
     path = profile.save(args.save)
     if bad:

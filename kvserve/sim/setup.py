@@ -21,6 +21,7 @@ from kvserve.plan import (
     parse_weight_format,
 )
 from kvserve.sim.cost import CostModel, RooflineStepCost, StepProfile
+from kvserve.sim.delivery import DeliveryJitter
 from kvserve.sim.noise import NoisyCost
 from kvserve.sim.workload import SimError
 
@@ -114,8 +115,9 @@ def profile_deployment(
 ) -> Deployment:
     """A profile's deployment; with `noise`, each step's cost is scaled by a ratio drawn from the
     fit's residuals (kvserve.sim.noise), when the profile kept them: `True` or "residuals" per
-    step class and correlated in time as measured (where the profile recorded it), "pooled" from
-    all steps alike, independent draws (the earlier model)."""
+    step class and correlated in time as measured (where the profile recorded it), with each
+    token's delivery jitter where the profile measured it (kvserve.sim.delivery), "pooled" from
+    all steps alike, independent draws, no delivery jitter (the earlier model)."""
     engine = profile.meta.get("engine", {})
     cost: CostModel = profile
     fit = profile.meta.get("fit", {})
@@ -128,7 +130,10 @@ def profile_deployment(
                 for k, v in fit.get("residual_ratio_quantiles_by_class", {}).items()
             }
             rho = float(fit.get("residual_lag1_correlation", 0.0))
-        cost = NoisyCost(profile, tuple(quantiles), seed, by_class, rho)
+        delivery = None
+        if noise != "pooled" and (jitter := profile.meta.get("delivery_jitter")):
+            delivery = DeliveryJitter(jitter["quantiles"], jitter["lag1_correlation"], seed)
+        cost = NoisyCost(profile, tuple(quantiles), seed, by_class, rho, delivery)
     description = {"cost_model": "profile"} | cost.describe()
     defaults = {k: engine[k] for k in PROFILE_ENGINE_KEYS if engine.get(k) is not None}
     return Deployment(cost, None, None, description, defaults)

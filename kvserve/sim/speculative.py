@@ -84,6 +84,10 @@ class SpeculativeCost:
     def request_overhead_s(self) -> float:
         return float(getattr(self.base, "request_overhead_s", 0.0))
 
+    @property
+    def delivery(self):
+        return getattr(self.base, "delivery", None)
+
     def reset(self) -> None:
         reset = getattr(self.base, "reset", None)
         if reset is not None:

@@ -1,0 +1,164 @@
+"""The team path priced from the team step's own layers (`team-layer:FMT`) and the head module
+(`head:FMT`), docs/planning.md "The team step's own layers": the fit and the step by hand on
+synthetic points, the scaling to another model's shapes, the per-op path left alone, and the
+measurement's arithmetic on a quantised decoder of a model's shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.measure import MeasureConfig
+from kvserve.measure_engine import fused_rows
+from kvserve.plan import arith, parse_weight_format
+from kvserve.plan.engine_cost import EngineCost
+from kvserve.plan.hardware import HardwareProfile, MeasuredPoint
+from kvserve.plan.model import ModelSpec
+
+TIED = ModelSpec(
+    name="tiny", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    intermediate_size=128, vocab_size=100, max_position_embeddings=512, tie_word_embeddings=True,
+)  # fmt: skip
+WIDE = ModelSpec(
+    name="wide", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+    intermediate_size=256, vocab_size=100, max_position_embeddings=512, tie_word_embeddings=True,
+)  # fmt: skip
+KV_TOKEN = 2 * 2 * 16 * 4  # K and V bytes of a token of one layer of TIED, fp32
+
+
+def pt(kind, rows, bytes_per_s=0.0, median_s=0.0, context=0, kv_token=0):
+    return MeasuredPoint(kind, rows, 0.0, bytes_per_s, 0.0, median_s, context, kv_token)
+
+
+def layer_bytes(model, fmt="fp32"):
+    return parse_weight_format(fmt).bytes_by_category(model)["linear"] / model.num_layers
+
+
+def team_points(model, fmt, rows, at_16_s, per_token_s):
+    """team-layer points at contexts 16 and 1016: at_16_s + per_token_s x (context - 16)."""
+    out = []
+    for c in (16, 1016):
+        t = at_16_s + per_token_s * (c - 16)
+        out.append(pt(f"team-layer:{fmt}", rows, layer_bytes(model, fmt) / t, t, c, KV_TOKEN))
+    return out
+
+
+BASE = (
+    pt("gemv", 1, 1e9),
+    pt("linear:fp32", 1, 1e9),
+    pt("linear:fp32", 4, 0.5e9),
+    pt("dispatch", 1, median_s=1e-4),
+    pt("dispatch", 16, median_s=1e-4),
+    pt("dispatch-fixed", 1, median_s=1e-3),
+    pt("dispatch-fixed", 16, median_s=1e-3),
+    pt("fused-dispatch", 1, median_s=5e-5),
+    pt("fused-dispatch", 4, median_s=5e-5),
+    pt("fused-fixed", 1, median_s=2e-4),
+    pt("fused-fixed", 4, median_s=4e-4),
+)
+
+
+def cost(points, fmt="fp32", model=TIED):
+    hw = HardwareProfile("m", 1e12, 1e9, 1e15, "fp32", measured=True, points=points,
+                         decode_fused_rows=4, decode_fused_f32_rows=4,
+                         decode_team_any_context=True)  # fmt: skip
+    k = arith.kv_bytes_per_token(model, 4)
+    return EngineCost.from_profile(model, parse_weight_format(fmt), k, hw)
+
+
+def test_the_team_path_is_its_layers_plus_the_head_and_the_fixed_part_by_hand():
+    points = BASE + tuple(
+        team_points(TIED, "fp32", 1, 1e-3, 1e-6) + team_points(TIED, "fp32", 4, 2e-3, 3e-6)
+    ) + (pt("head:fp32", 1, 2e9), pt("head:fp32", 4, 1e9))  # fmt: skip
+    c = cost(points)
+    head_bytes = parse_weight_format("fp32").bytes_by_category(TIED)["embed"]
+    norm_bytes = parse_weight_format("fp32").bytes_by_category(TIED)["norm"]
+    t = c.terms_s(1, 500)
+    assert c.path(1, 500) == "team"
+    # the layers at no context (1e-3 - 16 x 1e-6 each), the head at its own rate, norms at linear's
+    assert t["weights"] == pytest.approx(2 * (1e-3 - 16e-6) + head_bytes / 2e9 + norm_bytes / 1e9)
+    assert t["kv"] == pytest.approx(2 * 1e-6 * 500)  # the team's own cache read, per token
+    assert t["dispatch"] == pytest.approx(2e-4)  # the fixed part only: the layers hold their host
+    # halfway (log2) between 1 and 4 rows
+    t2 = c.terms_s(2, 500)
+    assert t2["kv"] == pytest.approx(2 * 2e-6 * 500)
+    assert t2["weights"] == pytest.approx(
+        2 * ((1e-3 - 16e-6) + (2e-3 - 48e-6)) / 2 + head_bytes / 1.5e9 + norm_bytes / 0.75e9
+    )
+
+
+def test_without_team_layer_points_the_team_path_is_priced_as_before():
+    old = cost(BASE).terms_s(1, 500)
+    with_head_only = cost(BASE + (pt("head:fp32", 1, 2e9),)).terms_s(1, 500)
+    assert old["dispatch"] == pytest.approx(2 * 5e-5 + 2e-4)
+    assert with_head_only["weights"] < old["weights"]  # the head at its own (faster) rate
+    assert with_head_only["kv"] == old["kv"] and with_head_only["dispatch"] == old["dispatch"]
+
+
+def test_the_per_op_path_and_other_formats_ignore_the_fp32_team_layers():
+    points = BASE + tuple(team_points(TIED, "fp32", 1, 1e-3, 1e-6))
+    per_op = cost(points).terms_s(16, 500)
+    assert per_op["dispatch"] == pytest.approx(2 * 1e-4 + 1e-3)  # the per-op host, per layer
+    int8 = cost(points, "linear=int8,embed=fp32,head=fp32,norm=fp32")
+    assert int8.terms_s(1, 500)["dispatch"] == pytest.approx(2 * 5e-5 + 2e-4)  # no int8 layers
+    quant = points + tuple(team_points(TIED, "int8", 1, 4e-4, 1e-6))
+    t = cost(quant, "linear=int8,embed=fp32,head=fp32,norm=fp32").terms_s(1, 500)
+    assert t["dispatch"] == pytest.approx(2e-4) and t["kv"] == pytest.approx(1e-3)
+
+
+def test_a_model_of_other_shapes_scales_the_measured_layer_by_its_bytes():
+    points = BASE + tuple(team_points(TIED, "fp32", 1, 1e-3, 1e-6))
+    t = cost(points, model=WIDE).terms_s(1, 100)
+    w_scale = layer_bytes(WIDE) / layer_bytes(TIED)
+    kv_scale = (2 * 2 * 32 * 4) / KV_TOKEN
+    head = parse_weight_format("fp32").bytes_by_category(WIDE)
+    assert t["kv"] == pytest.approx(3 * 1e-6 * kv_scale * 100)
+    assert t["weights"] == pytest.approx(
+        3 * (1e-3 - 16e-6) * w_scale + (head["embed"] + head["norm"]) / 1e9
+    )
+
+
+QUICK = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0, dispatch_rounds=1,
+                      attention_contexts=(32, 64))  # fmt: skip
+
+
+@pytest.mark.skipif(not fused_rows(), reason="no fused step here")
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_the_measurement_is_the_fused_step_less_its_fixed_part_on_the_models_shapes(
+    monkeypatch, fmt
+):
+    import kvserve.measure_team as mt
+    from kvserve.model import fused_decode
+
+    seen = []
+
+    def fake_medians(calls, cfg, rounds):
+        seen.append(sorted(calls))
+        for call in calls.values():  # the calls are real: the fused step runs
+            call()
+        return {16: 4e-3, 64: 7e-3}
+
+    monkeypatch.setattr(mt, "interleaved_medians_s", fake_medians)
+    points = mt.measure_team_layers(QUICK, WIDE, fmt, [(1, 1e-3), (4, 1e-3)], rows=(1, 4, 16))
+    limit = fused_rows() if fmt == "fp32" else fused_decode.max_rows()
+    rows = sorted({p.num_columns for p in points})
+    assert rows == [n for n in (1, 4, 16) if n <= limit]  # the quantised step takes fewer rows
+    assert seen == [[16, 64]] * len(rows)
+    by = {(p.num_columns, p.context_tokens): p for p in points}
+    assert by[(1, 16)].median_s == pytest.approx((4e-3 - 1e-3) / 3)
+    assert by[(1, 64)].median_s == pytest.approx((7e-3 - 1e-3) / 3)
+    assert all(p.kind == f"team-layer:{fmt}" and p.kv_token_bytes == 2 * 2 * 32 * 4 for p in points)
+    # bytes_per_s x median_s is the planner's bytes of one layer in this format
+    assert by[(1, 16)].bytes_per_s * by[(1, 16)].median_s == pytest.approx(layer_bytes(WIDE, fmt))
+
+
+def test_the_head_points_count_the_heads_bytes_over_its_streaming_time(monkeypatch):
+    import kvserve.measure_team as mt
+
+    monkeypatch.setattr(mt, "interleaved_medians_s", lambda calls, cfg, rounds: {0: 3e-3, 1: 1e-3})
+    (p,) = mt.measure_head(QUICK, WIDE, "int8", rows=(2,))
+    from kvserve.plan.formats import parse_tensor_format
+    from kvserve.plan.model import TensorShape
+
+    num_bytes = parse_tensor_format("int8").num_bytes(TensorShape("h", "head", 100, 128))
+    assert p.kind == "head:int8" and p.num_columns == 2
+    assert p.bytes_per_s == pytest.approx(num_bytes / 2e-3)
