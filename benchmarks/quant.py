@@ -7,7 +7,9 @@ split): size, bits/weight of the quantised linears, perplexity, KL vs fp32, top-
 
 speed: decode tok/s at batch 1 and 16 and prefill tok/s on the SmolLM2-135M-shaped checkpoint, kvserve
 fp32 / int8 / int4 beside llama.cpp's f32 / Q8_0 / Q4_0 GGUFs (llama-bench, llama-batched-bench), same
-threads, one run (peer_llamacpp.py's definitions).
+threads, peer_llamacpp.py's definitions (decode tok/s excludes the prefill). Measured as llama-bench
+measures: one warm-up run of the same shape, then `--repeats` runs, and the mean of their rates
+(llama-bench `-r` and its `avg_ts`; the runs are in the report). llama-batched-bench runs once.
 
     kv-bench .venv/bin/python benchmarks/quant.py quality [--max-tokens 4096]
     kv-bench .venv/bin/python benchmarks/quant.py speed --hf-dir /tmp/kv/smol-gpt2 \
@@ -138,10 +140,25 @@ def quality(args: argparse.Namespace) -> dict:
     return {"benchmark": "quant-quality", "target": str(target), "rows": rows}
 
 
+def kvserve_repeated(llm, batch: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
+    """`kvserve_point` as llama-bench times a test: a warm-up run of the same shape (not counted),
+    then `repeats` runs; rates are the mean of the runs' rates, each run's rate kept."""
+    from peer_llamacpp import kvserve_point
+
+    kvserve_point(llm, batch, prompt_len, new_tokens)  # warm-up: the same shape, not counted
+    runs = [kvserve_point(llm, batch, prompt_len, new_tokens) for _ in range(repeats)]
+    out = {"batch": batch, "repeats": repeats}
+    for key in ("prefill_tok_s", "decode_tok_s"):
+        values = [r[key] for r in runs]
+        out[key] = sum(values) / len(values)
+        out[f"{key}_runs"] = [round(v, 2) for v in values]
+    return out
+
+
 def speed(args: argparse.Namespace) -> dict:
     LLM = kvserve_llm()  # before torch: kvserve's thread defaults apply as they do for users
     import torch
-    from peer_llamacpp import kvserve_point, llama_batched_bench, llama_bench
+    from peer_llamacpp import llama_batched_bench, llama_bench
 
     torch.set_num_threads(args.threads)
     peers = {"fp32": "f32", "int8": "Q8_0", "linear=int8,head=int8": "Q8_0"}
@@ -152,14 +169,14 @@ def speed(args: argparse.Namespace) -> dict:
         quant = None if fmt == "fp32" else fmt
         llm = LLM(args.hf_dir, quantization=quant, max_num_seqs=64)
         for batch in args.batches:
-            ours = kvserve_point(llm, batch, args.prompt_len, args.new_tokens)
+            ours = kvserve_repeated(llm, batch, args.prompt_len, args.new_tokens, args.repeats)
             row = {"format": fmt, "batch": batch, "kvserve": ours}
             gguf = Path(args.gguf_dir) / f"smol-gpt2-{peers.get(fmt, 'f32')}.gguf"
             if bin_dir is not None and (bin_dir / "llama-bench").is_file() and gguf.is_file():
                 if batch == 1:
                     theirs = llama_bench(
                         str(bin_dir / "llama-bench"), str(gguf), args.threads,
-                        args.prompt_len, args.new_tokens,
+                        args.prompt_len, args.new_tokens, args.repeats,
                     )  # fmt: skip
                 else:
                     theirs = llama_batched_bench(
@@ -171,7 +188,8 @@ def speed(args: argparse.Namespace) -> dict:
             rows.append(row)
             peer = row.get("llama.cpp", {})
             print(
-                f"{fmt:26s} batch {batch:2d}: decode {ours['decode_tok_s']:7.1f} tok/s, prefill "
+                f"{fmt:26s} batch {batch:2d}: decode {ours['decode_tok_s']:7.1f} tok/s "
+                f"(runs {ours['decode_tok_s_runs']}), prefill "
                 f"{ours['prefill_tok_s']:7.1f}; llama.cpp {peer.get('gguf', '-')} decode "
                 f"{peer.get('decode_tok_s', float('nan')):7.1f} prefill "
                 f"{peer.get('prefill_tok_s', float('nan')):7.1f}",
@@ -185,6 +203,7 @@ def speed(args: argparse.Namespace) -> dict:
         "kvserve_threads": threads_used(),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
         "rows": rows,
     }
 
@@ -205,6 +224,12 @@ def main() -> None:
     s.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="decode batch sizes")
     s.add_argument("--prompt-len", type=int, default=32)
     s.add_argument("--new-tokens", type=int, default=64)
+    s.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed runs per point after a warm-up (llama-bench -r)",
+    )
     s.add_argument(
         "--formats", default="fp32;int8;linear=int8,head=int8;int4-g32;linear=int4-g32,head=int8"
     )

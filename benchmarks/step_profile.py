@@ -1,24 +1,32 @@
-"""Where a batch-1 decode step goes: the fused layers, the LM head, the rest of the forward, the
-sampler, the runner, the scheduler and the engine's output handling (time.perf_counter around each).
+"""Where a decode step goes: the fused layers, the LM head, the rest of the forward, the sampler,
+the runner, the scheduler and the engine's output handling (time.perf_counter around each).
 
-One greedy request of `--prompt-len` tokens and `--new-tokens` new tokens through `LLM.generate`
-(the offline engine in this process, as `benchmarks/quant.py speed` runs it), after a warm-up.
-Per decode step, in ms: `step` = `LLMEngine.step` (the whole loop body), `runner` =
-`ModelRunner.execute`, `forward` = `forward_chunks` (embedding, metadata, layers, head), `fused` /
-`head` the two native calls inside it, `sample` = `ModelRunner._sample`; what is left of `step`
-outside `runner` is the scheduler, the detokenizer and the output processor. The prompt's
-prefill step is reported on its own (`prefill_step`), not averaged into the decode steps.
+`--batch` greedy requests of `--prompt-len` tokens and `--new-tokens` new tokens through
+`LLM.generate` (the offline engine in this process, as `benchmarks/quant.py speed` runs it: kvserve
+imported before torch, so its thread defaults apply), after a warm-up of the same shape. Per decode
+step, in ms: `step` = `LLMEngine.step` (the whole loop body); inside it `schedule` and `update`
+(the scheduler), `runner` = `ModelRunner.execute`, `outputs` (`OutputProcessor.process`: the
+snapshots) and `detok` (incremental detokenisation); inside the runner `forward` = `forward_chunks`
+(`metadata` = attention metadata, `fused` / `head` the two native calls), `sample` =
+`ModelRunner._sample` (`sampling_batch` = its tensors, `sampler` = `Sampler.__call__`). Derived:
+`host` = `step` - `fused` - `head`, everything a step does outside the two native calls. The
+prompts' prefill step is reported on its own (`prefill_step`), not averaged into the decode steps.
 
     PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/step_profile.py \
-        --formats "linear=int8,head=int8;linear=int4-g32,head=int8" [--rounds 3]
+        --formats "linear=int8,head=int8;linear=int4-g32,head=int8" [--batch 1] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import kvserve_llm  # noqa: E402  (benchmarks/ on sys.path, as when a script runs)
 
 
 def _timed(owner, name: str, key: str, steps: list, opens_step: bool = False) -> None:
@@ -32,30 +40,44 @@ def _timed(owner, name: str, key: str, steps: list, opens_step: bool = False) ->
         try:
             return original(*args, **kwargs)
         finally:
-            steps[-1][key] += time.perf_counter() - start
+            if steps:
+                steps[-1][key] += time.perf_counter() - start
 
     setattr(owner, name, wrapper)
 
 
-KEYS = ("step", "runner", "forward", "fused", "head", "sample")
+KEYS = ("step", "schedule", "update", "runner", "forward", "metadata", "fused", "head", "sample",
+        "sampling_batch", "sampler", "outputs", "detok")  # fmt: skip
 
 
-def profile(fmt: str, prompt_len: int, new_tokens: int, rounds: int) -> dict:
+def profile(llm_cls, fmt: str, batch: int, prompt_len: int, new_tokens: int, rounds: int) -> dict:
+    import kvserve.engine.detokenizer as detok_mod
+    import kvserve.engine.output_processor as outputs_mod
+    import kvserve.runner.forward as forward_mod
     import kvserve.runner.model_runner as runner_mod
-    from kvserve import LLM, SamplingParams
+    import kvserve.runner.sampler as sampler_mod
+    from kvserve import SamplingParams
 
-    llm = LLM("/tmp/kv/smol-gpt2", quantization=None if fmt == "fp32" else fmt, max_num_seqs=4)
+    quant = None if fmt == "fp32" else fmt
+    llm = llm_cls("/tmp/kv/smol-gpt2", quantization=quant, max_num_seqs=max(4, batch))
     engine = llm.engine
     runner = engine.runner
     model = runner.model
     params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True)
-    prompt = list(range(10, 10 + prompt_len))
-    llm.generate([prompt], params.with_updates(max_tokens=8))  # warm-up (builds the fused step)
+    prompts = [list(range(10 + i, 10 + i + prompt_len)) for i in range(batch)]
+    llm.generate(prompts, params)  # warm-up of the same shape (builds the fused step)
     steps: list = []
     _timed(engine, "step", "step", steps, opens_step=True)
+    _timed(engine.scheduler, "schedule", "schedule", steps)
+    _timed(engine.scheduler, "update", "update", steps)
     _timed(runner, "execute", "runner", steps)
     _timed(runner, "_sample", "sample", steps)
+    _timed(runner_mod, "build_sampling_batch", "sampling_batch", steps)
+    _timed(sampler_mod.Sampler, "__call__", "sampler", steps)
     _timed(runner_mod, "forward_chunks", "forward", steps)
+    _timed(forward_mod, "build_attention_metadata", "metadata", steps)
+    _timed(outputs_mod.OutputProcessor, "process", "outputs", steps)
+    _timed(detok_mod.IncrementalDetokenizer, "update", "detok", steps)
     if model.fused is not None:
         _timed(type(model.fused), "__call__", "fused", steps)
     if model.cpu_head is not None:
@@ -64,36 +86,42 @@ def profile(fmt: str, prompt_len: int, new_tokens: int, rounds: int) -> dict:
     for _ in range(rounds):
         steps.clear()
         engine.kv_manager.pool.reset_prefix_cache()
-        llm.generate([prompt], params)
-        decode = [s for s in steps[1:] if s["runner"] > 0]  # steps[0] is the prompt's prefill
+        llm.generate(prompts, params)
+        decode = [s for s in steps[1:] if s["runner"] > 0]  # steps[0] is the prompts' prefill
         row = {k: sum(s[k] for s in decode) / len(decode) * 1e3 for k in KEYS}
         row["prefill_step"] = steps[0]["step"] * 1e3
+        row["host"] = row["step"] - row["fused"] - row["head"]
         row["outside_runner"] = row["step"] - row["runner"]
         row["runner_outside_forward_sample"] = row["runner"] - row["forward"] - row["sample"]
         row["forward_outside_fused_head"] = row["forward"] - row["fused"] - row["head"]
         row["decode_steps"] = len(decode)
         rows.append(row)
-    return {"format": fmt, "rounds": rows}
+    del llm
+    return {"format": fmt, "batch": batch, "rounds": rows}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", default="linear=int8,head=int8;linear=int4-g32,head=int8")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="decode batch sizes")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    llm_cls = kvserve_llm()  # before torch: kvserve's thread defaults apply, as in quant.py
     import torch
 
     torch.set_num_threads(args.threads)
     report = []
     for fmt in args.formats.split(";"):
-        result = profile(fmt, args.prompt_len, args.new_tokens, args.rounds)
-        report.append(result)
-        for row in result["rounds"]:
-            print(fmt, " ".join(f"{k}={v:.2f}" for k, v in row.items()), flush=True)
+        for batch in args.batch:
+            result = profile(llm_cls, fmt, batch, args.prompt_len, args.new_tokens, args.rounds)
+            report.append(result)
+            for row in result["rounds"]:
+                print(f"{fmt} b{batch}", " ".join(f"{k}={v:.3f}" for k, v in row.items()),
+                      flush=True)  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -134,9 +134,8 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
+                for output in self.engine.step(finished_only=True):
+                    finished[output.request_id] = output
         except BaseException:
             for request_id in request_ids:  # never leave blocks held by an interrupted call
                 self.engine.abort_request(request_id)

@@ -280,10 +280,10 @@ class LLMEngine:
 
     # --- the loop ---------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduling step; returns a snapshot of every request that changed (accumulated from
-        the step's deltas by `self.outputs`)."""
-        return self.outputs.process(self.step_deltas())
+        the step's deltas by `self.outputs`), or with `finished_only` of every request that finished."""
+        return self.outputs.process(self.step_deltas(), finished_only)
 
     def step_deltas(self) -> list[RequestDelta]:
         """Run one scheduling step; returns what it added to every request that changed."""

@@ -51,13 +51,21 @@ class OutputProcessor:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    def process(self, deltas: list[RequestDelta]) -> list[RequestOutput]:
-        """Apply a step's deltas; a snapshot of every request they touched (finished ones are dropped)."""
+    def process(
+        self, deltas: list[RequestDelta], finished_only: bool = False
+    ) -> list[RequestOutput]:
+        """Apply a step's deltas; a snapshot of every request they touched (finished ones are
+        dropped), or with `finished_only` of those that finished (a caller that waits for the end
+        skips the per-step copies)."""
         outputs = []
         for delta in deltas:
             tracked = self._requests.get(delta.request_id)
             if tracked is None:
                 continue  # aborted meanwhile
+            if finished_only and not delta.finished:
+                for sample_delta in delta.samples:
+                    _apply(tracked.samples[sample_delta.index], sample_delta)
+                continue
             changed = {d.index: d for d in delta.samples}
             snapshot = []
             for completion in tracked.samples:

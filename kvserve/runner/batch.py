@@ -36,6 +36,22 @@ class RequestState:
     num_draft_grammar_tokens: int = 0  # proposals accepted into `grammar` while drafting
     json_grammar: bool = False  # `grammar` describes JSON (control-character tokens are banned)
 
+    def __post_init__(self) -> None:
+        p = self.params
+        # Greedy with nothing that changes the logits or reads them back: the raw argmax is the
+        # token (the grammar is set after construction, so it is checked per step).
+        self._plain_greedy = (
+            p.greedy and not p.logit_bias and not has_penalty(p) and p.logprobs is None
+        )
+        self._num_banned_outputs = p.min_tokens if (p.stop_token_ids or not p.ignore_eos) else 0
+
+    def plain_greedy(self, num_output: int) -> bool:
+        """Whether this row's token is the argmax of its raw logits at `num_output` tokens so far:
+        greedy, no bias, penalties, logprobs or grammar, and no min_tokens ban in effect."""
+        return (
+            self._plain_greedy and self.grammar is None and num_output >= self._num_banned_outputs
+        )
+
     @property
     def token_ids(self) -> list[int]:
         return list(self.prompt_token_ids) + self.output_token_ids

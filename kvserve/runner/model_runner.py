@@ -27,7 +27,7 @@ from kvserve.runner.batch import RequestState, build_sampling_batch
 from kvserve.runner.constraints import MaskRow, apply_grammar_masks, commit_tokens
 from kvserve.runner.draft import DraftModel
 from kvserve.runner.forward import allocate_kv_cache, forward_chunks
-from kvserve.runner.sampler import Sampler, SamplingBatch
+from kvserve.runner.sampler import Sampler, SamplingBatch, greedy_argmax
 from kvserve.runner.spec_decode import DraftJob, NgramProposer, verify_greedy, verify_stochastic
 from kvserve.structured.grammar import GrammarCache
 
@@ -175,15 +175,21 @@ class ModelRunner:
         for chunk in chunks:
             first_rows.append(first_rows[-1] + 1 + chunk.num_spec_tokens)
         if plain:
-            keys = [(chunks[i].request_id, 0, chunks[i].num_output_tokens) for i in plain]
-            batch = self.sampling_batch(keys)
             plain_rows = [first_rows[i] for i in plain]
             if plain_rows == list(range(logits.shape[0])):  # no proposals this step: every row
                 plain_logits = logits  # [S, V] (the sampler never writes its input)
             else:  # one gather, not a Python-list index (~150 us at batch 1)
                 plain_rows_t = torch.tensor(plain_rows, device=logits.device)
                 plain_logits = logits.index_select(0, plain_rows_t)
-            token_ids, logprobs = self.sampler(plain_logits, batch)
+            if all(self.states[chunks[i].request_id].plain_greedy(chunks[i].num_output_tokens)
+                   for i in plain):  # fmt: skip
+                # Every row is the argmax of its raw logits: no sampling tensors to build, and
+                # the same tokens the sampler's greedy path gives (nothing would process them).
+                token_ids = greedy_argmax(plain_logits).tolist()
+                logprobs = [None] * len(plain)
+            else:
+                keys = [(chunks[i].request_id, 0, chunks[i].num_output_tokens) for i in plain]
+                token_ids, logprobs = self.sampler(plain_logits, self.sampling_batch(keys))
             for i, token_id, logprob in zip(plain, token_ids, logprobs, strict=True):
                 results[i] = ((token_id,), None if logprob is None else (logprob,), 0)
         for i, chunk in enumerate(chunks):

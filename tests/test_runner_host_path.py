@@ -1,0 +1,142 @@
+"""The per-step host shortcuts (docs/performance.md, "Host work per step") give what the general
+paths give: the decode-row inputs equal `build_attention_metadata`'s, the greedy fast path the
+sampler's tokens, finished-only snapshots the full ones, the Rust decode transformers' decode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine.detokenizer import _rust_decoder
+from kvserve.model.attention import build_attention_metadata
+from kvserve.runner.forward import _decode_inputs
+from tests.checkpoints import build_gpt2_tokenized_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    path = tmp_path_factory.mktemp("host_path")
+    build_gpt2_tokenized_checkpoint(path)
+    return LLM(str(path), max_num_seqs=8, seed=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_decode_inputs_equal_the_general_metadata(block_size):
+    rng = random.Random(block_size)
+    for _ in range(20):
+        chunks = []
+        for _ in range(rng.randint(1, 9)):
+            start = rng.randint(0, 70)
+            blocks = tuple(
+                rng.sample(range(100), -(-(start + 1) // block_size) + rng.randint(0, 2))
+            )
+            chunks.append((start, (rng.randint(0, 999),), blocks))
+        ids, positions, meta = _decode_inputs(chunks, block_size)
+        ref = build_attention_metadata(
+            [(s, 1, list(b)) for s, _, b in chunks], block_size, torch.device("cpu")
+        )
+        assert ids.tolist() == [t[0] for _, t, _ in chunks]
+        assert positions.tolist() == [s for s, _, _ in chunks]
+        assert meta.multi == () and meta.block_size == block_size
+        for got, want in [
+            (meta.slot_mapping, ref.slot_mapping),
+            (meta.single.rows, ref.single.rows),
+            (meta.single.block_table, ref.single.block_table),
+            (meta.single.context_lens, ref.single.context_lens),
+        ]:
+            assert got.dtype == want.dtype and got.is_contiguous()
+            assert torch.equal(got, want)
+        assert meta.single.max_context == ref.single.max_context
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_greedy_fast_path_equals_the_sampler(llm, monkeypatch):
+    """Plain greedy rows skip the sampler; rows with a processor (bias, min_tokens, penalties,
+    logprobs) still go through it. Both give what the sampler gives for every row."""
+    prompts = [[11, 12, 13], [40, 41], [7, 8, 9, 10]]
+    cases = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, logit_bias={5: 3.0}, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, min_tokens=6),
+        SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True),
+    ]
+    fast = [_tokens(llm.generate(prompts, p)) for p in cases]
+    fast_mixed = _tokens(llm.generate(prompts * 2, cases[:3] + cases[:1] + cases[3:]))
+    from kvserve.runner import batch as batch_mod
+
+    monkeypatch.setattr(batch_mod.RequestState, "plain_greedy", lambda self, n: False)
+    slow = [_tokens(llm.generate(prompts, p)) for p in cases]
+    slow_mixed = _tokens(llm.generate(prompts * 2, cases[:3] + cases[:1] + cases[3:]))
+    assert fast == slow
+    assert fast_mixed == slow_mixed
+
+
+def test_plain_greedy_flags():
+    from kvserve.runner.batch import RequestState
+
+    def state(**params):
+        return RequestState(SamplingParams(**params), (1, 2), frozenset({2}), None, 10)
+
+    assert state(temperature=0).plain_greedy(0)
+    assert not state(temperature=0.7).plain_greedy(0)
+    assert not state(temperature=0, logit_bias={3: 1.0}).plain_greedy(0)
+    assert not state(temperature=0, presence_penalty=0.5).plain_greedy(0)
+    assert not state(temperature=0, logprobs=0).plain_greedy(0)
+    banned = state(temperature=0, min_tokens=3)
+    assert not banned.plain_greedy(2) and banned.plain_greedy(3)
+    assert state(temperature=0, min_tokens=3, ignore_eos=True).plain_greedy(0)  # nothing banned
+    assert not state(temperature=0, min_tokens=3, ignore_eos=True, stop_token_ids=[4]).plain_greedy(
+        0
+    )
+    grammar = state(temperature=0)
+    grammar.grammar = object()
+    assert not grammar.plain_greedy(5)
+
+
+def test_finished_only_snapshots_equal_the_last_full_snapshot(llm):
+    params = [
+        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, logprobs=1),
+        SamplingParams(max_tokens=5, temperature=0.8, seed=3, n=2, ignore_eos=True),
+    ]
+    prompts = [[5, 6, 7], [9, 10]]
+    finished = llm.generate(prompts, params)  # run_until_done: finished-only snapshots
+    last = {}
+    for changed in llm.generate_steps(prompts, params):  # a snapshot every step
+        last.update(changed)
+    for i, out in enumerate(finished):
+        full = last[i]
+        assert full.finished and out.finished
+        for a, b in zip(out.outputs, full.outputs, strict=True):
+            assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+            assert a.logprobs == b.logprobs and a.cumulative_logprob == b.cumulative_logprob
+            assert len(a.metrics.token_times) == len(b.metrics.token_times) == len(a.token_ids)
+
+
+def test_rust_decode_equals_transformers_decode(llm):
+    tokenizer = llm.tokenizer
+    backend = _rust_decoder(tokenizer)
+    assert backend is not None  # GPT-2's fast tokenizer takes the direct path
+    rng = random.Random(0)
+    special = tokenizer.all_special_ids
+    for _ in range(50):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 8))]
+        ids += special if rng.random() < 0.3 else []
+        for skip in (False, True):
+            assert backend.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
+
+
+def test_rust_decode_is_not_used_where_transformers_cleans_up_spaces(llm):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llm.args.model, clean_up_tokenization_spaces=True)
+    assert _rust_decoder(tokenizer) is None
+    assert _rust_decoder(object()) is None
