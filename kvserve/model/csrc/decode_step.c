@@ -115,56 +115,30 @@ static void f32_panel_scalar(const Linear *L, const float *x, int M, float *y, i
 #define F32_PREFETCH_LINES 16 /* software prefetch distance: inputs (64-byte lines) ahead */
 #define F32_TILE_MAX 6        /* rows of the largest register tile */
 
-/* tuning knobs (microbenchmarks only; to be fixed) */
-static int g_f32_tile = 6, g_f32_kc = 0, g_f32_korder = 0;
-void decode_set_f32_tuning(int tile, int kc, int korder) {
-    g_f32_tile = tile < 1 ? 1 : tile > F32_TILE_MAX ? F32_TILE_MAX : tile;
-    g_f32_kc = kc, g_f32_korder = korder;
-}
-
-/* the sums of row m's 16 columns of panel p so far: 0 before the first input block, else what the
- * previous block stored in y (a float stored and reloaded is exact) */
-INL void f32_sums_in(const Linear *L, const float *y, int m, int n0, int cols, int k0, __m256 *a0,
-                     __m256 *a1) {
-    if (k0 == 0) {
-        *a0 = *a1 = _mm256_setzero_ps();
-        return;
-    }
-    const float *yr = y + (int64_t)m * L->n + n0;
-    float sums[FPANEL] = {0};
-    if (cols < FPANEL) memcpy(sums, yr, sizeof(float) * cols), yr = sums;
-    *a0 = _mm256_loadu_ps(yr), *a1 = _mm256_loadu_ps(yr + 8);
-}
-
-/* store row m's sums; after the last input block with the bias added */
-INL void f32_sums_out(const Linear *L, float *y, int m, int n0, int cols, int last, __m256 a0,
-                      __m256 a1) {
+/* store row m's sums with the bias added */
+INL void f32_sums_out(const Linear *L, float *y, int m, int n0, int cols, __m256 a0, __m256 a1) {
     float *yr = y + (int64_t)m * L->n + n0;
-    if (cols == FPANEL && (!L->bias || !last)) {
+    if (cols == FPANEL && !L->bias) {
         _mm256_storeu_ps(yr, a0), _mm256_storeu_ps(yr + 8, a1);
         return;
     }
     float sums[FPANEL];
     _mm256_storeu_ps(sums, a0), _mm256_storeu_ps(sums + 8, a1);
-    for (int c = 0; c < cols; c++) yr[c] = sums[c] + (L->bias && last ? L->bias[n0 + c] : 0.f);
+    for (int c = 0; c < cols; c++) yr[c] = sums[c] + (L->bias ? L->bias[n0 + c] : 0.f);
 }
 
-/* R rows (1-6) of one panel over inputs [k0, k1): 2 accumulators (8 columns each) per row, 12 at
- * R = 6. They are named variables, not an array: gcc 12 kept an array of accumulators in memory and
- * stored all of them on every input, so the loop ran at the store port's 1 per cycle (half the
- * FMA pipes' rate). The sums start at 0 (k0 = 0) or from y (f32_sums_in), so each column's sum is
- * one fmaf chain over k in order whatever the blocking; the bias is added after the last block. */
-INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0, const int R, int k0,
-                        int k1, int prefetch) {
+/* R rows (1-6) of one panel: 2 accumulators (8 columns each) per row, 12 at R = 6 (2 FMA pipes of
+ * latency 4 need >= 8 independent sums). They are named variables, not an array: gcc 12 kept an
+ * array of accumulators in memory and stored every one of them on every input, so the loop ran at
+ * the store port's rate, half the FMA pipes'. The panel's lines are read once for the R rows. */
+INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0, const int R,
+                        int prefetch) {
     const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
     const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
     const float *xr = x + (int64_t)m0 * K;
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
-#define F32_IN(r) \
-    if (R > r) f32_sums_in(L, y, m0 + r, n0, cols, k0, &c##r##0, &c##r##1)
-    F32_IN(0); F32_IN(1); F32_IN(2); F32_IN(3); F32_IN(4); F32_IN(5);
-    for (int k = k0; k < k1; k++) {
+    for (int k = 0; k < K; k++) {
         const float *wk = wp + (int64_t)k * FPANEL;
         if (prefetch) _mm_prefetch((const char *)(wk + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
@@ -174,32 +148,28 @@ INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0
         c##r##0 = _mm256_fmadd_ps(xb, w0, c##r##0), c##r##1 = _mm256_fmadd_ps(xb, w1, c##r##1);  \
     }
         F32_FMA(0) F32_FMA(1) F32_FMA(2) F32_FMA(3) F32_FMA(4) F32_FMA(5)
-    }
-    const int last = k1 == K;
-#define F32_OUT(r) \
-    if (R > r) f32_sums_out(L, y, m0 + r, n0, cols, last, c##r##0, c##r##1)
-    F32_OUT(0); F32_OUT(1); F32_OUT(2); F32_OUT(3); F32_OUT(4); F32_OUT(5);
-#undef F32_IN
 #undef F32_FMA
+    }
+#define F32_OUT(r) \
+    if (R > r) f32_sums_out(L, y, m0 + r, n0, cols, c##r##0, c##r##1)
+    F32_OUT(0); F32_OUT(1); F32_OUT(2); F32_OUT(3); F32_OUT(4); F32_OUT(5);
 #undef F32_OUT
 }
 
-#define TILE_CASES(R_MAX)                                                                          \
-    switch (R) {                                                                                   \
-    case 1: f32_panel_tile(L, x, y, p, m0, 1, k0, k1, pf); break;                                  \
-    case 2: f32_panel_tile(L, x, y, p, m0, 2, k0, k1, pf); break;                                  \
-    case 3: f32_panel_tile(L, x, y, p, m0, 3, k0, k1, pf); break;                                  \
-    case 4: f32_panel_tile(L, x, y, p, m0, 4, k0, k1, pf); break;                                  \
-    case 5: f32_panel_tile(L, x, y, p, m0, 5, k0, k1, pf); break;                                  \
-    default: f32_panel_tile(L, x, y, p, m0, 6, k0, k1, pf); break;                                 \
-    }
-
-/* every row of panel p over inputs [k0, k1), in row tiles while the panel's lines are in cache */
-static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int p, int k0, int k1) {
-    const int T = g_f32_tile;
-    for (int m0 = 0; m0 < M; m0 += T) {
-        const int R = M - m0 < T ? M - m0 : T, pf = m0 == 0;
-        TILE_CASES(6)
+/* every row of panel p, in row tiles of 6 while the panel's lines are in cache (L1 / L2: 36 KB at
+ * K = 576, 98 KB at K = 1536); the first tile prefetches the panel. Blocking K so that a slab stays
+ * in L1 across the tiles, and tiles of 5 rows, measured no faster (docs/performance.md). */
+static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int p) {
+    for (int m0 = 0; m0 < M; m0 += F32_TILE_MAX) {
+        const int pf = m0 == 0;
+        switch (M - m0 < F32_TILE_MAX ? M - m0 : F32_TILE_MAX) {
+        case 1: f32_panel_tile(L, x, y, p, m0, 1, pf); break;
+        case 2: f32_panel_tile(L, x, y, p, m0, 2, pf); break;
+        case 3: f32_panel_tile(L, x, y, p, m0, 3, pf); break;
+        case 4: f32_panel_tile(L, x, y, p, m0, 4, pf); break;
+        case 5: f32_panel_tile(L, x, y, p, m0, 5, pf); break;
+        default: f32_panel_tile(L, x, y, p, m0, 6, pf); break;
+        }
     }
 }
 #endif /* __AVX2__ */
@@ -207,20 +177,15 @@ static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int
 /* panels [p0, p1) of y = x W^T + b on this thread */
 static void f32_panels(const Linear *L, const float *x, int M, float *y, int isa, int p0, int p1) {
     (void)isa;
+    for (int p = p0; p < p1; p++) {
 #ifdef __AVX2__
-    if (isa >= 2) {
-        const int K = L->k, kc = g_f32_kc > 0 ? g_f32_kc : K;
-        if (g_f32_korder == 0) {
-            for (int p = p0; p < p1; p++)
-                for (int k0 = 0; k0 < K; k0 += kc) f32_panel_avx2(L, x, M, y, p, k0, k0 + kc < K ? k0 + kc : K);
-        } else {
-            for (int k0 = 0; k0 < K; k0 += kc)
-                for (int p = p0; p < p1; p++) f32_panel_avx2(L, x, M, y, p, k0, k0 + kc < K ? k0 + kc : K);
+        if (isa >= 2) {
+            f32_panel_avx2(L, x, M, y, p);
+            continue;
         }
-        return;
-    }
 #endif
-    for (int p = p0; p < p1; p++) f32_panel_scalar(L, x, M, y, p);
+        f32_panel_scalar(L, x, M, y, p);
+    }
 }
 
 /* y [M, N] = x [M, K] W^T + b on the fp32 panel layout, any M; panels split over the threads in
