@@ -133,9 +133,11 @@ def f32_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_linear(desc: _Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 -> [M, N] through the native panel GEMV / GEMM (any M)."""
+    """x [M, K] fp32 -> [M, N] through the native panel GEMV / GEMM (any M, 0 included)."""
     x = x.contiguous()
     y = x.new_empty(x.shape[0], desc.n)
+    if x.shape[0] == 0:
+        return y
     status = cpu_kernels.load_kernel().small_linear(
         ctypes.byref(desc), x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()
     )

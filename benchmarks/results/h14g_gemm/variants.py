@@ -18,7 +18,7 @@ import time
 import torch
 
 import kvserve  # noqa: F401  (thread defaults)
-from kvserve.model import cpu_kernels, fused_decode
+from kvserve.model import cpu_kernels
 from kvserve.model.linear import PackedLinear
 
 ap = argparse.ArgumentParser()
@@ -32,7 +32,11 @@ lib = cpu_kernels.load_kernel()
 tune = getattr(lib, "decode_set_f32_tuning", None)
 torch.manual_seed(0)
 shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-mods = [[PackedLinear(torch.randn(o, i) * 0.05, None) for o, i in shapes] for _ in range(args.layers)]
+weights = [[torch.randn(o, i) * 0.05 for o, i in shapes] for _ in range(args.layers)]
+mods = [[PackedLinear(w, None) for w in layer] for layer in weights]
+# oneDNN's blocked copy, as PackedLinear made it before it kept the panels only
+dnn = [[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer] for layer in weights]
+del weights
 threads = torch.get_num_threads()
 
 
@@ -46,13 +50,18 @@ def one_pass(v, xs, ys):
     if v not in ("dnn", "panel"):
         tune(*parse(v))
     t = time.perf_counter()
-    for layer in mods:
-        for (o, i), m in zip(shapes, layer):
+    for layer, dnn_layer in zip(mods, dnn, strict=True):
+        for (o, i), m, packed in zip(shapes, layer, dnn_layer, strict=True):
             if v == "dnn":
-                torch.ops.mkldnn._linear_pointwise(xs[i], m.packed, None, "none", [], "")
+                torch.ops.mkldnn._linear_pointwise(xs[i], packed, None, "none", [], "")
             else:
-                lib.small_linear(ctypes.byref(m._desc), xs[i].data_ptr(), xs[i].shape[0],
-                                 ys[o].data_ptr(), threads)
+                lib.small_linear(
+                    ctypes.byref(m._desc),
+                    xs[i].data_ptr(),
+                    xs[i].shape[0],
+                    ys[o].data_ptr(),
+                    threads,
+                )
     return time.perf_counter() - t
 
 
@@ -71,4 +80,8 @@ for M in args.rows:
     results.append(row)
     print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 if args.json:
-    json.dump({"threads": threads, "layers": args.layers, "gflops": results}, open(args.json, "w"), indent=1)
+    json.dump(
+        {"threads": threads, "layers": args.layers, "gflops": results},
+        open(args.json, "w"),
+        indent=1,
+    )
