@@ -5,8 +5,8 @@ arithmetic (docs/performance.md, "The fused decode step"). `FusedDecoder` descri
 and KV tensors once, as C structs (csrc/decode_step.c), and runs a step of up to `max_rows()`
 single-token rows (`max_step_rows()` when every projection is fp32) with one ctypes call: the GEMVs (on the panel-interleaved fp32 or quantised
 layouts of csrc/decode_step.h, built once at load) split columns over the threads, the small ops and the paged attention
-are the same C functions the per-op path calls. `small_linear` runs one linear the same way (the LM
-head at decode).
+are the same C functions the per-op path calls. `small_linear` runs one linear the same way, any number of rows (every fp32
+`PackedLinear`: the LM head, prefill).
 
 It applies when the C kernels are on (fp32 activations on CPU), every projection has a native layout
 (`PackedLinear` with its fp32 panels, or `QuantLinear` on the panel layout), the KV cache is fp32,
@@ -67,7 +67,7 @@ def max_step_rows() -> int:
 
 def set_f32_max_rows(rows: int) -> None:
     """Cap the rows of an fp32 fused step (1-16; benchmarks and tests compare 16 with 4, where
-    larger batches take the per-op oneDNN path)."""
+    larger batches take the per-op path, one panel GEMM per linear)."""
     cpu_kernels.load_kernel().decode_set_f32_max_rows(rows)
 
 
