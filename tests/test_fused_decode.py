@@ -52,9 +52,26 @@ def test_fp32_small_linear_equals_fp64_product(isa, bias):
             x = torch.randn(m, k, generator=gen)
             expected = x.double() @ w.double().T + (0 if b is None else b.double())
             torch.testing.assert_close(linear(x).double(), expected, atol=1e-5, rtol=1e-5)
-        x = torch.randn(fused_decode.max_rows() + 1, k, generator=gen)  # oneDNN beyond the rows
+        x = torch.randn(3, 40, k, generator=gen)  # a prefill: 120 rows, 3-D, the same GEMM
         torch.testing.assert_close(linear(x).double(), x.double() @ w.double().T +
                                    (0 if b is None else b.double()), atol=1e-4, rtol=1e-4)  # fmt: skip
+
+
+@needs_kernel
+def test_fp32_packed_linear_runs_the_panel_gemm_at_every_row_count_and_keeps_no_onednn_copy(isa):
+    """PackedLinear takes the panel GEMM for decode and prefill alike (it measured at least as fast
+    as oneDNN from 16 to 2048 rows, docs/performance.md), so it holds the panels only."""
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(50, 96, generator=gen), torch.randn(50, generator=gen)
+    linear = PackedLinear(w, b)
+    assert linear.packed is None and linear.panels is not None
+    for shape in [(1, 96), (17, 96), (2, 300, 96), (0, 96)]:
+        x = torch.randn(*shape, generator=gen)
+        got = linear(x)
+        assert got.shape == (*shape[:-1], 50)
+        assert torch.equal(
+            got.reshape(-1, 50), fused_decode.small_linear(linear._desc, x.reshape(-1, 96))
+        )
 
 
 @needs_kernel
@@ -63,8 +80,7 @@ def test_fp32_small_linear_equals_fp64_product(isa, bias):
 def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
     """The fp32 panel GEMV / GEMM (csrc/decode_step.c) against an fp64 product within the bound of
     recursive summation, for N not a multiple of the 16-column panel (1, 37, 50) and odd K (1, 77,
-    129), 1-4 rows (one pass; PackedLinear's decode path) and 5, 7, 16 rows (row tiles, through
-    small_linear); and the scalar path gives the same bits as the AVX2 one (one fmaf per input, in
+    129), 1-4 rows (one tile) and 5, 7, 16, 40 rows (row tiles of 6 and their remainders); and the scalar path gives the same bits as the AVX2 one (one fmaf per input, in
     order, then the bias)."""
     gen = torch.Generator().manual_seed(5)
     for n, k in [(1, 1), (37, 77), (50, 129), (64, 576)]:
@@ -72,12 +88,11 @@ def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
         b = torch.randn(n, generator=gen) if bias else None
         linear = PackedLinear(w, b)
         assert linear.panels.shape == (-(-n // 16), k, 16)
-        for m in [*range(1, fused_decode.max_rows() + 1), 5, 7, 16]:
+        for m in [*range(1, fused_decode.max_rows() + 1), 5, 7, 16, 40]:
             x = torch.randn(m, k, generator=gen)
             expected = x.double() @ w.double().T + (0 if b is None else b.double())
             got = fused_decode.small_linear(linear._desc, x)
-            if m <= fused_decode.max_rows():
-                assert torch.equal(linear(x), got)  # the module's decode path is this GEMV
+            assert torch.equal(linear(x), got)  # the module runs this GEMM at any row count
             # recursive summation: |error| <= K u sum |x w| (+ the bias add's rounding), u = 2^-24
             bound = (k + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T + expected.abs())
             assert ((got.double() - expected).abs() <= bound + 1e-12).all(), f"{n}x{k}, {m} rows"

@@ -5,8 +5,8 @@ arithmetic (docs/performance.md, "The fused decode step"). `FusedDecoder` descri
 and KV tensors once, as C structs (csrc/decode_step.c), and runs a step of up to `max_rows()`
 single-token rows (`max_step_rows()` when every projection is fp32) with one ctypes call: the GEMVs (on the panel-interleaved fp32 or quantised
 layouts of csrc/decode_step.h, built once at load) split columns over the threads, the small ops and the paged attention
-are the same C functions the per-op path calls. `small_linear` runs one linear the same way (the LM
-head at decode).
+are the same C functions the per-op path calls. `small_linear` runs one linear the same way, any number of rows (every fp32
+`PackedLinear`: the LM head, prefill).
 
 It applies when the C kernels are on (fp32 activations on CPU), every projection has a native layout
 (`PackedLinear` with its fp32 panels, or `QuantLinear` on the panel layout), the KV cache is fp32,
@@ -67,7 +67,7 @@ def max_step_rows() -> int:
 
 def set_f32_max_rows(rows: int) -> None:
     """Cap the rows of an fp32 fused step (1-16; benchmarks and tests compare 16 with 4, where
-    larger batches take the per-op oneDNN path)."""
+    larger batches take the per-op path, one panel GEMM per linear)."""
     cpu_kernels.load_kernel().decode_set_f32_max_rows(rows)
 
 
@@ -133,9 +133,11 @@ def f32_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_linear(desc: _Linear, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 -> [M, N] through the native panel GEMV / GEMM (any M)."""
+    """x [M, K] fp32 -> [M, N] through the native panel GEMV / GEMM (any M, 0 included)."""
     x = x.contiguous()
     y = x.new_empty(x.shape[0], desc.n)
+    if x.shape[0] == 0:
+        return y
     status = cpu_kernels.load_kernel().small_linear(
         ctypes.byref(desc), x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()
     )

@@ -12,7 +12,9 @@ memory and the GEMM kernel decides how close it gets to the bandwidth bound. Mea
 MKL's sgemm is 2-3x off the bound for 2-16 rows; oneDNN with the weight reordered once into its blocked
 layout stays near it (2-7x faster than the other two there, 1.1-1.5x for prefill-sized row counts). So on
 CPU every linear becomes `PackedLinear` where torch ships oneDNN (x86 builds do), else `TransposedLinear`,
-which is the fastest plain layout for one row. Accelerators keep `nn.Linear`.
+which is the fastest plain layout for one row. Accelerators keep `nn.Linear`. Where the C kernels build,
+`PackedLinear` runs the native fp32 panel GEMM instead of oneDNN at every row count (it measured 1.0-1.5x
+oneDNN from 16 to 2048 rows; docs/performance.md, "The fp32 panel GEMM").
 """
 
 from __future__ import annotations
@@ -48,31 +50,38 @@ def onednn_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b through oneDNN, with W reordered once into oneDNN's blocked layout (an opaque
-    tensor held as a plain attribute: it is not a parameter and has no state_dict entry).
+    """y = x W^T + b with W laid out once for a packed CPU kernel.
 
-    Where the C kernels build, W is also laid out once as fp32 panels (`panels`, csrc/decode_step.h:
-    16 output columns interleaved per input, so a thread streams its columns sequentially): inputs of
-    at most `fused_decode.max_rows()` rows (decode) run the native GEMV on it, which has no per-call
-    setup (oneDNN's costs ~35 us a call), and the fused decode step reads it. The panels replace the
-    row-major copy kept before (the same bytes; N padded to a multiple of 16). Beyond 4 rows oneDNN
-    is faster (the LM head at 16 rows: 9.5 vs 15 ms), so it stays."""
+    Where the C kernels build, W is laid out as fp32 panels (`panels`, csrc/decode_step.h: 16
+    output columns interleaved per input, N padded to a multiple of 16) and every fp32 input runs
+    the native panel GEMM on them (`fused_decode.small_linear`, any number of rows); the fused
+    decode step reads the same panels. It has no per-call setup (oneDNN's costs ~35 us a call) and
+    measured at least as fast as oneDNN's packed GEMM from 1 to 2048 rows on this project's AVX2
+    machine (1.0-1.5x; docs/performance.md, "The fp32 panel GEMM"), so oneDNN's copy of W is not
+    kept. Without the C kernels (or for other dtypes) W is reordered once into oneDNN's blocked
+    layout (`packed`, an opaque tensor held as a plain attribute: no state_dict entry)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
         self.bias = None if bias is None else bias.detach()
-        self.small_rows = fused_decode.max_rows()
-        self.panels = fused_decode.f32_panels(weight) if self.small_rows else None  # [P, in, 16]
+        use_panels = fused_decode.max_rows() > 0 and weight.dtype == torch.float32
+        self.panels = fused_decode.f32_panels(weight) if use_panels else None  # [P, in, 16]
+        self.packed = (
+            None
+            if use_panels
+            else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
+        )
         self._desc = None
         if self.panels is not None:
             self._keep: list = []
             self._desc = fused_decode.linear_descriptor(self, self._keep)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows and x.dtype == torch.float32:
-            return fused_decode.small_linear(self._desc, x)  # [M, in] -> [M, out]
+        if self._desc is not None:
+            rows = x.reshape(-1, self.in_features).float()  # [..., in] -> [M, in]
+            y = fused_decode.small_linear(self._desc, rows)  # [M, out]
+            return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

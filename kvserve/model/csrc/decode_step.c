@@ -113,45 +113,62 @@ static void f32_panel_scalar(const Linear *L, const float *x, int M, float *y, i
 #ifdef __AVX2__
 #define INL static inline __attribute__((always_inline))
 #define F32_PREFETCH_LINES 16 /* software prefetch distance: inputs (64-byte lines) ahead */
+#define F32_TILE_MAX 6        /* rows of the largest register tile */
 
-/* R rows (1-4) of one panel: 2 accumulators (8 columns each) per row; the panel's lines are read once
- * for the R rows. */
-INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0, const int R) {
+/* store row m's sums with the bias added */
+INL void f32_sums_out(const Linear *L, float *y, int m, int n0, int cols, __m256 a0, __m256 a1) {
+    float *yr = y + (int64_t)m * L->n + n0;
+    if (cols == FPANEL && !L->bias) {
+        _mm256_storeu_ps(yr, a0), _mm256_storeu_ps(yr + 8, a1);
+        return;
+    }
+    float sums[FPANEL];
+    _mm256_storeu_ps(sums, a0), _mm256_storeu_ps(sums + 8, a1);
+    for (int c = 0; c < cols; c++) yr[c] = sums[c] + (L->bias ? L->bias[n0 + c] : 0.f);
+}
+
+/* R rows (1-6) of one panel: 2 accumulators (8 columns each) per row, 12 at R = 6 (2 FMA pipes of
+ * latency 4 need >= 8 independent sums). They are named variables, not an array: gcc 12 kept an
+ * array of accumulators in memory and stored every one of them on every input, so the loop ran at
+ * the store port's rate, half the FMA pipes'. The panel's lines are read once for the R rows. */
+INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0, const int R,
+                        int prefetch) {
     const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
     const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
     const float *xr = x + (int64_t)m0 * K;
-    __m256 acc[DECODE_MAX_ROWS][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+    c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
         const float *wk = wp + (int64_t)k * FPANEL;
-        _mm_prefetch((const char *)(wk + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
+        if (prefetch) _mm_prefetch((const char *)(wk + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
-        for (int r = 0; r < R; r++) {
-            const __m256 xb = _mm256_broadcast_ss(xr + (int64_t)r * K + k);
-            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
-        }
+#define F32_FMA(r)                                                                                 \
+    if (R > r) {                                                                                   \
+        const __m256 xb = _mm256_broadcast_ss(xr + (int64_t)(r) * K + k);                          \
+        c##r##0 = _mm256_fmadd_ps(xb, w0, c##r##0), c##r##1 = _mm256_fmadd_ps(xb, w1, c##r##1);  \
     }
-    for (int r = 0; r < R; r++) {
-        float *yr = y + (int64_t)(m0 + r) * L->n + n0;
-        if (cols == FPANEL && !L->bias) {
-            _mm256_storeu_ps(yr, acc[r][0]), _mm256_storeu_ps(yr + 8, acc[r][1]);
-            continue;
-        }
-        float sums[FPANEL];
-        _mm256_storeu_ps(sums, acc[r][0]), _mm256_storeu_ps(sums + 8, acc[r][1]);
-        for (int c = 0; c < cols; c++) yr[c] = sums[c] + (L->bias ? L->bias[n0 + c] : 0.f);
+        F32_FMA(0) F32_FMA(1) F32_FMA(2) F32_FMA(3) F32_FMA(4) F32_FMA(5)
+#undef F32_FMA
     }
+#define F32_OUT(r) \
+    if (R > r) f32_sums_out(L, y, m0 + r, n0, cols, c##r##0, c##r##1)
+    F32_OUT(0); F32_OUT(1); F32_OUT(2); F32_OUT(3); F32_OUT(4); F32_OUT(5);
+#undef F32_OUT
 }
 
-/* every row of panel p, in row tiles of 4 while the panel is in cache */
+/* every row of panel p, in row tiles of 6 while the panel's lines are in cache (L1 / L2: 36 KB at
+ * K = 576, 98 KB at K = 1536); the first tile prefetches the panel. Blocking K so that a slab stays
+ * in L1 across the tiles, and tiles of 5 rows, measured no faster (docs/performance.md). */
 static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int p) {
-    for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
-        switch (M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS) {
-        case 1: f32_panel_tile(L, x, y, p, m0, 1); break;
-        case 2: f32_panel_tile(L, x, y, p, m0, 2); break;
-        case 3: f32_panel_tile(L, x, y, p, m0, 3); break;
-        default: f32_panel_tile(L, x, y, p, m0, 4); break;
+    for (int m0 = 0; m0 < M; m0 += F32_TILE_MAX) {
+        const int pf = m0 == 0;
+        switch (M - m0 < F32_TILE_MAX ? M - m0 : F32_TILE_MAX) {
+        case 1: f32_panel_tile(L, x, y, p, m0, 1, pf); break;
+        case 2: f32_panel_tile(L, x, y, p, m0, 2, pf); break;
+        case 3: f32_panel_tile(L, x, y, p, m0, 3, pf); break;
+        case 4: f32_panel_tile(L, x, y, p, m0, 4, pf); break;
+        case 5: f32_panel_tile(L, x, y, p, m0, 5, pf); break;
+        default: f32_panel_tile(L, x, y, p, m0, 6, pf); break;
         }
     }
 }
@@ -175,8 +192,11 @@ static void f32_panels(const Linear *L, const float *x, int M, float *y, int isa
  * contiguous ranges (each thread streams its part of the weight once). */
 static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
     const int num_panels = (L->n + FPANEL - 1) / FPANEL;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int p = 0; p < num_panels; p++) f32_panels(L, x, M, y, isa, p, p + 1);
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+    {
+        const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        f32_panels(L, x, M, y, isa, num_panels * tid / nt, num_panels * (tid + 1) / nt);
+    }
 }
 
 /* ---- one linear: y [M, N] = x [M, K] W^T + b, output columns split over the threads ---------------- */
@@ -197,6 +217,10 @@ static int max_int(int a, int b) { return a > b ? a : b; }
  * (PackedLinear takes it for at most DECODE_MAX_ROWS: oneDNN is faster beyond). 0 on success. */
 int small_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
     if (M < 1) return -1;
+    if (L->kind == LIN_F32) {
+        f32_linear(L, x, M, y, decode_isa(), num_threads);
+        return 0;
+    }
     Acts a = {0};
     if (!alloc_acts(&a, M, L->kind == LIN_F32 ? QBLOCK : L->kp)) {
         free_acts(&a);
