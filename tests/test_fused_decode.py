@@ -59,19 +59,24 @@ def test_fp32_small_linear_equals_fp64_product(isa, bias):
 
 @needs_kernel
 def test_fp32_packed_linear_runs_the_panel_gemm_at_every_row_count_and_keeps_no_onednn_copy(isa):
-    """PackedLinear takes the panel GEMM for decode and prefill alike (it measured at least as fast
-    as oneDNN from 16 to 2048 rows, docs/performance.md), so it holds the panels only."""
+    """With AVX2, PackedLinear takes the panel GEMM for decode and prefill alike (it measured at
+    least as fast as oneDNN from 16 to 2048 rows, docs/performance.md), so it holds the panels only.
+    On the portable loops (~40x slower than oneDNN at prefill sizes) the panels take the decode
+    rows and oneDNN's copy the rest."""
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(50, 96, generator=gen), torch.randn(50, generator=gen)
     linear = PackedLinear(w, b)
-    assert linear.packed is None and linear.panels is not None
-    for shape in [(1, 96), (17, 96), (2, 300, 96), (0, 96)]:
+    assert linear.panels is not None
+    assert (linear.packed is None) == (isa == "avx2")
+    for shape in [(1, 96), (4, 96), (17, 96), (2, 300, 96), (0, 96)]:
         x = torch.randn(*shape, generator=gen)
         got = linear(x)
         assert got.shape == (*shape[:-1], 50)
-        assert torch.equal(
-            got.reshape(-1, 50), fused_decode.small_linear(linear._desc, x.reshape(-1, 96))
-        )
+        panel = fused_decode.small_linear(linear._desc, x.reshape(-1, 96)).reshape(got.shape)
+        if isa == "avx2" or (len(shape) == 2 and shape[0] <= fused_decode.max_rows()):
+            assert torch.equal(got, panel)
+        else:  # oneDNN
+            torch.testing.assert_close(got, panel, atol=1e-4, rtol=1e-4)
 
 
 @needs_kernel
@@ -92,7 +97,8 @@ def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
             x = torch.randn(m, k, generator=gen)
             expected = x.double() @ w.double().T + (0 if b is None else b.double())
             got = fused_decode.small_linear(linear._desc, x)
-            assert torch.equal(linear(x), got)  # the module runs this GEMM at any row count
+            if isa == "avx2" or m <= fused_decode.max_rows():  # beyond: oneDNN on the scalar ISA
+                assert torch.equal(linear(x), got)  # the module runs this GEMM at any row count
             # recursive summation: |error| <= K u sum |x w| (+ the bias add's rounding), u = 2^-24
             bound = (k + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T + expected.abs())
             assert ((got.double() - expected).abs() <= bound + 1e-12).all(), f"{n}x{k}, {m} rows"

@@ -6,6 +6,7 @@ copies, not the checkpoint, the packed copies and the panels of the whole model 
 peak for a 7B fp32 model before this was fixed)."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -106,3 +107,26 @@ def test_a_quantised_checkpoint_loads_without_an_fp32_copy_of_its_linears(
     assert "QuantLinear" in kinds
     if fused_decode.max_rows() or kernels_available():  # else the stand-in kernel dequantises
         assert calls == []
+
+
+def _maps_of(path) -> list[str]:
+    return [line for line in open("/proc/self/maps") if str(path) in line]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("quantization", [None, "linear=int8,head=int8"])
+def test_the_checkpoint_file_is_not_kept_mapped_once_loaded(tmp_path, quantization):
+    """A norm left as a view of the memory-mapped safetensors file kept the whole mapping, and every
+    page read from it while loading, resident (515 MB of RSS for a 540 MB fp32 checkpoint); with
+    grad on, quantising at load also kept each fp32 weight alive through its scales' autograd
+    graph. Both are gone: the model owns what it holds, and nothing in it records a graph."""
+    build_checkpoint(tmp_path, "llama_tied", num_hidden_layers=2)
+    files = list(tmp_path.glob("*.safetensors"))
+    assert files
+    llm = LLM(str(tmp_path), kv_cache_memory_bytes=8 << 20, quantization=quantization)
+    model = llm.engine.runner.model
+    gc.collect()
+    assert [m for f in files for m in _maps_of(f)] == []
+    tensors = [t for m in model.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+    tensors += list(model.parameters())
+    assert not any(t.requires_grad or t.grad_fn is not None for t in tensors)

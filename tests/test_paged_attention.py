@@ -147,6 +147,27 @@ def test_a_context_longer_than_its_block_table_row_is_refused():
         cpu_attention(q, cache, dataclasses.replace(meta, single=short), 0.125)
 
 
+@needs_kernel
+def test_a_column_slice_of_a_wider_block_table_reads_each_rows_own_blocks():
+    """The kernel steps rows by the table's width: a non-contiguous slice (rows 6 apart, 3 wide)
+    read row 1 from row 0's tail before the wrapper made it contiguous."""
+    from kvserve.model import cpu_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 10, 16, 1, 16, generator=gen)  # [blocks, block, kv heads, head dim]
+    full = torch.tensor([[1, 2, 7, 8, 9, 0], [3, 4, 5, 6, 0, 0]], dtype=torch.int32)
+    context = torch.tensor([40, 40], dtype=torch.int32)
+    q = torch.randn(2, 2, 16, generator=gen)
+    sliced, packed = torch.empty(2, 2, 16), torch.empty(2, 2, 16)
+    cpu_kernels.paged_decode(q, k, v, None, None, "float", full[:, :3], context, 0.25, sliced)
+    cpu_kernels.paged_decode(
+        q, k, v, None, None, "float", full[:, :3].clone(), context, 0.25, packed
+    )
+    assert torch.equal(sliced, packed)
+    with pytest.raises(TypeError, match="int32"):
+        cpu_kernels.paged_decode(q, k, v, None, None, "float", full.long(), context, 0.25, packed)
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantise_round_trip(kind):
     values = torch.randn(7, 3, 64) * torch.tensor([1e-3, 1.0, 50.0])[None, :, None]

@@ -124,6 +124,29 @@ def code_table(kind: str) -> torch.Tensor:
     return codes.view(dtype).float()
 
 
+def table_args(
+    block_table: torch.Tensor, context_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table and context lengths as the C kernels read them: int32, rows back to back
+    (they step rows by the table's width; a column slice of a wider table would be misread)."""
+    if block_table.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError(
+            f"block table and context lengths must be int32, not {block_table.dtype} and "
+            f"{context_lens.dtype}"
+        )
+    return block_table.contiguous(), context_lens.contiguous()
+
+
+def context_error(
+    context_lens: torch.Tensor, block_table: torch.Tensor, block_size: int
+) -> ValueError:
+    """The kernels' status -3."""
+    return ValueError(
+        f"a context length in {context_lens.tolist()} is negative or exceeds the block table's "
+        f"{block_table.shape[1]} blocks x {block_size} positions"
+    )
+
+
 def paged_decode(
     q: torch.Tensor,  # [B, num_heads, head_dim] fp32, heads contiguous (rows may be strided)
     k: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32 or uint8 codes
@@ -138,6 +161,7 @@ def paged_decode(
 ) -> None:
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k.shape
+    block_table, context_lens = table_args(block_table, context_lens)
     lut = None if kind == "float" else code_table(kind)
     status = load_kernel().paged_decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
@@ -149,10 +173,7 @@ def paged_decode(
         scale, torch.get_num_threads(),
     )  # fmt: skip
     if status == -3:
-        raise ValueError(
-            f"a context length in {context_lens.tolist()} is negative or exceeds the block table's "
-            f"{block_table.shape[1]} blocks x {block_size} positions"
-        )
+        raise context_error(context_lens, block_table, block_size)
     if status != 0:
         raise ValueError(
             f"paged attention kernel refused the shapes (status {status}): {num_heads} heads, "

@@ -209,11 +209,14 @@ class FusedDecoder:
         """-> [M, hidden_size]: the final norm of the residual stream after every layer."""
         out = hidden.float().contiguous().clone()
         cos, sin = cos.contiguous(), sin.contiguous()
+        block_table, context_lens = cpu_kernels.table_args(block_table, context_lens)
         status = cpu_kernels.load_kernel().decode_layers(
             ctypes.byref(self.model_struct), out.data_ptr(), out.shape[0], cos.data_ptr(),
             sin.data_ptr(), slot_mapping.data_ptr(), block_table.data_ptr(), block_table.shape[1],
             context_lens.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
+        if status == -3:
+            raise cpu_kernels.context_error(context_lens, block_table, self.model_struct.block_size)
         if status != 0:
             raise RuntimeError(f"fused decode step failed (status {status})")
         self.num_steps += 1

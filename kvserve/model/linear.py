@@ -67,9 +67,14 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         use_panels = fused_decode.max_rows() > 0 and weight.dtype == torch.float32
         self.panels = fused_decode.f32_panels(weight) if use_panels else None  # [P, in, 16]
+        # the portable loops (a CPU without AVX2) are ~40x slower than oneDNN at prefill sizes:
+        # there the panels take decode rows only, and oneDNN's copy stays for the rest
+        self.small_rows = (
+            0 if not use_panels else -1 if fused_decode.isa() == "avx2" else fused_decode.max_rows()
+        )  # -1: every row count
         self.packed = (
             None
-            if use_panels
+            if self.small_rows == -1
             else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
         )
         self._desc = None
@@ -78,7 +83,9 @@ class PackedLinear(nn.Module):
             self._desc = fused_decode.linear_descriptor(self, self._keep)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._desc is not None:
+        if self._desc is not None and (
+            self.small_rows == -1 or (x.dim() == 2 and x.shape[0] <= self.small_rows)
+        ):
             rows = x.reshape(-1, self.in_features).float()  # [..., in] -> [M, in]
             y = fused_decode.small_linear(self._desc, rows)  # [M, out]
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

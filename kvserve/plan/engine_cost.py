@@ -259,7 +259,9 @@ class EngineCost:
             head = category in ("embed", "head") and name in heads  # the head module itself
             if head:
                 rate = heads[name]
-            # fp32 changes kernel above `small_rows` (GEMV -> oneDNN) on the per-op path; the fused
+            # in profiles measured before fp32 ran the panel GEMM at every row count, fp32 changed
+            # kernel above `small_rows` (GEMV -> oneDNN) on the per-op path (today one kernel on
+            # both sides: the split only uses fewer points); the fused
             # step keeps the panel GEMV up to its rows (`linear-fused:fp32`; without those points
             # the small-row rate held); int8 / int4 run the panel GEMV at every row count
             boundary = self.small_rows if name in FP32_KERNEL else 0

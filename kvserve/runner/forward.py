@@ -28,7 +28,7 @@ def forward_chunks(
 ) -> torch.Tensor:
     """`chunks`: (start position, token ids, block ids) per request, in batch order. Writes their K/V into
     `kv_caches` and returns logits [len(logit_rows), V] for the given flat rows (None: every row)."""
-    if device.type == "cpu" and chunks and all(len(ids) == 1 for _, ids, _ in chunks):
+    if torch.device(device).type == "cpu" and chunks and all(len(ids) == 1 for _, ids, _ in chunks):
         ids_t, positions_t, meta = _decode_inputs(chunks, block_size)
     else:
         input_ids: list[int] = []

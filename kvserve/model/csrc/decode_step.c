@@ -325,12 +325,10 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
     int status = 0;
     float *parts = NULL;
     AttnWork work; /* the attention of layer 0; each layer points it at its own cache */
-    if (attention_setup(&work, qkv, mdl->layers[0].k_cache, mdl->layers[0].v_cache, NULL, NULL, NULL,
-                        block_table, context_lens, attn, qkv_width, M, H, KVH, Dh, mdl->block_size,
-                        max_blocks, mdl->scale, num_threads) != 0) {
-        status = -1;
-        goto done;
-    }
+    status = attention_setup(&work, qkv, mdl->layers[0].k_cache, mdl->layers[0].v_cache, NULL, NULL,
+                             NULL, block_table, context_lens, attn, qkv_width, M, H, KVH, Dh,
+                             mdl->block_size, max_blocks, mdl->scale, num_threads);
+    if (status != 0) goto done; /* -3: a context past its block-table row (as the forking call) */
     parts = malloc(sizeof(float) * attention_parts_floats(&work));
     if (!qkv || !attn || !gate_up || !own || !acts || !parts) {
         status = -2;
