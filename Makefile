@@ -29,8 +29,11 @@ chromium:
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || \
 	  echo "make: chromium is not installed (apt-get install chromium); the browser tests will skip"
 
+# Two workers, each module's tests on one of them (its module-scoped servers start once); TEST_WORKERS=0
+# runs them in this process, one after another.
+TEST_WORKERS ?= 2
 test: install chromium
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 lint: install
 	$(BIN)/ruff check kvserve tests benchmarks tools
