@@ -29,13 +29,13 @@ PROMPT = [(i * 37 + 11) % 250 + 3 for i in range(40)]
 QUANT_FORMATS = ["int8", "int4-g32", "int4-g128-zp", "int4", "w8a8", "w8a8-pt", "int8-g128"]
 
 
-@pytest.fixture(params=["avx2", "scalar"])
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
 def isa(request):
-    if request.param == "avx2" and fused_decode.isa() != "avx2":
-        pytest.skip("this CPU has no AVX2")
+    if request.param not in fused_decode.available_isas():
+        pytest.skip(f"this CPU (or build) has no {request.param}")
     fused_decode.set_max_isa(request.param)
     yield request.param
-    fused_decode.set_max_isa("avx2")
+    fused_decode.reset_isa()
 
 
 @needs_kernel
@@ -67,13 +67,13 @@ def test_fp32_packed_linear_runs_the_panel_gemm_at_every_row_count_and_keeps_no_
     w, b = torch.randn(50, 96, generator=gen), torch.randn(50, generator=gen)
     linear = PackedLinear(w, b)
     assert linear.panels is not None
-    assert (linear.packed is None) == (isa == "avx2")
+    assert (linear.packed is None) == (isa != "scalar")
     for shape in [(1, 96), (4, 96), (17, 96), (2, 300, 96), (0, 96)]:
         x = torch.randn(*shape, generator=gen)
         got = linear(x)
         assert got.shape == (*shape[:-1], 50)
         panel = fused_decode.small_linear(linear._desc, x.reshape(-1, 96)).reshape(got.shape)
-        if isa == "avx2" or (len(shape) == 2 and shape[0] <= fused_decode.max_rows()):
+        if isa != "scalar" or (len(shape) == 2 and shape[0] <= fused_decode.max_rows()):
             assert torch.equal(got, panel)
         else:  # oneDNN
             torch.testing.assert_close(got, panel, atol=1e-4, rtol=1e-4)
@@ -85,10 +85,11 @@ def test_fp32_packed_linear_runs_the_panel_gemm_at_every_row_count_and_keeps_no_
 def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
     """The fp32 panel GEMV / GEMM (csrc/decode_step.c) against an fp64 product within the bound of
     recursive summation, for N not a multiple of the 16-column panel (1, 37, 50) and odd K (1, 77,
-    129), 1-4 rows (one tile) and 5, 7, 16, 40 rows (row tiles of 6 and their remainders); and the scalar path gives the same bits as the AVX2 one (one fmaf per input, in
-    order, then the bias)."""
+    129), 1-4 rows (one tile) and 5, 7, 16, 40 rows (row tiles of 6 and their remainders), 13 panels
+    (200: the AVX-512 tiles of 4, 2 and 1 panels side by side); and the scalar path gives the same
+    bits as the vector ones (one fmaf per input, in order, then the bias)."""
     gen = torch.Generator().manual_seed(5)
-    for n, k in [(1, 1), (37, 77), (50, 129), (64, 576)]:
+    for n, k in [(1, 1), (37, 77), (50, 129), (64, 576), (200, 33)]:
         w = torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen) if bias else None
         linear = PackedLinear(w, b)
@@ -97,7 +98,7 @@ def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
             x = torch.randn(m, k, generator=gen)
             expected = x.double() @ w.double().T + (0 if b is None else b.double())
             got = fused_decode.small_linear(linear._desc, x)
-            if isa == "avx2" or m <= fused_decode.max_rows():  # beyond: oneDNN on the scalar ISA
+            if isa != "scalar" or m <= fused_decode.max_rows():  # beyond: oneDNN on the scalar ISA
                 assert torch.equal(linear(x), got)  # the module runs this GEMM at any row count
             # recursive summation: |error| <= K u sum |x w| (+ the bias add's rounding), u = 2^-24
             bound = (k + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T + expected.abs())
@@ -105,7 +106,7 @@ def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
             fused_decode.set_max_isa("scalar")
             scalar = fused_decode.small_linear(linear._desc, x)
             fused_decode.set_max_isa(isa)
-            assert torch.equal(got, scalar), f"{n}x{k}, {m} rows: AVX2 and scalar differ"
+            assert torch.equal(got, scalar), f"{n}x{k}, {m} rows: {isa} and scalar differ"
 
 
 @needs_kernel
@@ -145,7 +146,7 @@ def test_quantised_gemv_equals_the_dequantised_reference(isa, fmt, n, k):
             fused_decode.set_max_isa("scalar")
             scalar = linear(x)
             fused_decode.set_max_isa(isa)
-            assert torch.equal(got, scalar), f"{fmt}, {m} rows: AVX2 and scalar differ"
+            assert torch.equal(got, scalar), f"{fmt}, {m} rows: {isa} and scalar differ"
 
 
 @needs_kernel

@@ -47,19 +47,19 @@ def _filled_cache(kind: str, contexts: list[int], block_size: int = 16):
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
 def test_cpu_kernel_equals_torch_backend(kind, isa):
     """Both kernels (the AVX2 one with its vector exp, fp32 caches; the portable loops) chosen at run
     time by decode_isa()."""
     assert kernel_available()
-    if isa == "avx2" and fused_decode.isa() != "avx2":
-        pytest.skip("this CPU has no AVX2")
+    if isa not in fused_decode.available_isas():
+        pytest.skip(f"this CPU (or build) has no {isa}")
     fused_decode.set_max_isa(isa)
     try:
         _kernel_equals_torch_backend(kind)
     finally:
-        fused_decode.set_max_isa("avx2")
+        fused_decode.reset_isa()
 
 
 def _kernel_equals_torch_backend(kind):
@@ -71,13 +71,13 @@ def _kernel_equals_torch_backend(kind):
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 def test_a_nan_in_the_cache_or_query_reaches_the_output_as_in_torch(isa):
     """A NaN score must not be hidden (the AVX2 max once returned its finite operand): the row whose
     cache or query holds a NaN comes out NaN in every kernel, as torch's softmax gives; the others
     stay finite. Contexts of one split and of several (the merge)."""
-    if isa == "avx2" and fused_decode.isa() != "avx2":
-        pytest.skip("this CPU has no AVX2")
+    if isa not in fused_decode.available_isas():
+        pytest.skip(f"this CPU (or build) has no {isa}")
     cache, meta = _filled_cache("auto", [40, 600, 40])
     q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(2))
     q[2, 0, 5] = float("nan")  # row 2: query head 0 (kv head 0)
@@ -88,19 +88,19 @@ def test_a_nan_in_the_cache_or_query_reaches_the_output_as_in_torch(isa):
     try:
         out = cpu_attention(q, cache, meta, 0.125)  # [3, 9, 64]
     finally:
-        fused_decode.set_max_isa("avx2")
+        fused_decode.reset_isa()
     expected = torch_attention(q, cache, meta, 0.125)
     assert torch.equal(out.isnan(), expected.isnan())
     assert out.isnan().flatten(1).any(dim=-1).tolist() == [True, True, True]
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 def test_the_cut_into_items_does_not_change_the_bits(isa):
     """The thread count picks the cut (all kv heads per item; one kv head; q-head chunks of one): a
     row's numbers must not depend on it."""
-    if isa == "avx2" and fused_decode.isa() != "avx2":
-        pytest.skip("this CPU has no AVX2")
+    if isa not in fused_decode.available_isas():
+        pytest.skip(f"this CPU (or build) has no {isa}")
     cache, meta = _filled_cache("auto", [600])
     q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()
@@ -112,7 +112,7 @@ def test_the_cut_into_items_does_not_change_the_bits(isa):
             outs.append(cpu_attention(q, cache, meta, 0.125))
     finally:
         torch.set_num_threads(threads)
-        fused_decode.set_max_isa("avx2")
+        fused_decode.reset_isa()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     torch.testing.assert_close(
         outs[0], torch_attention(q, cache, meta, 0.125), atol=1e-5, rtol=1e-5

@@ -96,6 +96,7 @@ def load_kernel() -> ctypes.CDLL | None:
         "silu_mul": ([_PTR, _PTR, _INT, _INT, _INT], None),
         # decode_step.c (model/fused_decode.py)
         "decode_isa": ([], _INT),
+        "decode_cpu_isa": ([], _INT),
         "decode_set_max_isa": ([_INT], None),
         "decode_set_team_step": ([_INT], None),
         "decode_team_steps": ([], ctypes.c_int64),

@@ -25,7 +25,7 @@ from kvserve.model import cpu_kernels
 _PTR, _INT, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _LIN_F32, _LIN_Q8, _LIN_Q4 = 0, 1, 2
 FPANEL = 16  # output columns per panel of the fp32 layout (csrc/decode_step.h)
-ISA_NAMES = {2: "avx2", 0: "scalar"}
+ISA_NAMES = {3: "avx512", 2: "avx2", 0: "scalar"}  # 3: AVX-512 F/BW/VL with VNNI
 
 
 class _Linear(ctypes.Structure):
@@ -72,15 +72,32 @@ def set_f32_max_rows(rows: int) -> None:
 
 
 def isa() -> str:
-    """The instruction set the fused kernels run on: "avx2" or "scalar" ("unavailable": no build)."""
+    """The instruction set the fused kernels run on: "avx512", "avx2" or "scalar" ("unavailable": no
+    build). Chosen at run time by what this CPU reports (csrc/decode_step.c decode_isa)."""
     library = cpu_kernels.load_kernel()
     return "unavailable" if library is None else ISA_NAMES[int(library.decode_isa())]
 
 
+def available_isas() -> list[str]:
+    """The instruction sets this CPU and build can run, best first (each lower one is a fallback that
+    tests force with `set_max_isa`): e.g. ["avx512", "avx2", "scalar"]; [] without the library."""
+    library = cpu_kernels.load_kernel()
+    if library is None:
+        return []
+    best = int(library.decode_cpu_isa())
+    return [name for level, name in ISA_NAMES.items() if level <= best]
+
+
 def set_max_isa(name: str) -> None:
-    """Cap the fused kernels' instruction set ("avx2" or "scalar"): tests run the fallback this way."""
+    """Cap the fused kernels' instruction set ("avx512", "avx2" or "scalar"; a cap above what the CPU
+    has runs the best it has): tests run the fallbacks this way."""
     level = {v: k for k, v in ISA_NAMES.items()}[name]
     cpu_kernels.load_kernel().decode_set_max_isa(level)
+
+
+def reset_isa() -> None:
+    """Lift the cap: the best instruction set this CPU has."""
+    set_max_isa("avx512")
 
 
 def set_team_step(enabled: bool) -> None:

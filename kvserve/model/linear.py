@@ -70,7 +70,7 @@ class PackedLinear(nn.Module):
         # the portable loops (a CPU without AVX2) are ~40x slower than oneDNN at prefill sizes:
         # there the panels take decode rows only, and oneDNN's copy stays for the rest
         self.small_rows = (
-            0 if not use_panels else -1 if fused_decode.isa() == "avx2" else fused_decode.max_rows()
+            0 if not use_panels else -1 if fused_decode.isa() != "scalar" else fused_decode.max_rows()
         )  # -1: every row count
         self.packed = (
             None

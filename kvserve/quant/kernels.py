@@ -84,12 +84,13 @@ def served_kernel_isa() -> str:
 
 
 def set_max_isa(name: str) -> None:
-    """Cap the kernels' instruction set ("avx2" or "scalar"): tests run the fallback this way. The
-    small-row GEMVs quantised linears take for a few rows (model/fused_decode.py) follow the cap."""
+    """Cap the kernels' instruction set ("avx512", "avx2" or "scalar"; this extension has no AVX-512
+    path, so "avx512" leaves it on AVX2): tests run the fallbacks this way. The panel GEMVs quantised
+    linears take (model/fused_decode.py) follow the cap."""
     from kvserve.model import fused_decode
 
     kernels_available()
-    level = {v: k for k, v in ISA_NAMES.items()}[name]
+    level = {v: k for k, v in ISA_NAMES.items()}[name if name != "avx512" else "avx2"]
     torch.ops.kvq.set_max_isa(level)
     if fused_decode.max_rows():
         fused_decode.set_max_isa(name)

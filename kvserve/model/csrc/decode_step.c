@@ -64,7 +64,7 @@ int paged_decode_attention(const float *q, const void *k, const void *v, const u
                            int num_heads, int num_kv_heads, int head_dim, int block_size,
                            int max_blocks, float scale, int num_threads);
 
-static int g_max_isa = 2; /* 2: AVX2 allowed; 0: scalar only */
+static int g_max_isa = 3; /* 3: AVX-512 (with VNNI) allowed; 2: AVX2; 0: scalar only */
 
 static int have_avx2(void) {
 #ifdef __AVX2__
@@ -76,7 +76,29 @@ static int have_avx2(void) {
 #endif
 }
 
-int decode_isa(void) { return have_avx2() && g_max_isa >= 2 ? 2 : 0; }
+/* AVX-512 F/BW/VL with VNNI (Ice Lake, Zen 4 and later): compiled in when -march=native has them (the
+ * build is keyed by the CPU's flags), and taken when this CPU reports them. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_AVX512 1
+#endif
+static int have_avx512(void) {
+#ifdef HAVE_AVX512
+    static int cached = -1;
+    if (cached < 0)
+        cached = have_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+/* the best level this CPU and build have (3 AVX-512 VNNI, 2 AVX2, 0 scalar), and the one in force */
+int decode_cpu_isa(void) { return have_avx512() ? 3 : have_avx2() ? 2 : 0; }
+int decode_isa(void) {
+    const int cpu = decode_cpu_isa(), cap = g_max_isa >= 3 ? 3 : g_max_isa >= 2 ? 2 : 0;
+    return cpu < cap ? cpu : cap;
+}
 void decode_set_max_isa(int level) { g_max_isa = level; }
 static int g_team_step = 1; /* 0: the step forks and joins per linear (tests compare both) */
 void decode_set_team_step(int enabled) { g_team_step = enabled; }
@@ -174,9 +196,121 @@ static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int
 }
 #endif /* __AVX2__ */
 
+#ifdef HAVE_AVX512
+/* ---- AVX-512: one 64-byte line (a panel's 16 columns at one input) is one vector ------------------
+ * A tile is R rows x NP panels, one accumulator each (R x NP <= 12). At one row a single panel would
+ * be one chain of dependent multiply-adds (4 cycles each: 16 bytes a cycle); NP panels side by side
+ * are NP independent chains, each column's sum still running over k in order from 0 (the scalar
+ * path's order, so the same bits). */
+INL void f32_sums_out512(const Linear *L, float *y, int m, int n0, __m512 v) {
+    const int cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
+    float *yr = y + (int64_t)m * L->n + n0;
+    if (cols == FPANEL && !L->bias) {
+        _mm512_storeu_ps(yr, v);
+        return;
+    }
+    float sums[FPANEL];
+    _mm512_storeu_ps(sums, v);
+    for (int c = 0; c < cols; c++) yr[c] = sums[c] + (L->bias ? L->bias[n0 + c] : 0.f);
+}
+
+INL void f32_tile512(const Linear *L, const float *x, float *y, int p, const int NP, int m0,
+                     const int R, int prefetch) {
+    const int K = L->k;
+    const int64_t pstride = (int64_t)K * FPANEL;
+    const float *wp = (const float *)L->w + (int64_t)p * pstride;
+    const float *xr = x + (int64_t)m0 * K;
+    /* named, not an array (see f32_panel_tile); those a tile does not use are dropped */
+    __m512 a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23;
+    __m512 a30, a31, a32, a33, a40, a41, a42, a43, a50, a51, a52, a53;
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = _mm512_setzero_ps();
+    a30 = a31 = a32 = a33 = a40 = a41 = a42 = a43 = a50 = a51 = a52 = a53 = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *wk = wp + (int64_t)k * FPANEL;
+        __m512 w0, w1 = _mm512_setzero_ps(), w2 = w1, w3 = w1;
+        if (prefetch) _mm_prefetch((const char *)(wk + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
+        w0 = _mm512_loadu_ps(wk);
+        if (NP > 1) {
+            if (prefetch)
+                _mm_prefetch((const char *)(wk + pstride + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
+            w1 = _mm512_loadu_ps(wk + pstride);
+        }
+        if (NP > 2) {
+            if (prefetch) {
+                _mm_prefetch((const char *)(wk + 2 * pstride + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wk + 3 * pstride + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
+            }
+            w2 = _mm512_loadu_ps(wk + 2 * pstride), w3 = _mm512_loadu_ps(wk + 3 * pstride);
+        }
+#define F32_ROW512(r)                                                                  \
+    if (R > r) {                                                                       \
+        const __m512 xb = _mm512_set1_ps(xr[(int64_t)(r) * K + k]);                    \
+        a##r##0 = _mm512_fmadd_ps(xb, w0, a##r##0);                                    \
+        if (NP > 1) a##r##1 = _mm512_fmadd_ps(xb, w1, a##r##1);                        \
+        if (NP > 2) a##r##2 = _mm512_fmadd_ps(xb, w2, a##r##2), a##r##3 = _mm512_fmadd_ps(xb, w3, a##r##3); \
+    }
+        F32_ROW512(0) F32_ROW512(1) F32_ROW512(2)
+        if (NP <= 2) {
+            F32_ROW512(3) F32_ROW512(4) F32_ROW512(5)
+        }
+#undef F32_ROW512
+    }
+    const int n0 = p * FPANEL;
+#define F32_OUT512(r)                                                                   \
+    if (R > r) {                                                                        \
+        f32_sums_out512(L, y, m0 + r, n0, a##r##0);                                     \
+        if (NP > 1) f32_sums_out512(L, y, m0 + r, n0 + FPANEL, a##r##1);                \
+        if (NP > 2) f32_sums_out512(L, y, m0 + r, n0 + 2 * FPANEL, a##r##2),            \
+                    f32_sums_out512(L, y, m0 + r, n0 + 3 * FPANEL, a##r##3);            \
+    }
+    F32_OUT512(0) F32_OUT512(1) F32_OUT512(2)
+    if (NP <= 2) {
+        F32_OUT512(3) F32_OUT512(4) F32_OUT512(5)
+    }
+#undef F32_OUT512
+}
+
+/* panels [p0, p1) of every row: 1-3 rows in tiles of 4 panels (4-12 independent chains), more rows
+ * in tiles of 6 rows x 2 panels (12 accumulators: 2 weight loads and 6 broadcasts per 12 FMAs),
+ * each group of panels' lines in cache across its row tiles; the first row tile prefetches. */
+static void f32_panels512(const Linear *L, const float *x, int M, float *y, int p0, int p1) {
+    const int NPmax = M <= 3 ? 4 : 2, RT = M <= 3 ? 3 : 6;
+    for (int p = p0; p < p1;) {
+        const int np = p1 - p >= NPmax ? NPmax : p1 - p >= 2 ? 2 : 1;
+        for (int m0 = 0; m0 < M; m0 += RT) {
+            const int R = M - m0 < RT ? M - m0 : RT, pf = m0 == 0;
+#define F32_NP(NPV)                                                        \
+    switch (R) {                                                          \
+    case 1: f32_tile512(L, x, y, p, NPV, m0, 1, pf); break;               \
+    case 2: f32_tile512(L, x, y, p, NPV, m0, 2, pf); break;               \
+    case 3: f32_tile512(L, x, y, p, NPV, m0, 3, pf); break;               \
+    case 4: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 4, pf); break; \
+    case 5: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 5, pf); break; \
+    default: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 6, pf); break; \
+    }
+            if (np == 4) {
+                F32_NP(4)
+            } else if (np == 2) {
+                F32_NP(2)
+            } else {
+                F32_NP(1)
+            }
+#undef F32_NP
+        }
+        p += np;
+    }
+}
+#endif /* HAVE_AVX512 */
+
 /* panels [p0, p1) of y = x W^T + b on this thread */
 static void f32_panels(const Linear *L, const float *x, int M, float *y, int isa, int p0, int p1) {
     (void)isa;
+#ifdef HAVE_AVX512
+    if (isa >= 3) {
+        f32_panels512(L, x, M, y, p0, p1);
+        return;
+    }
+#endif
     for (int p = p0; p < p1; p++) {
 #ifdef __AVX2__
         if (isa >= 2) {
