@@ -160,7 +160,13 @@ def speed(args: argparse.Namespace) -> dict:
     import torch
     from peer_llamacpp import llama_batched_bench, llama_bench
 
+    from kvserve.model import fused_decode
+
     torch.set_num_threads(args.threads)
+    if args.isa:
+        from kvserve.quant.kernels import set_max_isa
+
+        set_max_isa(args.isa)  # cap the native kernels' instruction set (an A B of two levels)
     peers = {"fp32": "f32", "int8": "Q8_0", "linear=int8,head=int8": "Q8_0"}
     peers |= {"int4-g32": "Q4_0", "linear=int4-g32,head=int8": "Q4_0"}
     rows = []
@@ -204,6 +210,7 @@ def speed(args: argparse.Namespace) -> dict:
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "isa": fused_decode.isa(),
         "rows": rows,
     }
 
@@ -233,6 +240,7 @@ def main() -> None:
     s.add_argument(
         "--formats", default="fp32;int8;linear=int8,head=int8;int4-g32;linear=int4-g32,head=int8"
     )
+    s.add_argument("--isa", default=None, help="cap the native kernels: avx512, avx2 or scalar")
     s.add_argument("--out", default="benchmarks/results/quant_speed.json")
     args = parser.parse_args()
     report = quality(args) if args.what == "quality" else speed(args)
