@@ -364,3 +364,24 @@ def test_without_a_compiler_the_per_op_path_runs(llama_dir, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert float(result.stdout.split()[-1]) > 0
+
+
+@needs_kernel
+def test_silu_mul_equals_torch_on_every_isa_with_nan_and_infinities(isa):
+    """csrc/layer_ops.c silu_mul (the vector exp where AVX2 is allowed, expf in the portable loops)
+    against torch's silu(gate) * up in float64: 1e-6 relative; widths not a multiple of the 8-wide
+    vector (13, 1536 + 5); a NaN stays NaN and +-inf give what silu * up gives (inf, NaN)."""
+    from kvserve.model import cpu_kernels
+
+    gen = torch.Generator().manual_seed(9)
+    for rows, inter in [(1, 13), (3, 1541), (40, 64)]:
+        gate_up = torch.randn(rows, 2 * inter, generator=gen) * 8
+        gate_up[0, 0], gate_up[0, 1], gate_up[0, 2] = float("nan"), float("inf"), float("-inf")
+        gate_up[0, 3], gate_up[0, 4] = -100.0, 100.0  # exp(-g) under- and overflows
+        got = cpu_kernels.silu_mul(gate_up)
+        g, u = gate_up.double().chunk(2, dim=-1)
+        expected = (torch.nn.functional.silu(g) * u).float()
+        assert torch.equal(got.isnan(), expected.isnan()), isa
+        finite = expected.isfinite()
+        assert torch.equal(got[~finite & ~got.isnan()], expected[~finite & ~expected.isnan()])
+        torch.testing.assert_close(got[finite], expected[finite], rtol=1e-6, atol=1e-30)

@@ -52,12 +52,17 @@ class LayerKVCache:
         self, block_ids: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of `block_ids` [...] as `dtype`: [..., block_size, num_kv_heads, head_dim]
-        (a copy; 8-bit caches are dequantised)."""
+        (a copy; 8-bit caches are dequantised). index_select, not indexing: about half the time of
+        advanced indexing for the few blocks of a prompt chunk (a prefill makes two per layer)."""
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, block_ids.reshape(-1)).view(*block_ids.shape, *t.shape[1:])
+
         if not self.quantised:
-            return self.k[block_ids], self.v[block_ids]
+            return rows(self.k), rows(self.v)
         return (
-            dequantise(self.k[block_ids], self.k_scale[block_ids], self.kind, dtype),
-            dequantise(self.v[block_ids], self.v_scale[block_ids], self.kind, dtype),
+            dequantise(rows(self.k), rows(self.k_scale), self.kind, dtype),
+            dequantise(rows(self.v), rows(self.v_scale), self.kind, dtype),
         )
 
 

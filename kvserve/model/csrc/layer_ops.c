@@ -8,6 +8,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "vexp.h"
+
+int decode_isa(void); /* decode_step.c: 3 AVX-512, 2 AVX2, 0 the portable loops */
+
 #define PARALLEL_MIN_VALUES 32768 /* below this, one thread: waking the others costs more */
 
 /* residual_out = x + residual (when residual != NULL, else x); out = rms_norm(residual_out) * weight.
@@ -73,11 +77,36 @@ void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t 
 }
 
 /* out = silu(gate) * up for gate_up [T, 2 I] (gate first); out [T, I]. */
+/* One value: silu(g) * u = g / (1 + exp(-g)) * u. */
+static inline float silu_mul1(float g, float u) { return g / (1.f + expf(-g)) * u; }
+
+#ifdef __AVX2__
+/* 8 values: sigmoid(g) from e = exp(-|g|) <= 1 (the vector exp takes x <= 0): 1 / (1 + e) for g >= 0,
+ * e / (1 + e) below; then g * sigmoid * u. Within a few ulp of silu_mul1 (tests: 1e-6 relative); a NaN
+ * or infinite g gives what silu_mul1 gives (the product with g carries a NaN; -inf: -inf * 0 = NaN). */
+static inline __m256 silu_mul8(__m256 g, __m256 u) {
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    const __m256 e = exp8_nonpositive(_mm256_or_ps(g, sign)); /* exp(-|g|) */
+    const __m256 num = _mm256_blendv_ps(one, e, g); /* g < 0 (sign bit set): e */
+    return _mm256_mul_ps(_mm256_mul_ps(g, _mm256_div_ps(num, _mm256_add_ps(one, e))), u);
+}
+#endif
+
+/* out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate first). The vector path is taken where
+ * decode_isa() allows AVX2 (tests force the portable one). */
 void silu_mul(const float *gate_up, float *out, int num_rows, int inter, int num_threads) {
+    const int vec = decode_isa() >= 2;
+    (void)vec;
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * inter >= PARALLEL_MIN_VALUES)
     for (int t = 0; t < num_rows; t++) {
         const float *g = gate_up + (int64_t)t * 2 * inter, *u = g + inter;
         float *o = out + (int64_t)t * inter;
-        for (int d = 0; d < inter; d++) o[d] = g[d] / (1.f + expf(-g[d])) * u[d];
+        int d = 0;
+#ifdef __AVX2__
+        if (vec)
+            for (; d + 8 <= inter; d += 8)
+                _mm256_storeu_ps(o + d, silu_mul8(_mm256_loadu_ps(g + d), _mm256_loadu_ps(u + d)));
+#endif
+        for (; d < inter; d++) o[d] = silu_mul1(g[d], u[d]);
     }
 }
