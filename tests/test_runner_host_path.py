@@ -1,5 +1,5 @@
 """The per-step host shortcuts (docs/performance.md, "Host work per step") give what the general
-paths give: the decode-row inputs equal `build_attention_metadata`'s, the greedy fast path the
+paths give: the decode-row metadata (the numpy route) equals the general route's, the greedy fast path the
 sampler's tokens, finished-only snapshots the full ones, the Rust decode transformers' decode."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.detokenizer import _rust_decoder
-from kvserve.model.attention import build_attention_metadata
-from kvserve.runner.forward import _decode_inputs
+from kvserve.model.attention import _general_metadata, build_attention_metadata
 from tests.checkpoints import build_gpt2_tokenized_checkpoint
 
 
@@ -24,7 +23,8 @@ def llm(tmp_path_factory) -> LLM:
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_decode_inputs_equal_the_general_metadata(block_size):
+def test_decode_metadata_equals_the_general_metadata(block_size):
+    """A CPU step of decode rows takes the numpy route; it builds what the general route builds."""
     rng = random.Random(block_size)
     for _ in range(20):
         chunks = []
@@ -34,12 +34,8 @@ def test_decode_inputs_equal_the_general_metadata(block_size):
                 rng.sample(range(100), -(-(start + 1) // block_size) + rng.randint(0, 2))
             )
             chunks.append((start, (rng.randint(0, 999),), blocks))
-        ids, positions, meta = _decode_inputs(chunks, block_size)
-        ref = build_attention_metadata(
-            [(s, 1, list(b)) for s, _, b in chunks], block_size, torch.device("cpu")
-        )
-        assert ids.tolist() == [t[0] for _, t, _ in chunks]
-        assert positions.tolist() == [s for s, _, _ in chunks]
+        meta = build_attention_metadata([(s, 1, b) for s, _, b in chunks], block_size, "cpu")
+        ref = _general_metadata([(s, 1, list(b)) for s, _, b in chunks], block_size, "cpu")
         assert meta.multi == () and meta.block_size == block_size
         for got, want in [
             (meta.slot_mapping, ref.slot_mapping),

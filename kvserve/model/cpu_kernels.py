@@ -32,7 +32,8 @@ _SOURCES = tuple(
     for name in ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c")
 )
 _HEADERS = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("decode_step.h", "paged_attention.h", "vexp.h")
+    Path(__file__).parent / "csrc" / name
+    for name in ("decode_step.h", "paged_attention.h", "vexp.h")
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int

@@ -69,9 +69,12 @@ class PackedLinear(nn.Module):
         self.panels = fused_decode.f32_panels(weight) if use_panels else None  # [P, in, 16]
         # the portable loops (a CPU without AVX2) are ~40x slower than oneDNN at prefill sizes:
         # there the panels take decode rows only, and oneDNN's copy stays for the rest
-        self.small_rows = (
-            0 if not use_panels else -1 if fused_decode.isa() != "scalar" else fused_decode.max_rows()
-        )  # -1: every row count
+        if not use_panels:
+            self.small_rows = 0
+        elif fused_decode.isa() != "scalar":
+            self.small_rows = -1  # every row count
+        else:
+            self.small_rows = fused_decode.max_rows()
         self.packed = (
             None
             if self.small_rows == -1
