@@ -331,9 +331,11 @@ INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
  *     the block sum is exact for every code, -128 included;
  *   int4: the unsigned nibbles times the signed codes as they are.
  * The two halves are added (exact integers), and from there the fp32 operations are the AVX2 path's,
- * in the same order, on the same integers: the same bits. A tile is 2 panels x up to 4 rows: each
- * row's activation vectors (4 permutes a block) serve both panels, and the two panels' sums are
- * folded, scaled and accumulated as one 16-lane vector (32 rows: 1.2-1.3x the one-panel tile). */
+ * in the same order, on the same integers: the same bits. Decode rows (M <= 4) take one panel at a
+ * time: one sequential stream per thread from DRAM. More rows take tiles of 2 panels x up to 4 rows:
+ * each row's activation vectors (4 permutes a block) serve both panels, and the two panels' sums are
+ * folded, scaled and accumulated as one 16-lane vector (32 rows, cached: 1.2-1.3x the one-panel
+ * tile; at one row from DRAM the two streams ran 1.4x slower than one, so decode keeps one). */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAVE_Q512 1
 
@@ -344,6 +346,107 @@ INL void act_pairs(const int8_t *x, __m512i out[4]) {
     out[1] = _mm512_permutexvar_epi32(_mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), v);
     out[2] = _mm512_permutexvar_epi32(_mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5), v);
     out[3] = _mm512_permutexvar_epi32(_mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7), v);
+}
+
+/* the 8 columns' block sums: lanes c and 8 + c added */
+INL __m256i fold_halves(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+/* int8, R rows m0 .. m0 + R - 1 of panel p (the AVX2 q8_panel's integers and fp32 operations) */
+INL void q8_panel512(const Linear *L, const Acts *a, float *y, int p, int m0, const int R,
+                     const int int_acc) {
+    const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int8_t *w = (const int8_t *)L->w + (int64_t)p * nb * QPANEL * QBLOCK;
+    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
+    __m256 acc[DECODE_MAX_ROWS];
+    __m256i total[DECODE_MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), total[r] = _mm256_setzero_si256();
+    for (int b = 0, g = 0, gb = 0; b < nb; b++) {
+        const int8_t *wb = w + (int64_t)b * QPANEL * QBLOCK;
+        prefetch_block(wb, QPANEL * QBLOCK);
+        const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(wb), flip);
+        const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wb + 64), flip);
+        const __m512i w2 = _mm512_xor_si512(_mm512_loadu_si512(wb + 128), flip);
+        const __m512i w3 = _mm512_xor_si512(_mm512_loadu_si512(wb + 192), flip);
+        __m256i blk[DECODE_MAX_ROWS];
+        for (int r = 0; r < R; r++) {
+            const int64_t i = (int64_t)(m0 + r) * nb + b;
+            __m512i x[4];
+            act_pairs(a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK, x);
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x[0]);
+            d = _mm512_dpbusd_epi32(d, w1, x[1]);
+            d = _mm512_dpbusd_epi32(d, w2, x[2]);
+            d = _mm512_dpbusd_epi32(d, w3, x[3]);
+            blk[r] = _mm256_sub_epi32(fold_halves(d), _mm256_set1_epi32(128 * (int32_t)a->sum[i]));
+        }
+        if (int_acc) {
+            for (int r = 0; r < R; r++) total[r] = _mm256_add_epi32(total[r], blk[r]);
+            continue;
+        }
+        const __m256 sv = G == 1 ? _mm256_setzero_ps() : load_h8(s + g * QPANEL);
+        if (++gb == L->bpg) gb = 0, g++;
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb + b]);
+            acc[r] = _mm256_fmadd_ps(G == 1 ? d : _mm256_mul_ps(d, sv), _mm256_cvtepi32_ps(blk[r]),
+                                     acc[r]);
+        }
+    }
+    const __m256 s0 = load_h8(s);
+    for (int r = 0; r < R; r++) {
+        __m256 v;
+        if (int_acc)
+            v = _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(total[r]),
+                              _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb])),
+                s0);
+        else v = G == 1 ? _mm256_mul_ps(acc[r], s0) : acc[r];
+        float out[QPANEL];
+        _mm256_storeu_ps(out, v);
+        store_panel(L, out, y, m0 + r, p);
+    }
+}
+
+/* int4, R rows of panel p (the AVX2 q4_panel's integers and fp32 operations). A 64-byte load holds
+ * groups j, j + 1 of a block's first 16 inputs (low nibbles) and of its last 16 (high nibbles). */
+INL void q4_panel512(const Linear *L, const Acts *a, float *y, int p, int m0, const int R) {
+    const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const uint8_t *w = (const uint8_t *)L->w + (int64_t)p * nb * QPANEL * 16;
+    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
+    const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
+    const __m256 eight = _mm256_set1_ps(8.f);
+    __m256 acc[DECODE_MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0, g = 0, gb = 0; b < nb; b++) {
+        const uint8_t *wb = w + (int64_t)b * QPANEL * 16;
+        prefetch_block(wb, QPANEL * QBLOCK / 2);
+        const __m512i raw0 = _mm512_loadu_si512(wb), raw1 = _mm512_loadu_si512(wb + 64);
+        const __m512i lo0 = _mm512_and_si512(raw0, low4), lo1 = _mm512_and_si512(raw1, low4);
+        const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
+        const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
+        const __m256 sv = load_h8(s + g * QPANEL);
+        const __m256 zv = z ? load_h8(z + g * QPANEL) : eight;
+        if (++gb == L->bpg) gb = 0, g++;
+        for (int r = 0; r < R; r++) {
+            const int64_t i = (int64_t)(m0 + r) * nb + b;
+            __m512i x[4]; /* inputs 0-7, 8-15 (low nibbles), 16-23, 24-31 (high) */
+            act_pairs(a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK, x);
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, x[0]);
+            d = _mm512_dpbusd_epi32(d, lo1, x[1]);
+            d = _mm512_dpbusd_epi32(d, hi0, x[2]);
+            d = _mm512_dpbusd_epi32(d, hi1, x[3]);
+            const __m256 f = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a->sum[i]),
+                                              _mm256_cvtepi32_ps(fold_halves(d)));
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a->scale[i]), sv), f, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float out[QPANEL];
+        _mm256_storeu_ps(out, acc[r]);
+        store_panel(L, out, y, m0 + r, p);
+    }
 }
 
 /* Two panels' block sums side by side: lanes 0-7 panel A's columns (its lanes c and 8 + c added),
@@ -467,6 +570,28 @@ INL void q4_pair512(const Linear *L, const Acts *a, float *y, int pa, int pb, in
  * pair's codes are in cache */
 static void q_panels_512(const Linear *L, const Acts *a, int M, float *y, int p0, int p1) {
     const int int_acc = L->kind == LIN_Q8 && L->act_mode != 0 && L->groups == 1;
+    if (M <= DECODE_MAX_ROWS) { /* decode rows: one panel at a time (one stream from DRAM) */
+        for (int p = p0; p < p1; p++) {
+#define Q8(RR) (int_acc ? q8_panel512(L, a, y, p, 0, RR, 1) : q8_panel512(L, a, y, p, 0, RR, 0))
+            if (L->kind == LIN_Q8) {
+                switch (M) {
+                case 1: Q8(1); break;
+                case 2: Q8(2); break;
+                case 3: Q8(3); break;
+                default: Q8(4); break;
+                }
+            } else {
+                switch (M) {
+                case 1: q4_panel512(L, a, y, p, 0, 1); break;
+                case 2: q4_panel512(L, a, y, p, 0, 2); break;
+                case 3: q4_panel512(L, a, y, p, 0, 3); break;
+                default: q4_panel512(L, a, y, p, 0, 4); break;
+                }
+            }
+#undef Q8
+        }
+        return;
+    }
     for (int pa = p0; pa < p1; pa += 2) {
         const int pb = pa + 1 < p1 ? pa + 1 : pa;
         for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
