@@ -229,6 +229,15 @@ def log_kernels(model: DecoderLM, scheme_name: str) -> None:
     kernels = kernel_summary(model)
     logger.info("quantization %s: %s", scheme_name, kernels)
     slow = {k: n for k, n in kernels.items() if k.startswith("dequantized") or k.endswith("scalar")}
+    if any(k.endswith("avx2") for k in kernels):
+        from kvserve.model import fused_decode
+
+        if "avx512" not in fused_decode.available_isas():
+            logger.info(
+                "quantization %s: the integer kernels run on AVX2: this CPU (or compiler) has no "
+                "AVX-512 VNNI, whose kernels are faster for prefill and batches (see /manifest)",
+                scheme_name,
+            )
     if slow:
         logger.warning(
             "quantization %s: %d linears run on a slower stand-in kernel %s (see /manifest)",
