@@ -223,102 +223,46 @@ INL __m256i bcast4(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
-/* int8, R rows m0 .. m0 + R - 1 of panel p. */
-INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const int R,
-                  const int int_acc, const int w_min) {
-    const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
+/* ---- a block's integer sums, R rows: blk[r] lane c = sum over the block's 32 inputs of column c's
+ * code times row r's activation code (exact) ---------------------------------------------------- */
+
+/* int8, AVX2: |x| * sign(w, x) (a -128 code: |w| * sign(x, w)) through vpmaddubsw + vpmaddwd */
+INL void q8_sums_avx2(const Acts *a, const int8_t *wb, int m0, const int R, int Kp, int b,
+                      const int w_min, __m256i blk[]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *w = (const int8_t *)L->w + (int64_t)p * nb * QPANEL * QBLOCK;
-    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
-    __m256 acc[DECODE_MAX_ROWS];
-    __m256i total[DECODE_MAX_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), total[r] = _mm256_setzero_si256();
-    for (int b = 0, g = 0, gb = 0; b < nb; b++) {
-        const int8_t *wb = w + (int64_t)b * QPANEL * QBLOCK;
-        __m256i blk[DECODE_MAX_ROWS];
-        for (int r = 0; r < R; r++) blk[r] = _mm256_setzero_si256();
-        prefetch_block(wb, QPANEL * QBLOCK);
-        for (int j = 0; j < 8; j++) {
-            const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
-            const __m256i aw = w_min ? _mm256_sign_epi8(wv, wv) : wv;
-            for (int r = 0; r < R; r++) {
-                const int64_t off = (int64_t)(m0 + r) * Kp + b * QBLOCK + j * 4;
-                const __m256i xv = bcast4(a->codes + off);
-                const __m256i p16 = w_min ? _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv))
-                                          : _mm256_maddubs_epi16(bcast4(a->abs + off),
-                                                                 _mm256_sign_epi8(wv, xv));
-                blk[r] = _mm256_add_epi32(blk[r], _mm256_madd_epi16(p16, ones));
-            }
-        }
-        if (int_acc) {
-            for (int r = 0; r < R; r++) total[r] = _mm256_add_epi32(total[r], blk[r]);
-            continue;
-        }
-        /* group g of block b (a counter: no integer division per block) */
-        const __m256 sv = G == 1 ? _mm256_setzero_ps() : load_h8(s + g * QPANEL);
-        if (++gb == L->bpg) gb = 0, g++;
+    for (int r = 0; r < R; r++) blk[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
+        const __m256i aw = w_min ? _mm256_sign_epi8(wv, wv) : wv;
         for (int r = 0; r < R; r++) {
-            const __m256 d = _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb + b]);
-            acc[r] = _mm256_fmadd_ps(G == 1 ? d : _mm256_mul_ps(d, sv), _mm256_cvtepi32_ps(blk[r]),
-                                     acc[r]);
+            const int64_t off = (int64_t)(m0 + r) * Kp + b * QBLOCK + j * 4;
+            const __m256i xv = bcast4(a->codes + off);
+            const __m256i p16 = w_min ? _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv))
+                                      : _mm256_maddubs_epi16(bcast4(a->abs + off),
+                                                             _mm256_sign_epi8(wv, xv));
+            blk[r] = _mm256_add_epi32(blk[r], _mm256_madd_epi16(p16, ones));
         }
-    }
-    const __m256 s0 = load_h8(s);
-    for (int r = 0; r < R; r++) {
-        __m256 v;
-        if (int_acc)
-            v = _mm256_mul_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(total[r]),
-                              _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb])),
-                s0);
-        else v = G == 1 ? _mm256_mul_ps(acc[r], s0) : acc[r];
-        float out[QPANEL];
-        _mm256_storeu_ps(out, v);
-        store_panel(L, out, y, m0 + r, p);
     }
 }
 
-/* int4, R rows of panel p. */
-INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const int R) {
-    const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
+/* int4, AVX2: 8 products of a block sum in int16 without overflow (8 x 2 x 15 x 127 < 2^15) */
+INL void q4_sums_avx2(const Acts *a, const uint8_t *wb, int m0, const int R, int Kp, int b,
+                      __m256i blk[]) {
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
-    const uint8_t *w = (const uint8_t *)L->w + (int64_t)p * nb * QPANEL * 16;
-    const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
-    const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
-    const __m256 eight = _mm256_set1_ps(8.f);
-    __m256 acc[DECODE_MAX_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int b = 0, g = 0, gb = 0; b < nb; b++) {
-        const uint8_t *wb = w + (int64_t)b * QPANEL * 16;
-        __m256i s16[DECODE_MAX_ROWS];
-        for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
-        prefetch_block(wb, QPANEL * QBLOCK / 2);
-        for (int j = 0; j < 4; j++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
-            const __m256i lo = _mm256_and_si256(raw, low4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            for (int r = 0; r < R; r++) {
-                const int8_t *xr = a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK + j * 4;
-                s16[r] = _mm256_add_epi16(
-                    s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xr)),
-                                             _mm256_maddubs_epi16(hi, bcast4(xr + 16))));
-            }
-        }
-        const __m256 sv = load_h8(s + g * QPANEL);
-        const __m256 zv = z ? load_h8(z + g * QPANEL) : eight;
-        if (++gb == L->bpg) gb = 0, g++;
+    __m256i s16[DECODE_MAX_ROWS];
+    for (int r = 0; r < R; r++) s16[r] = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j++) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
+        const __m256i lo = _mm256_and_si256(raw, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
         for (int r = 0; r < R; r++) {
-            const int64_t i = (int64_t)(m0 + r) * nb + b;
-            const __m256 f = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a->sum[i]),
-                                              _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)));
-            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a->scale[i]), sv), f, acc[r]);
+            const int8_t *xr = a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK + j * 4;
+            s16[r] = _mm256_add_epi16(
+                s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xr)),
+                                         _mm256_maddubs_epi16(hi, bcast4(xr + 16))));
         }
     }
-    for (int r = 0; r < R; r++) {
-        float out[QPANEL];
-        _mm256_storeu_ps(out, acc[r]);
-        store_panel(L, out, y, m0 + r, p);
-    }
+    for (int r = 0; r < R; r++) blk[r] = _mm256_madd_epi16(s16[r], ones);
 }
 
 /* ---- AVX-512 with VNNI ------------------------------------------------------------------------------
@@ -353,38 +297,65 @@ INL __m256i fold_halves(__m512i v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
-/* int8, R rows m0 .. m0 + R - 1 of panel p (the AVX2 q8_panel's integers and fp32 operations) */
-INL void q8_panel512(const Linear *L, const Acts *a, float *y, int p, int m0, const int R,
-                     const int int_acc) {
-    const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
+/* int8, AVX-512 VNNI: (w ^ 0x80) x codes, less 128 x the block's code sum */
+INL void q8_sums512(const Acts *a, const int8_t *wb, int m0, const int R, int Kp, int nb, int b,
+                    __m256i blk[]) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512i w[4];
+    for (int i = 0; i < 4; i++) w[i] = _mm512_xor_si512(_mm512_loadu_si512(wb + 64 * i), flip);
+    for (int r = 0; r < R; r++) {
+        __m512i x[4];
+        act_pairs(a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK, x);
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
+        for (int q = 1; q < 4; q++) d = _mm512_dpbusd_epi32(d, w[q], x[q]);
+        const int32_t sum = (int32_t)a->sum[(int64_t)(m0 + r) * nb + b];
+        blk[r] = _mm256_sub_epi32(fold_halves(d), _mm256_set1_epi32(128 * sum));
+    }
+}
+
+/* int4, AVX-512 VNNI: the unsigned nibbles x codes */
+INL void q4_sums512(const Acts *a, const uint8_t *wb, int m0, const int R, int Kp, int b,
+                    __m256i blk[]) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i raw0 = _mm512_loadu_si512(wb), raw1 = _mm512_loadu_si512(wb + 64);
+    const __m512i w[4] = {_mm512_and_si512(raw0, low4), _mm512_and_si512(raw1, low4),
+                          _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4),
+                          _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4)};
+    for (int r = 0; r < R; r++) {
+        __m512i x[4]; /* inputs 0-7, 8-15 (low nibbles), 16-23, 24-31 (high) */
+        act_pairs(a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK, x);
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], x[0]);
+        for (int q = 1; q < 4; q++) d = _mm512_dpbusd_epi32(d, w[q], x[q]);
+        blk[r] = fold_halves(d);
+    }
+}
+#endif /* AVX-512 VNNI */
+
+/* int8, R rows m0 .. m0 + R - 1 of panel p: each block's sums (vnni: q8_sums512, else AVX2), then
+ * the same fp32 operations on them. */
+INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const int R,
+                  const int int_acc, const int w_min, const int vnni) {
+    const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
     const int8_t *w = (const int8_t *)L->w + (int64_t)p * nb * QPANEL * QBLOCK;
     const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
     __m256 acc[DECODE_MAX_ROWS];
     __m256i total[DECODE_MAX_ROWS];
+    (void)vnni;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), total[r] = _mm256_setzero_si256();
     for (int b = 0, g = 0, gb = 0; b < nb; b++) {
         const int8_t *wb = w + (int64_t)b * QPANEL * QBLOCK;
-        prefetch_block(wb, QPANEL * QBLOCK);
-        const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(wb), flip);
-        const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wb + 64), flip);
-        const __m512i w2 = _mm512_xor_si512(_mm512_loadu_si512(wb + 128), flip);
-        const __m512i w3 = _mm512_xor_si512(_mm512_loadu_si512(wb + 192), flip);
         __m256i blk[DECODE_MAX_ROWS];
-        for (int r = 0; r < R; r++) {
-            const int64_t i = (int64_t)(m0 + r) * nb + b;
-            __m512i x[4];
-            act_pairs(a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK, x);
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, x[0]);
-            d = _mm512_dpbusd_epi32(d, w1, x[1]);
-            d = _mm512_dpbusd_epi32(d, w2, x[2]);
-            d = _mm512_dpbusd_epi32(d, w3, x[3]);
-            blk[r] = _mm256_sub_epi32(fold_halves(d), _mm256_set1_epi32(128 * (int32_t)a->sum[i]));
-        }
+        prefetch_block(wb, QPANEL * QBLOCK);
+#ifdef HAVE_Q512
+        if (vnni) q8_sums512(a, wb, m0, R, Kp, nb, b, blk);
+        else
+#endif
+            q8_sums_avx2(a, wb, m0, R, Kp, b, w_min, blk);
         if (int_acc) {
             for (int r = 0; r < R; r++) total[r] = _mm256_add_epi32(total[r], blk[r]);
             continue;
         }
+        /* group g of block b (a counter: no integer division per block) */
         const __m256 sv = G == 1 ? _mm256_setzero_ps() : load_h8(s + g * QPANEL);
         if (++gb == L->bpg) gb = 0, g++;
         for (int r = 0; r < R; r++) {
@@ -408,37 +379,34 @@ INL void q8_panel512(const Linear *L, const Acts *a, float *y, int p, int m0, co
     }
 }
 
-/* int4, R rows of panel p (the AVX2 q4_panel's integers and fp32 operations). A 64-byte load holds
- * groups j, j + 1 of a block's first 16 inputs (low nibbles) and of its last 16 (high nibbles). */
-INL void q4_panel512(const Linear *L, const Acts *a, float *y, int p, int m0, const int R) {
+/* int4, R rows of panel p (as q8_panel): the zero-point enters per block as zero x (sum of the block's
+ * activation codes). */
+INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const int R,
+                  const int vnni) {
     const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
     const uint8_t *w = (const uint8_t *)L->w + (int64_t)p * nb * QPANEL * 16;
     const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
     const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
     const __m256 eight = _mm256_set1_ps(8.f);
     __m256 acc[DECODE_MAX_ROWS];
+    (void)vnni;
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0, g = 0, gb = 0; b < nb; b++) {
         const uint8_t *wb = w + (int64_t)b * QPANEL * 16;
+        __m256i blk[DECODE_MAX_ROWS];
         prefetch_block(wb, QPANEL * QBLOCK / 2);
-        const __m512i raw0 = _mm512_loadu_si512(wb), raw1 = _mm512_loadu_si512(wb + 64);
-        const __m512i lo0 = _mm512_and_si512(raw0, low4), lo1 = _mm512_and_si512(raw1, low4);
-        const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low4);
-        const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low4);
+#ifdef HAVE_Q512
+        if (vnni) q4_sums512(a, wb, m0, R, Kp, b, blk);
+        else
+#endif
+            q4_sums_avx2(a, wb, m0, R, Kp, b, blk);
         const __m256 sv = load_h8(s + g * QPANEL);
         const __m256 zv = z ? load_h8(z + g * QPANEL) : eight;
         if (++gb == L->bpg) gb = 0, g++;
         for (int r = 0; r < R; r++) {
             const int64_t i = (int64_t)(m0 + r) * nb + b;
-            __m512i x[4]; /* inputs 0-7, 8-15 (low nibbles), 16-23, 24-31 (high) */
-            act_pairs(a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK, x);
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo0, x[0]);
-            d = _mm512_dpbusd_epi32(d, lo1, x[1]);
-            d = _mm512_dpbusd_epi32(d, hi0, x[2]);
-            d = _mm512_dpbusd_epi32(d, hi1, x[3]);
-            const __m256 f = _mm256_fnmadd_ps(zv, _mm256_set1_ps(a->sum[i]),
-                                              _mm256_cvtepi32_ps(fold_halves(d)));
+            const __m256 f =
+                _mm256_fnmadd_ps(zv, _mm256_set1_ps(a->sum[i]), _mm256_cvtepi32_ps(blk[r]));
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a->scale[i]), sv), f, acc[r]);
         }
     }
@@ -449,6 +417,41 @@ INL void q4_panel512(const Linear *L, const Acts *a, float *y, int p, int m0, co
     }
 }
 
+/* Q8(RR) or Q4(RR) by the kind, with RR = R (1-4) as a constant: each tile height is its own code */
+#define BY_ROWS(kind, R, Q8, Q4)                                                                  \
+    do {                                                                                          \
+        const int rows_ = (R);                                                                    \
+        if ((kind) == LIN_Q8) {                                                                   \
+            if (rows_ == 1) Q8(1);                                                                \
+            else if (rows_ == 2) Q8(2);                                                           \
+            else if (rows_ == 3) Q8(3);                                                           \
+            else Q8(4);                                                                           \
+        } else {                                                                                  \
+            if (rows_ == 1) Q4(1);                                                                \
+            else if (rows_ == 2) Q4(2);                                                           \
+            else if (rows_ == 3) Q4(3);                                                           \
+            else Q4(4);                                                                           \
+        }                                                                                         \
+    } while (0)
+
+/* rows 0 .. M - 1 of panel p in row tiles of 4 (vnni: the block sums of q8_sums512 / q4_sums512) */
+INL void q_panel_rows(const Linear *L, const Acts *a, int M, float *y, int p, const int vnni) {
+    const int int_acc = L->kind == LIN_Q8 && L->act_mode != 0 && L->groups == 1;
+    for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
+        const int R = M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS;
+#define Q8(RR)                                                                 \
+    (int_acc ? (L->w_min ? q8_panel(L, a, y, p, m0, RR, 1, 1, vnni)           \
+                         : q8_panel(L, a, y, p, m0, RR, 1, 0, vnni))          \
+             : (L->w_min ? q8_panel(L, a, y, p, m0, RR, 0, 1, vnni)           \
+                         : q8_panel(L, a, y, p, m0, RR, 0, 0, vnni)))
+#define Q4(RR) q4_panel(L, a, y, p, m0, RR, vnni)
+        BY_ROWS(L->kind, R, Q8, Q4);
+#undef Q8
+#undef Q4
+    }
+}
+
+#ifdef HAVE_Q512
 /* Two panels' block sums side by side: lanes 0-7 panel A's columns (its lanes c and 8 + c added),
  * lanes 8-15 panel B's. */
 INL __m512i fold_pair(__m512i a, __m512i b) {
@@ -571,25 +574,7 @@ INL void q4_pair512(const Linear *L, const Acts *a, float *y, int pa, int pb, in
 static void q_panels_512(const Linear *L, const Acts *a, int M, float *y, int p0, int p1) {
     const int int_acc = L->kind == LIN_Q8 && L->act_mode != 0 && L->groups == 1;
     if (M <= DECODE_MAX_ROWS) { /* decode rows: one panel at a time (one stream from DRAM) */
-        for (int p = p0; p < p1; p++) {
-#define Q8(RR) (int_acc ? q8_panel512(L, a, y, p, 0, RR, 1) : q8_panel512(L, a, y, p, 0, RR, 0))
-            if (L->kind == LIN_Q8) {
-                switch (M) {
-                case 1: Q8(1); break;
-                case 2: Q8(2); break;
-                case 3: Q8(3); break;
-                default: Q8(4); break;
-                }
-            } else {
-                switch (M) {
-                case 1: q4_panel512(L, a, y, p, 0, 1); break;
-                case 2: q4_panel512(L, a, y, p, 0, 2); break;
-                case 3: q4_panel512(L, a, y, p, 0, 3); break;
-                default: q4_panel512(L, a, y, p, 0, 4); break;
-                }
-            }
-#undef Q8
-        }
+        for (int p = p0; p < p1; p++) q_panel_rows(L, a, M, y, p, 1);
         return;
     }
     for (int pa = p0; pa < p1; pa += 2) {
@@ -597,51 +582,17 @@ static void q_panels_512(const Linear *L, const Acts *a, int M, float *y, int p0
         for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
             const int R = M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS;
 #define Q8(RR) (int_acc ? q8_pair512(L, a, y, pa, pb, m0, RR, 1) : q8_pair512(L, a, y, pa, pb, m0, RR, 0))
-            if (L->kind == LIN_Q8) {
-                switch (R) {
-                case 1: Q8(1); break;
-                case 2: Q8(2); break;
-                case 3: Q8(3); break;
-                default: Q8(4); break;
-                }
-            } else {
-                switch (R) {
-                case 1: q4_pair512(L, a, y, pa, pb, m0, 1); break;
-                case 2: q4_pair512(L, a, y, pa, pb, m0, 2); break;
-                case 3: q4_pair512(L, a, y, pa, pb, m0, 3); break;
-                default: q4_pair512(L, a, y, pa, pb, m0, 4); break;
-                }
-            }
+#define Q4(RR) q4_pair512(L, a, y, pa, pb, m0, RR)
+            BY_ROWS(L->kind, R, Q8, Q4);
 #undef Q8
+#undef Q4
         }
     }
 }
 #endif /* AVX-512 VNNI */
 
 static void q_panel_avx2(const Linear *L, const Acts *a, int M, float *y, int p) {
-    const int int_acc = L->kind == LIN_Q8 && L->act_mode != 0 && L->groups == 1;
-    for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
-        const int R = M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS;
-#define Q8(RR)                                                                       \
-    (int_acc ? (L->w_min ? q8_panel(L, a, y, p, m0, RR, 1, 1) : q8_panel(L, a, y, p, m0, RR, 1, 0)) \
-             : (L->w_min ? q8_panel(L, a, y, p, m0, RR, 0, 1) : q8_panel(L, a, y, p, m0, RR, 0, 0)))
-        if (L->kind == LIN_Q8) {
-            switch (R) {
-            case 1: Q8(1); break;
-            case 2: Q8(2); break;
-            case 3: Q8(3); break;
-            default: Q8(4); break;
-            }
-        } else {
-            switch (R) {
-            case 1: q4_panel(L, a, y, p, m0, 1); break;
-            case 2: q4_panel(L, a, y, p, m0, 2); break;
-            case 3: q4_panel(L, a, y, p, m0, 3); break;
-            default: q4_panel(L, a, y, p, m0, 4); break;
-            }
-        }
-#undef Q8
-    }
+    q_panel_rows(L, a, M, y, p, 0);
 }
 #endif /* __AVX2__ */
 
