@@ -347,22 +347,15 @@ static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *a
 
 static int max_int(int a, int b) { return a > b ? a : b; }
 
-/* One linear on its own (the LM head, or a projection outside the fused step), any number of rows
- * (PackedLinear takes it for at most DECODE_MAX_ROWS: oneDNN is faster beyond). 0 on success. */
+/* One linear on its own (the LM head, or a projection outside the fused step: prefill, larger
+ * batches), any number of rows, in one parallel region. 0 on success. */
 int small_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
     if (M < 1) return -1;
     if (L->kind == LIN_F32) {
         f32_linear(L, x, M, y, decode_isa(), num_threads);
         return 0;
     }
-    Acts a = {0};
-    if (!alloc_acts(&a, M, L->kind == LIN_F32 ? QBLOCK : L->kp)) {
-        free_acts(&a);
-        return -2;
-    }
-    run_linear(L, x, M, y, &a, num_threads);
-    free_acts(&a);
-    return 0;
+    return q_linear_x(L, x, M, y, decode_isa(), num_threads);
 }
 
 /* ---- one OpenMP region for the whole step (any context) --------------------------------------

@@ -44,6 +44,8 @@ typedef struct {
 int alloc_acts(Acts *a, int rows, int max_kp);
 void free_acts(Acts *a);
 void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads);
+/* the quantised linear for any M from fp32 input: rounding and panels in one parallel region */
+int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads);
 /* the quantised linear for any M (activations already in `a`), panels split over the threads */
 void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads);
 /* panels [p0, p1) of the same, on the calling thread (the fused step's one-region mode) */

@@ -100,12 +100,18 @@ static float abs_max(const float *x, int n, int isa) {
     return m;
 }
 
-void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads) {
+/* per tensor: the max over every row (M * K may not fit an int) */
+static float tensor_abs_max(const float *x, int M, int K, int isa) {
+    float m = 0.f;
+    for (int r = 0; r < M; r++) m = fmaxf(m, abs_max(x + (int64_t)r * K, K, isa));
+    return m;
+}
+
+/* rows [m0, m1) of x rounded into a (mode 2: tensor_max is the whole tensor's) */
+static void quantize_rows(const float *x, int m0, int m1, int K, int Kp, int mode, float tensor_max,
+                          Acts *a, int isa) {
     const int nb = Kp / QBLOCK;
-    float tensor_max = 0.f;  /* per tensor: the max over rows (M * K may not fit an int) */
-    for (int m = 0; mode == 2 && m < M; m++) tensor_max = fmaxf(tensor_max, abs_max(x + (int64_t)m * K, K, isa));
-#pragma omp parallel for num_threads(num_threads) if (M > DECODE_MAX_ROWS && num_threads > 1)
-    for (int m = 0; m < M; m++) {
+    for (int m = m0; m < m1; m++) {
         const float *row = x + (int64_t)m * K;
         const float row_max = mode == 1 ? abs_max(row, K, isa) : tensor_max;
         for (int b = 0; b < nb; b++) {
@@ -116,6 +122,12 @@ void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int 
                                            a->abs + (int64_t)m * Kp + k0, &a->scale[i], isa);
         }
     }
+}
+
+void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads) {
+    const float tensor_max = mode == 2 ? tensor_abs_max(x, M, K, isa) : 0.f;
+#pragma omp parallel for num_threads(num_threads) if (M > DECODE_MAX_ROWS && num_threads > 1)
+    for (int m = 0; m < M; m++) quantize_rows(x, m, m + 1, K, Kp, mode, tensor_max, a, isa);
 }
 
 /* An fp16 scale (IEEE binary16 bits) as fp32: exact. */
@@ -618,6 +630,44 @@ INL void panels_range(const Linear *L, const Acts *a, int M, float *y, int isa, 
 
 void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1) {
     panels_range(L, a, M, y, isa, p0, p1);
+}
+
+/* Rows up to this many are rounded by every thread of q_linear_x into its own buffer (no barrier);
+ * more are split over the threads, then a barrier. */
+#define QUANT_SPLIT_ROWS 64
+
+/* y [M, N] = round(x) W^T + b for any M in one parallel region: the rounding and the panels. Under
+ * OMP_WAIT_POLICY=PASSIVE each region wakes the sleeping threads (tens of us here), and a linear of a
+ * prefill or a large batch used to open two (quantize_acts, then q_linear). Every thread rounds
+ * every row itself when there are few (the same code on the same input: the same bits), else its
+ * share of the rows into the shared buffer before a barrier. 0, or -2 when a buffer cannot be had. */
+int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
+    const int own = M <= QUANT_SPLIT_ROWS || num_threads == 1, copies = own ? num_threads : 1;
+    Acts *acts = calloc(copies, sizeof(Acts));
+    int status = acts ? 0 : -2;
+    for (int t = 0; t < copies && status == 0; t++)
+        if (!alloc_acts(&acts[t], M, L->kp)) status = -2;
+    if (status == 0) {
+        const float tensor_max = L->act_mode == 2 ? tensor_abs_max(x, M, L->k, isa) : 0.f;
+        const int num_panels = (L->n + QPANEL - 1) / QPANEL;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+        {
+            const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+            Acts *a = &acts[own ? tid : 0];
+            if (own) {
+                quantize_rows(x, 0, M, L->k, L->kp, L->act_mode, tensor_max, a, isa);
+            } else {
+                quantize_rows(x, (int)((int64_t)M * tid / nt), (int)((int64_t)M * (tid + 1) / nt),
+                              L->k, L->kp, L->act_mode, tensor_max, a, isa);
+#pragma omp barrier
+            }
+            const int64_t p0 = (int64_t)num_panels * tid / nt, p1 = (int64_t)num_panels * (tid + 1) / nt;
+            panels_range(L, a, M, y, isa, (int)p0, (int)p1);
+        }
+    }
+    for (int t = 0; acts && t < copies; t++) free_acts(&acts[t]);
+    free(acts);
+    return status;
 }
 
 void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads) {
