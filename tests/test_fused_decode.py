@@ -385,3 +385,53 @@ def test_silu_mul_equals_torch_on_every_isa_with_nan_and_infinities(isa):
         finite = expected.isfinite()
         assert torch.equal(got[~finite & ~got.isnan()], expected[~finite & ~expected.isnan()])
         torch.testing.assert_close(got[finite], expected[finite], rtol=1e-6, atol=1e-30)
+
+
+@needs_kernel
+def test_bf16_exact_weights_take_bf16_panels_with_the_fp32_bits(isa, monkeypatch):
+    """Weights that are all bf16 values (a bf16 checkpoint served in fp32) are held as bf16 panels,
+    half the bytes; every row count gives the bits the fp32 panels of the same values give (the
+    kernels widen each weight exactly); any other weight keeps fp32 panels."""
+    gen = torch.Generator().manual_seed(11)
+    for n, k in [(37, 77), (200, 33), (64, 576)]:
+        w = torch.randn(n, k, generator=gen).bfloat16().float()
+        b = torch.randn(n, generator=gen)
+        linear = PackedLinear(w, b)
+        assert linear.panels.dtype == torch.bfloat16
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_decode, "bf16_exact", lambda weight: False)
+            reference = PackedLinear(w, b)
+        assert reference.panels.dtype == torch.float32
+        for rows in [1, 2, 3, 4, 5, 7, 16, 40]:
+            x = torch.randn(rows, k, generator=gen)
+            assert torch.equal(linear(x), reference(x)), f"{n}x{k}, {rows} rows ({isa})"
+    w[0, 0] = 1 + 2**-20  # not a bf16 value (8 bits of mantissa)
+    assert PackedLinear(w, None).panels.dtype == torch.float32
+
+
+@needs_kernel
+def test_a_bf16_checkpoint_runs_on_bf16_panels_with_the_fp32_logits(tmp_path, monkeypatch):
+    """A bf16 checkpoint (served in fp32 on CPU) holds its projections and tied head as bf16 panels,
+    the embedding read from them; its logits, token by token through the fused step and for a
+    whole prompt, equal those of the same values on fp32 panels bit for bit."""
+    from kvserve.model.linear import PanelEmbedding
+    from tests.checkpoints import build_checkpoint
+
+    hf = build_checkpoint(tmp_path / "fp32", "llama_tied")
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+
+    def logits():
+        llm = LLM(str(tmp_path / "bf16"), num_blocks=64)
+        model = llm.engine.runner.model
+        panels = [m.panels.dtype for m in model.modules() if isinstance(m, PackedLinear)]
+        by_token = llm.engine.score(PROMPT, chunk_size=1)
+        assert model.fused is not None and model.fused.num_steps == len(PROMPT)
+        return panels, model.embed_tokens, by_token, llm.engine.score(PROMPT)
+
+    panels, embed, by_token, whole = logits()
+    assert panels and set(panels) == {torch.bfloat16}  # q/k/v, o, gate/up, down, the head
+    assert isinstance(embed, PanelEmbedding) and embed.panels.dtype == torch.bfloat16
+    monkeypatch.setattr(fused_decode, "bf16_exact", lambda weight: False)
+    ref_panels, _, ref_by_token, ref_whole = logits()
+    assert set(ref_panels) == {torch.float32}
+    assert torch.equal(by_token, ref_by_token) and torch.equal(whole, ref_whole)

@@ -23,7 +23,7 @@ import torch
 from kvserve.model import cpu_kernels
 
 _PTR, _INT, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_LIN_F32, _LIN_Q8, _LIN_Q4 = 0, 1, 2
+_LIN_F32, _LIN_Q8, _LIN_Q4, _LIN_BF16 = 0, 1, 2, 3
 FPANEL = 16  # output columns per panel of the fp32 layout (csrc/decode_step.h)
 ISA_NAMES = {3: "avx512", 2: "avx2", 0: "scalar"}  # 3: AVX-512 F/BW/VL with VNNI
 
@@ -122,11 +122,12 @@ def linear_descriptor(module: torch.nn.Module, keep: list) -> _Linear | None:
     from kvserve.model.qlinear import QuantLinear
 
     if isinstance(module, PackedLinear) and module.panels is not None:
-        w = module.panels  # [P, K, 16] fp32 (csrc/decode_step.h)
+        w = module.panels  # [P, K, 16] fp32 or bf16 (csrc/decode_step.h)
         bias = None if module.bias is None else module.bias.float().contiguous()
         keep += [w, bias]
         n, k = module.out_features, module.in_features
-        return _Linear(_LIN_F32, n, k, k, 1, 1, 0, 0, w.data_ptr(), None, None, _ptr(bias))
+        kind = _LIN_BF16 if w.dtype == torch.bfloat16 else _LIN_F32
+        return _Linear(kind, n, k, k, 1, 1, 0, 0, w.data_ptr(), None, None, _ptr(bias))
     if isinstance(module, QuantLinear) and module.layout == "panel":
         # csrc/decode_step.h: w [P, nb, 8, 8, 4] int8 | [P, nb, 4, 8, 4] uint8, scales [P, G, 8]
         bits = module.scheme.bits
@@ -140,13 +141,25 @@ def linear_descriptor(module: torch.nn.Module, keep: list) -> _Linear | None:
     return None
 
 
-def f32_panels(weight: torch.Tensor) -> torch.Tensor:
+def f32_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """weight [N, K] -> the fp32 panel layout [ceil(N / 16), K, 16] of csrc/decode_step.h: panel p,
-    input k holds columns 16p .. 16p + 15 (one 64-byte line; padded columns are zeros)."""
+    input k holds columns 16p .. 16p + 15 (one 64-byte line; padded columns are zeros). `dtype`
+    bfloat16 stores the same layout in bf16 (`bf16_exact` weights only: the kernels widen each value
+    back to the fp32 it was, so the product is the fp32 one, from half the bytes)."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // FPANEL) * FPANEL, k, dtype=torch.float32)
+    padded = torch.zeros(-(-n // FPANEL) * FPANEL, k, dtype=dtype)
     padded[:n] = weight.detach()
     return padded.view(-1, FPANEL, k).transpose(1, 2).contiguous()  # [P, K, 16]
+
+
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of an fp32 `weight` is a bf16 value (a bf16 checkpoint upcast to fp32):
+    then its panels are stored in bf16, losslessly. Checked in slices of rows (no full-size copy)."""
+    rows = max(1, (1 << 22) // max(1, weight.shape[-1]))
+    for part in weight.detach().split(rows):
+        if not torch.equal(part.to(torch.bfloat16).float(), part):
+            return False
+    return True
 
 
 def small_linear(desc: _Linear, x: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,12 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
         use_panels = fused_decode.max_rows() > 0 and weight.dtype == torch.float32
-        self.panels = fused_decode.f32_panels(weight) if use_panels else None  # [P, in, 16]
+        # [P, in, 16]: bf16 when every weight is a bf16 value (a bf16 checkpoint): the same products
+        # from half the bytes (the kernels widen each weight back to its fp32 value)
+        panel_dtype = (
+            torch.bfloat16 if use_panels and fused_decode.bf16_exact(weight) else torch.float32
+        )
+        self.panels = fused_decode.f32_panels(weight, panel_dtype) if use_panels else None
         # the portable loops (a CPU without AVX2) are ~40x slower than oneDNN at prefill sizes:
         # there the panels take decode rows only, and oneDNN's copy stays for the rest
         if not use_panels:
@@ -114,7 +119,8 @@ class PanelEmbedding(nn.Module):
             raise IndexError(
                 f"token id out of range for an embedding of {self.num_embeddings} rows"
             )
-        return self.panels[input_ids // fused_decode.FPANEL, :, input_ids % fused_decode.FPANEL]
+        rows = self.panels[input_ids // fused_decode.FPANEL, :, input_ids % fused_decode.FPANEL]
+        return rows.float()  # bf16 panels: their values widened, exact (fp32: no copy)
 
 
 class TransposedLinear(nn.Module):

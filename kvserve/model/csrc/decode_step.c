@@ -121,13 +121,23 @@ int decode_f32_max_rows(void) { return g_f32_max_rows; }
  * the bias is added last. The scalar path does the same operations in the same order (fmaf), so both
  * paths give the same bits. */
 
+/* weight i of a float panel layout as fp32 (bf16: its bits in the high half, exact) */
+static inline float panel_weight(const Linear *L, int64_t i) {
+    if (L->kind == LIN_F32) return ((const float *)L->w)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)L->w)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 static void f32_panel_scalar(const Linear *L, const float *x, int M, float *y, int p) {
     const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
-    const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
+    const int64_t w0 = (int64_t)p * K * FPANEL;
     for (int m = 0; m < M; m++)
         for (int c = 0; c < cols; c++) {
             float acc = 0.f;
-            for (int k = 0; k < K; k++) acc = fmaf(x[(int64_t)m * K + k], wp[(int64_t)k * FPANEL + c], acc);
+            for (int k = 0; k < K; k++)
+                acc = fmaf(x[(int64_t)m * K + k], panel_weight(L, w0 + (int64_t)k * FPANEL + c), acc);
             y[(int64_t)m * L->n + n0 + c] = acc + (L->bias ? L->bias[n0 + c] : 0.f);
         }
 }
@@ -153,17 +163,27 @@ INL void f32_sums_out(const Linear *L, float *y, int m, int n0, int cols, __m256
  * latency 4 need >= 8 independent sums). They are named variables, not an array: gcc 12 kept an
  * array of accumulators in memory and stored every one of them on every input, so the loop ran at
  * the store port's rate, half the FMA pipes'. The panel's lines are read once for the R rows. */
+/* 8 weights of a float panel line as fp32: fp32 as they are, bf16 widened (exact) */
+INL __m256 load_w8(const void *base, int64_t i, const int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)base + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0, const int R,
-                        int prefetch) {
+                        int prefetch, const int bf16) {
     const int K = L->k, n0 = p * FPANEL, cols = L->n - n0 < FPANEL ? L->n - n0 : FPANEL;
-    const float *wp = (const float *)L->w + (int64_t)p * K * FPANEL;
+    const int64_t wbase = (int64_t)p * K * FPANEL;
+    const char *wbytes = (const char *)L->w;
+    const int wsize = bf16 ? 2 : 4;
     const float *xr = x + (int64_t)m0 * K;
     __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
     c00 = c01 = c10 = c11 = c20 = c21 = c30 = c31 = c40 = c41 = c50 = c51 = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
-        const float *wk = wp + (int64_t)k * FPANEL;
-        if (prefetch) _mm_prefetch((const char *)(wk + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
-        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        const int64_t wk = wbase + (int64_t)k * FPANEL;
+        if (prefetch)
+            _mm_prefetch(wbytes + (wk + F32_PREFETCH_LINES * FPANEL) * wsize, _MM_HINT_T0);
+        const __m256 w0 = load_w8(L->w, wk, bf16), w1 = load_w8(L->w, wk + 8, bf16);
 #define F32_FMA(r)                                                                                 \
     if (R > r) {                                                                                   \
         const __m256 xb = _mm256_broadcast_ss(xr + (int64_t)(r) * K + k);                          \
@@ -181,18 +201,23 @@ INL void f32_panel_tile(const Linear *L, const float *x, float *y, int p, int m0
 /* every row of panel p, in row tiles of 6 while the panel's lines are in cache (L1 / L2: 36 KB at
  * K = 576, 98 KB at K = 1536); the first tile prefetches the panel. Blocking K so that a slab stays
  * in L1 across the tiles, and tiles of 5 rows, measured no faster (docs/performance.md). */
-static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int p) {
+INL void f32_panel_rows(const Linear *L, const float *x, int M, float *y, int p, const int bf16) {
     for (int m0 = 0; m0 < M; m0 += F32_TILE_MAX) {
         const int pf = m0 == 0;
         switch (M - m0 < F32_TILE_MAX ? M - m0 : F32_TILE_MAX) {
-        case 1: f32_panel_tile(L, x, y, p, m0, 1, pf); break;
-        case 2: f32_panel_tile(L, x, y, p, m0, 2, pf); break;
-        case 3: f32_panel_tile(L, x, y, p, m0, 3, pf); break;
-        case 4: f32_panel_tile(L, x, y, p, m0, 4, pf); break;
-        case 5: f32_panel_tile(L, x, y, p, m0, 5, pf); break;
-        default: f32_panel_tile(L, x, y, p, m0, 6, pf); break;
+        case 1: f32_panel_tile(L, x, y, p, m0, 1, pf, bf16); break;
+        case 2: f32_panel_tile(L, x, y, p, m0, 2, pf, bf16); break;
+        case 3: f32_panel_tile(L, x, y, p, m0, 3, pf, bf16); break;
+        case 4: f32_panel_tile(L, x, y, p, m0, 4, pf, bf16); break;
+        case 5: f32_panel_tile(L, x, y, p, m0, 5, pf, bf16); break;
+        default: f32_panel_tile(L, x, y, p, m0, 6, pf, bf16); break;
         }
     }
+}
+
+static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int p) {
+    if (L->kind == LIN_BF16) f32_panel_rows(L, x, M, y, p, 1);
+    else f32_panel_rows(L, x, M, y, p, 0);
 }
 #endif /* __AVX2__ */
 
@@ -214,11 +239,19 @@ INL void f32_sums_out512(const Linear *L, float *y, int m, int n0, __m512 v) {
     for (int c = 0; c < cols; c++) yr[c] = sums[c] + (L->bias ? L->bias[n0 + c] : 0.f);
 }
 
+/* 16 weights of a float panel line as fp32: fp32 as they are, bf16 widened (exact) */
+INL __m512 load_w16(const void *base, int64_t i, const int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 INL void f32_tile512(const Linear *L, const float *x, float *y, int p, const int NP, int m0,
-                     const int R, int prefetch) {
+                     const int R, int prefetch, const int bf16) {
     const int K = L->k;
-    const int64_t pstride = (int64_t)K * FPANEL;
-    const float *wp = (const float *)L->w + (int64_t)p * pstride;
+    const int64_t pstride = (int64_t)K * FPANEL, wbase = (int64_t)p * pstride;
+    const char *wbytes = (const char *)L->w;
+    const int wsize = bf16 ? 2 : 4;
     const float *xr = x + (int64_t)m0 * K;
     /* named, not an array (see f32_panel_tile); those a tile does not use are dropped */
     __m512 a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23;
@@ -226,22 +259,20 @@ INL void f32_tile512(const Linear *L, const float *x, float *y, int p, const int
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = _mm512_setzero_ps();
     a30 = a31 = a32 = a33 = a40 = a41 = a42 = a43 = a50 = a51 = a52 = a53 = _mm512_setzero_ps();
     for (int k = 0; k < K; k++) {
-        const float *wk = wp + (int64_t)k * FPANEL;
+        const int64_t wk = wbase + (int64_t)k * FPANEL;
         __m512 w0, w1 = _mm512_setzero_ps(), w2 = w1, w3 = w1;
-        if (prefetch) _mm_prefetch((const char *)(wk + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
-        w0 = _mm512_loadu_ps(wk);
+#define F32_PF(q) _mm_prefetch(wbytes + (wk + (q) * pstride + F32_PREFETCH_LINES * FPANEL) * wsize, _MM_HINT_T0)
+        if (prefetch) F32_PF(0);
+        w0 = load_w16(L->w, wk, bf16);
         if (NP > 1) {
-            if (prefetch)
-                _mm_prefetch((const char *)(wk + pstride + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
-            w1 = _mm512_loadu_ps(wk + pstride);
+            if (prefetch) F32_PF(1);
+            w1 = load_w16(L->w, wk + pstride, bf16);
         }
         if (NP > 2) {
-            if (prefetch) {
-                _mm_prefetch((const char *)(wk + 2 * pstride + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
-                _mm_prefetch((const char *)(wk + 3 * pstride + F32_PREFETCH_LINES * FPANEL), _MM_HINT_T0);
-            }
-            w2 = _mm512_loadu_ps(wk + 2 * pstride), w3 = _mm512_loadu_ps(wk + 3 * pstride);
+            if (prefetch) F32_PF(2), F32_PF(3);
+            w2 = load_w16(L->w, wk + 2 * pstride, bf16), w3 = load_w16(L->w, wk + 3 * pstride, bf16);
         }
+#undef F32_PF
 #define F32_ROW512(r)                                                                  \
     if (R > r) {                                                                       \
         const __m512 xb = _mm512_set1_ps(xr[(int64_t)(r) * K + k]);                    \
@@ -273,7 +304,8 @@ INL void f32_tile512(const Linear *L, const float *x, float *y, int p, const int
 /* panels [p0, p1) of every row: 1-3 rows in tiles of 4 panels (4-12 independent chains), more rows
  * in tiles of 6 rows x 2 panels (12 accumulators: 2 weight loads and 6 broadcasts per 12 FMAs),
  * each group of panels' lines in cache across its row tiles; the first row tile prefetches. */
-static void f32_panels512(const Linear *L, const float *x, int M, float *y, int p0, int p1) {
+INL void f32_panels512_w(const Linear *L, const float *x, int M, float *y, int p0, int p1,
+                         const int bf16) {
     const int NPmax = M <= 3 ? 4 : 2, RT = M <= 3 ? 3 : 6;
     for (int p = p0; p < p1;) {
         const int np = p1 - p >= NPmax ? NPmax : p1 - p >= 2 ? 2 : 1;
@@ -281,12 +313,12 @@ static void f32_panels512(const Linear *L, const float *x, int M, float *y, int 
             const int R = M - m0 < RT ? M - m0 : RT, pf = m0 == 0;
 #define F32_NP(NPV)                                                        \
     switch (R) {                                                          \
-    case 1: f32_tile512(L, x, y, p, NPV, m0, 1, pf); break;               \
-    case 2: f32_tile512(L, x, y, p, NPV, m0, 2, pf); break;               \
-    case 3: f32_tile512(L, x, y, p, NPV, m0, 3, pf); break;               \
-    case 4: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 4, pf); break; \
-    case 5: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 5, pf); break; \
-    default: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 6, pf); break; \
+    case 1: f32_tile512(L, x, y, p, NPV, m0, 1, pf, bf16); break;               \
+    case 2: f32_tile512(L, x, y, p, NPV, m0, 2, pf, bf16); break;               \
+    case 3: f32_tile512(L, x, y, p, NPV, m0, 3, pf, bf16); break;               \
+    case 4: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 4, pf, bf16); break; \
+    case 5: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 5, pf, bf16); break; \
+    default: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 6, pf, bf16); break; \
     }
             if (np == 4) {
                 F32_NP(4)
@@ -299,6 +331,11 @@ static void f32_panels512(const Linear *L, const float *x, int M, float *y, int 
         }
         p += np;
     }
+}
+
+static void f32_panels512(const Linear *L, const float *x, int M, float *y, int p0, int p1) {
+    if (L->kind == LIN_BF16) f32_panels512_w(L, x, M, y, p0, p1, 1);
+    else f32_panels512_w(L, x, M, y, p0, p1, 0);
 }
 #endif /* HAVE_AVX512 */
 
@@ -337,7 +374,7 @@ static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa
 
 static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *acts, int num_threads) {
     const int isa = decode_isa();
-    if (L->kind != LIN_F32) {
+    if (!LIN_IS_FLOAT(L->kind)) {
         quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, num_threads);
         q_linear(L, acts, M, y, isa, num_threads);
         return;
@@ -351,7 +388,7 @@ static int max_int(int a, int b) { return a > b ? a : b; }
  * batches), any number of rows, in one parallel region. 0 on success. */
 int small_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
     if (M < 1) return -1;
-    if (L->kind == LIN_F32) {
+    if (LIN_IS_FLOAT(L->kind)) {
         f32_linear(L, x, M, y, decode_isa(), num_threads);
         return 0;
     }
@@ -413,10 +450,10 @@ static void step_barrier(StepBarrier *b, int team) {
  * by every thread into its own `acts` (the same bits) */
 static void linear_share(const Linear *L, const float *x, int M, float *y, Acts *acts, int isa,
                          int tid, int nt) {
-    const int width = L->kind == LIN_F32 ? FPANEL : QPANEL;
+    const int width = LIN_IS_FLOAT(L->kind) ? FPANEL : QPANEL;
     const int64_t panels = (L->n + width - 1) / width;
     const int p0 = (int)(panels * tid / nt), p1 = (int)(panels * (tid + 1) / nt);
-    if (L->kind == LIN_F32) {
+    if (LIN_IS_FLOAT(L->kind)) {
         f32_panels(L, x, M, y, isa, p0, p1);
         return;
     }
@@ -430,7 +467,7 @@ static int max_kp_of(const Model *mdl) {
         const Linear *ls[4] = {&mdl->layers[l].qkv, &mdl->layers[l].o, &mdl->layers[l].gate_up,
                                &mdl->layers[l].down};
         for (int i = 0; i < 4; i++)
-            if (ls[i]->kind != LIN_F32 && ls[i]->kp > max_kp) max_kp = ls[i]->kp;
+            if (!LIN_IS_FLOAT(ls[i]->kind) && ls[i]->kp > max_kp) max_kp = ls[i]->kp;
     }
     return max_kp;
 }
@@ -526,8 +563,8 @@ done:
 int decode_step_max_rows(const Model *mdl) {
     for (int l = 0; l < mdl->num_layers; l++) {
         const Layer *L = &mdl->layers[l];
-        if (L->qkv.kind != LIN_F32 || L->o.kind != LIN_F32 || L->gate_up.kind != LIN_F32 ||
-            L->down.kind != LIN_F32)
+        if (!LIN_IS_FLOAT(L->qkv.kind) || !LIN_IS_FLOAT(L->o.kind) ||
+            !LIN_IS_FLOAT(L->gate_up.kind) || !LIN_IS_FLOAT(L->down.kind))
             return DECODE_MAX_ROWS;
     }
     return g_f32_max_rows > DECODE_MAX_ROWS ? g_f32_max_rows : DECODE_MAX_ROWS;
@@ -556,7 +593,7 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
         const Linear *ls[4] = {&mdl->layers[l].qkv, &mdl->layers[l].o, &mdl->layers[l].gate_up,
                                &mdl->layers[l].down};
         for (int i = 0; i < 4; i++) {
-            if (ls[i]->kind != LIN_F32) max_kp = max_int(max_kp, ls[i]->kp);
+            if (!LIN_IS_FLOAT(ls[i]->kind)) max_kp = max_int(max_kp, ls[i]->kp);
         }
     }
     float *residual = malloc(sizeof(float) * M * D), *normed = malloc(sizeof(float) * M * D);

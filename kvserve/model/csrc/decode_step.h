@@ -9,11 +9,16 @@
 #define QPANEL 8 /* output columns interleaved in one panel of the quantised layout */
 #define FPANEL 16 /* output columns interleaved in one panel of the fp32 layout */
 
-enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2 };
+enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2, LIN_BF16 = 3 };
+/* fp32 arithmetic on the fp32 panel layout: weights stored as fp32, or as bf16 bits (each one an fp32
+ * whose low 16 bits are zero, so widening it is exact) */
+#define LIN_IS_FLOAT(kind) ((kind) == LIN_F32 || (kind) == LIN_BF16)
 
 /* One linear y [M, N] = x [M, K] W^T + b.
  * fp32: the panel layout w[p][k][c] (fp32) = W[16p + c][k], N padded to a multiple of 16 columns
  *   (zeros), K as it is: one 64-byte line per input holds the panel's 16 columns.
+ * bf16 (LIN_BF16): the same layout of uint16 bf16 bits, 32 bytes per input; the arithmetic is the fp32
+ *   one on the widened weights, so it gives the bits the fp32 layout of the same values gives.
  * int8 / int4 (qgemv.c): the panel-interleaved layout, N padded to Np = a multiple of 8 columns and
  *   K to Kp = a multiple of 32 inputs (zeros). Panel p holds columns 8p .. 8p + 7.
  *   int8: w[p][b][j][c][t] (int8) = code of column 8p + c, input 32b + 4j + t (j < 8, t < 4): one
@@ -23,7 +28,7 @@ enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2 };
  *   scales [P, G, 8] fp16 (P = Np / 8, G groups of bpg blocks: the checkpoint's fp16 scales, so
  *   exact), zeros [P, G, 8] fp16 or NULL (symmetric int4: zero 8). w_min: some int8 code is -128 (takes the |w| x sign(x, w) order). */
 typedef struct {
-    int kind;     /* LIN_F32 | LIN_Q8 | LIN_Q4 */
+    int kind;     /* LIN_F32 | LIN_Q8 | LIN_Q4 | LIN_BF16 */
     int n, k, kp; /* outputs, inputs, inputs padded to a multiple of 32 (quantised) */
     int groups, bpg, act_mode; /* scale groups per row, blocks per group, activation rounding mode */
     int w_min;
