@@ -9,12 +9,15 @@
  *
  * GEMV kernels (y[m, n] = sum_k x[m, k] w[n, k] + bias[n]; a step has M <= DECODE_MAX_ROWS rows, or
  * up to F32_STEP_ROWS when every linear is fp32, decode_step_max_rows):
- *   fp32: the 16-column panel layout of decode_step.h (built once at load, fused_decode.f32_panels).
+ *   fp32: the 16-column panel layout of decode_step.h (built once at load, fused_decode.f32_panels),
+ *     its values stored as fp32 or, when every one is a bf16 value, as bf16 (LIN_BF16: widened
+ *     exactly, the same arithmetic and bits).
  *   int8 / int4: qgemv.c, the panel-interleaved layout of decode_step.h (activations rounded to int8
  *     as kvserve/quant/csrc/qgemm.cpp rounds them; integer dot products per 32-input block).
- * The AVX2 paths exist when the library is compiled for a CPU with AVX2 (-march=native; the build is
- * keyed by the CPU's flags) and can be switched off at run time (decode_set_max_isa(0): the scalar path,
- * which tests force).
+ * The AVX2 paths exist when the library is compiled for a CPU with AVX2, the AVX-512 ones (level 3)
+ * for one with AVX-512 F/BW/VL and VNNI (-march=native; the build is keyed by the CPU's flags); each is
+ * checked again at run time and can be capped (decode_set_max_isa(2): AVX2, 0: the scalar path, which
+ * tests force). Every level gives the same bits.
  */
 #define _GNU_SOURCE /* syscall (the futex) */
 #include <math.h>
