@@ -139,10 +139,9 @@ def measure_team_layers(
         from kvserve.quant.scheme import parse_tensor_scheme
 
         scheme = parse_tensor_scheme(fmt)
-    from kvserve.model import fused_decode
 
     layers = min(model.num_layers, max_layers)
-    limit = fused_rows() if fmt == "fp32" else fused_decode.max_rows()  # quantised: 4 rows
+    limit = fused_rows()  # quantised steps take as many rows as fp32 ones
     contexts = tuple(sorted({SHORT_CONTEXT, *(contexts or (max(cfg.attention_contexts),))}))
     rows = tuple(n for n in rows if n <= limit)
     make_step, decoder = _tiny_decoder(layers, True, max(contexts), max(rows), model, scheme)

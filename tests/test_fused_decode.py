@@ -296,14 +296,21 @@ def _batch_logprobs(llm: LLM, count: int) -> list:
 
 
 @needs_kernel
-def test_fp32_team_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa):
-    """fp32 steps of up to 16 rows run fused (decode_step_max_rows), as one region, with the same
-    bits as the forking step; capped at 4 rows, those steps take the per-op oneDNN path instead."""
+@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
+def test_team_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa, quantization):
+    """Steps of up to 16 rows, fp32 or quantised, run fused (decode_step_max_rows: the quantised GEMV
+    takes pairs of panels above 4 rows), as one region, with the same bits as the forking step;
+    capped at 4 rows, those steps take the per-op path instead, with the same tokens."""
+    if quantization and not kernels_available():
+        pytest.skip("the quantised GEMM extension did not build")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         assert fused_decode.max_step_rows() == 16
-        llm = LLM(str(llama_dir), num_blocks=128, max_num_seqs=16, enable_prefix_caching=False)
+        llm = LLM(
+            str(llama_dir), num_blocks=128, max_num_seqs=16, enable_prefix_caching=False,
+            quantization=quantization,
+        )  # fmt: skip
         _batch_logprobs(llm, 2)  # builds the fused step
         fused = llm.engine.runner.model.fused
         assert fused is not None and fused.max_rows() == 16

@@ -187,7 +187,9 @@ def test_the_planners_path_rule_matches_the_kernels_choice(threads):
         torch.set_num_threads(saved)
 
 
-def test_quantised_steps_are_fused_up_to_four_rows_and_fp32_ones_up_to_sixteen():
+def test_quantised_steps_are_fused_up_to_sixteen_rows_as_fp32_ones_are():
+    """decode_step_max_rows: the quantised GEMV takes any rows, so a quantised step runs fused up to
+    the same 16 rows as an fp32 one (it was 4 before; `decode_fused_rows` keeps the GEMV tile)."""
     profile = replace(
         hw(PER_OP + FUSED), decode_fused_rows=4, decode_fused_f32_rows=16,
         decode_team_any_context=True,
@@ -195,7 +197,7 @@ def test_quantised_steps_are_fused_up_to_four_rows_and_fp32_ones_up_to_sixteen()
     fp32 = EngineCost.from_profile(SPEC, FP32, 0.0, profile)
     int8 = EngineCost.from_profile(SPEC, parse_weight_format("int8"), 0.0, profile)
     assert fp32.path(16, 5000) == "team" and fp32.path(17, 10) == "per-op"
-    assert int8.path(4, 5000) == "team" and int8.path(5, 10) == "per-op"
+    assert int8.path(16, 5000) == "team" and int8.path(17, 10) == "per-op"
     assert "as one region at every context" in fp32.sources()["dispatch"]
     # an fp32 KV cache only (the planner passes fused_eligible=False for a quantised one)
     no_kv = EngineCost.from_profile(SPEC, FP32, 0.0, profile, fused_eligible=False)

@@ -127,7 +127,6 @@ def test_the_measurement_is_the_fused_step_less_its_fixed_part_on_the_models_sha
     monkeypatch, fmt
 ):
     import kvserve.measure_team as mt
-    from kvserve.model import fused_decode
 
     seen = []
 
@@ -139,9 +138,8 @@ def test_the_measurement_is_the_fused_step_less_its_fixed_part_on_the_models_sha
 
     monkeypatch.setattr(mt, "interleaved_medians_s", fake_medians)
     points = mt.measure_team_layers(QUICK, WIDE, fmt, [(1, 1e-3), (4, 1e-3)], rows=(1, 4, 16))
-    limit = fused_rows() if fmt == "fp32" else fused_decode.max_rows()
     rows = sorted({p.num_columns for p in points})
-    assert rows == [n for n in (1, 4, 16) if n <= limit]  # the quantised step takes fewer rows
+    assert rows == [n for n in (1, 4, 16) if n <= fused_rows()]  # quantised steps as many as fp32
     assert seen == [[16, 64]] * len(rows)
     by = {(p.num_columns, p.context_tokens): p for p in points}
     assert by[(1, 16)].median_s == pytest.approx((4e-3 - 1e-3) / 3)

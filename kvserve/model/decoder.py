@@ -190,7 +190,7 @@ class DecoderLM(nn.Module):
             if self.fused is None:  # some part has no native path: never try again
                 self.fused_decode = False
         if self.fused is not None and num_tokens > self.fused.max_rows():
-            return None  # quantised projections: at most fused_decode.max_rows()
+            return None  # more rows than the step was capped at (set_f32_max_rows)
         return self.fused
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

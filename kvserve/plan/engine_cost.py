@@ -150,11 +150,8 @@ class EngineCost:
             return None
         fused_layer, fused_fixed = by_kind.get("fused-dispatch", []), by_kind.get("fused-fixed", [])
         fused_rows = 0
-        if fused_layer and fused_fixed:  # more rows when every projection is fp32 (decode_step.c)
-            f32 = fmt.for_category("linear").name in FP32_KERNEL
-            fused_rows = (
-                hardware.decode_fused_f32_rows if f32 else 0
-            ) or hardware.decode_fused_rows
+        if fused_layer and fused_fixed:  # as many rows for quantised projections as for fp32 ones
+            fused_rows = hardware.decode_fused_f32_rows or hardware.decode_fused_rows
         parts = tuple((kind, tuple(by_kind[kind])) for kind in ENGINE_PARTS if by_kind.get(kind))
         by_format: dict[str, float] = {}
         category_bytes = []
