@@ -40,7 +40,11 @@ TIMEOUT_MS = 180_000
 
 @pytest.fixture(scope="module")
 def server_url():
-    with running_server("kvserve-demo", "--kv-cache-memory", "64MiB") as (url, _):
+    # every engine step takes at least 20 ms (--inject-fault delay): the dashboard test's 4 x 48-token
+    # load then runs for ~1 s, four of its 250 ms polls, however fast the kernels are (in one full
+    # run without it the dashboard never showed a running request: the load fits between polls)
+    args = ("--kv-cache-memory", "64MiB", "--inject-fault", "delay:0.02")
+    with running_server("kvserve-demo", *args) as (url, _):
         yield url
 
 
