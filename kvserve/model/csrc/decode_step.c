@@ -375,27 +375,18 @@ static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa
 
 /* ---- one linear: y [M, N] = x [M, K] W^T + b, output columns split over the threads ---------------- */
 
-static void run_linear(const Linear *L, const float *x, int M, float *y, Acts *acts, int num_threads) {
+/* One linear, any number of rows, in one parallel region (the fp32 panels, or q_linear_x: rounding
+ * and panels together): the LM head, a projection outside the fused step (prefill, larger batches)
+ * and the forking step's projections. 0 on success, -2 when a buffer cannot be had. */
+static int run_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
     const int isa = decode_isa();
-    if (!LIN_IS_FLOAT(L->kind)) {
-        quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, num_threads);
-        q_linear(L, acts, M, y, isa, num_threads);
-        return;
-    }
+    if (!LIN_IS_FLOAT(L->kind)) return q_linear_x(L, x, M, y, isa, num_threads);
     f32_linear(L, x, M, y, isa, num_threads);
+    return 0;
 }
 
-static int max_int(int a, int b) { return a > b ? a : b; }
-
-/* One linear on its own (the LM head, or a projection outside the fused step: prefill, larger
- * batches), any number of rows, in one parallel region. 0 on success. */
 int small_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
-    if (M < 1) return -1;
-    if (LIN_IS_FLOAT(L->kind)) {
-        f32_linear(L, x, M, y, decode_isa(), num_threads);
-        return 0;
-    }
-    return q_linear_x(L, x, M, y, decode_isa(), num_threads);
+    return M < 1 ? -1 : run_linear(L, x, M, y, num_threads);
 }
 
 /* ---- one OpenMP region for the whole step (any context) --------------------------------------
@@ -589,21 +580,11 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
     const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;
     const int q_size = H * Dh, kv_size = KVH * Dh, qkv_width = q_size + 2 * kv_size;
     const int I = mdl->inter;
-    int max_kp = QBLOCK;
-    for (int l = 0; l < mdl->num_layers; l++) {
-        const Linear *ls[4] = {&mdl->layers[l].qkv, &mdl->layers[l].o, &mdl->layers[l].gate_up,
-                               &mdl->layers[l].down};
-        for (int i = 0; i < 4; i++) {
-            if (!LIN_IS_FLOAT(ls[i]->kind)) max_kp = max_int(max_kp, ls[i]->kp);
-        }
-    }
     float *residual = malloc(sizeof(float) * M * D), *normed = malloc(sizeof(float) * M * D);
     float *qkv = malloc(sizeof(float) * M * qkv_width), *attn = malloc(sizeof(float) * M * q_size);
     float *gate_up = malloc(sizeof(float) * M * 2 * I), *act = malloc(sizeof(float) * M * I);
-    Acts acts = {0};
     int status = 0;
-    if (!residual || !normed || !qkv || !attn || !gate_up || !act ||
-        !alloc_acts(&acts, M, max_kp)) {
+    if (!residual || !normed || !qkv || !attn || !gate_up || !act) {
         status = -2;
         goto done;
     }
@@ -613,7 +594,7 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
         if (l == 0) memcpy(residual, hidden, sizeof(float) * M * D); /* the stream starts as x */
         add_rms_norm(hidden, l == 0 ? NULL : residual, L->input_norm, normed, residual, M, D, mdl->eps,
                      1);
-        run_linear(&L->qkv, normed, M, qkv, &acts, num_threads);
+        if ((status = run_linear(&L->qkv, normed, M, qkv, num_threads)) != 0) goto done;
         rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
         write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_width, slots, L->k_cache, L->v_cache, M,
                  kv_size, 1);
@@ -621,16 +602,15 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
                                         context_lens, attn, qkv_width, M, H, KVH, Dh, mdl->block_size,
                                         max_blocks, mdl->scale, num_threads);
         if (status != 0) goto done;
-        run_linear(&L->o, attn, M, hidden, &acts, num_threads);
+        if ((status = run_linear(&L->o, attn, M, hidden, num_threads)) != 0) goto done;
         add_rms_norm(hidden, residual, L->post_norm, normed, residual, M, D, mdl->eps, 1);
-        run_linear(&L->gate_up, normed, M, gate_up, &acts, num_threads);
+        if ((status = run_linear(&L->gate_up, normed, M, gate_up, num_threads)) != 0) goto done;
         silu_mul(gate_up, act, M, I, 1);
-        run_linear(&L->down, act, M, hidden, &acts, num_threads);
+        if ((status = run_linear(&L->down, act, M, hidden, num_threads)) != 0) goto done;
     }
     add_rms_norm(hidden, residual, mdl->final_norm, normed, residual, M, D, mdl->eps, 1);
     memcpy(hidden, normed, sizeof(float) * M * D);
 done:
     free(residual), free(normed), free(qkv), free(attn), free(gate_up), free(act);
-    free_acts(&acts);
     return status;
 }

@@ -51,8 +51,6 @@ void free_acts(Acts *a);
 void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads);
 /* the quantised linear for any M from fp32 input: rounding and panels in one parallel region */
 int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads);
-/* the quantised linear for any M (activations already in `a`), panels split over the threads */
-void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads);
 /* panels [p0, p1) of the same, on the calling thread (the fused step's one-region mode) */
 void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1);
 

@@ -608,7 +608,7 @@ static void q_panel_avx2(const Linear *L, const Acts *a, int M, float *y, int p)
 }
 #endif /* __AVX2__ */
 
-/* panels [p0, p1) of y on this thread (inlined into q_linear: no call through the PLT per panel) */
+/* panels [p0, p1) of y on this thread (inlined into q_linear_x: no call through the PLT per panel) */
 INL void panels_range(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1) {
     (void)isa;
 #ifdef HAVE_Q512
@@ -638,7 +638,7 @@ void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, i
 
 /* y [M, N] = round(x) W^T + b for any M in one parallel region: the rounding and the panels. Under
  * OMP_WAIT_POLICY=PASSIVE each region wakes the sleeping threads (tens of us here), and a linear of a
- * prefill or a large batch used to open two (quantize_acts, then q_linear). Every thread rounds
+ * prefill or a large batch used to open two (rounding, then the panels). Every thread rounds
  * every row itself when there are few (the same code on the same input: the same bits), else its
  * share of the rows into the shared buffer before a barrier. 0, or -2 when a buffer cannot be had. */
 int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
@@ -668,15 +668,4 @@ int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int nu
     for (int t = 0; acts && t < copies; t++) free_acts(&acts[t]);
     free(acts);
     return status;
-}
-
-void q_linear(const Linear *L, const Acts *a, int M, float *y, int isa, int num_threads) {
-    const int num_panels = (L->n + QPANEL - 1) / QPANEL;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-    {
-        /* each thread one contiguous range of panels (schedule(static)'s split, in one call) */
-        const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t p0 = (int64_t)num_panels * tid / nt, p1 = (int64_t)num_panels * (tid + 1) / nt;
-        panels_range(L, a, M, y, isa, (int)p0, (int)p1);
-    }
 }
