@@ -1,5 +1,6 @@
 """Calibrated methods: SmoothQuant is an exact identity before rounding; GPTQ and AWQ lower the
-layer-wise objective ||X W^T - X W_hat^T|| below round-to-nearest's on the same layer."""
+layer-wise objective ||X W^T - X W_hat^T|| below round-to-nearest's on the same layer; GPTQ calibrates
+each linear on the inputs the quantised linears before it produce."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import torch
 from kvserve.engine.llm import LLM
 from kvserve.quant.calibrated import (
     _GROUPS,
+    _SEQUENTIAL,
     Stats,
+    awq_clip,
     awq_scales,
     collect_stats,
     fold,
     gptq,
+    sequential_gptq,
     smooth_scales,
 )
 from kvserve.quant.convert import REPORT_NAME
@@ -85,6 +89,65 @@ def test_gptq_and_awq_lower_the_layer_objective_below_rtn(model, name):
     assert alpha > 0
     assert layer_error(x, w, quantize(w * s, scheme).dequantize() / s) < rtn
     assert layer_error(x, w, gptq(w, st.hessian, scheme).dequantize()) < rtn
+
+
+@pytest.mark.parametrize("name", ["int4-g32", "int4", "int4-g32-zp"])
+def test_awq_clipping_lowers_the_error_of_weights_with_a_heavy_tail(name):
+    """A few large weights stretch their groups' range; clamping them (the search keeps r = 1 where
+    that is best) lowers every row's and group's error e H e^T, and the layer's."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 64, generator=gen)
+    w = torch.randn(96, 64, generator=gen) / 8
+    w[torch.rand(96, 64, generator=gen) < 0.03] *= 6
+    st = Stats(64)
+    st.add(x)
+    scheme = parse_tensor_scheme(name)
+    clipped = awq_clip(w, st.hessian, scheme)
+    assert (clipped != w).any()  # some range was clipped
+    glen = scheme.group_len(64)
+
+    def group_errors(w_hat):  # [groups, rows]: e H e^T over each group's inputs
+        e = (w - w_hat).double()
+        return torch.stack([
+            ((e[:, c : c + glen] @ st.hessian[c : c + glen, c : c + glen]) * e[:, c : c + glen]).sum(1)
+            for c in range(0, 64, glen)
+        ])  # fmt: skip
+
+    before = group_errors(quantize(w, scheme).dequantize())
+    after = group_errors(quantize(clipped, scheme).dequantize())
+    assert (after <= before * (1 + 1e-9)).all()
+    assert after.sum() < 0.97 * before.sum()
+    rtn = layer_error(x, w, quantize(w, scheme).dequantize())
+    assert layer_error(x, w, quantize(clipped, scheme).dequantize()) < rtn
+
+
+def test_gptq_calibrates_each_linear_on_the_quantised_linears_before_it(model):
+    """The oracle: a full forward of the float model in which every linear GPTQ quantised before the
+    one checked (layer 0's, then layer 1's q/k/v, o, gate/up) holds its dequantised weights. The
+    checked linear's inputs there give the Hessian it was quantised with; the float model's do not."""
+    path, hf, ids = model
+    state = {k: v.clone() for k, v in hf.state_dict().items()}
+    scheme = parse_tensor_scheme("int4-g32")
+    formats = {k: scheme for k in state if ".layers." in k and k.endswith("_proj.weight")}
+    quantized, stats = sequential_gptq(path, state, formats, ids, chunk=64)
+    assert set(quantized) == set(formats)
+    layers = hf.config.num_hidden_layers
+    order = [f"model.layers.{i}.{n}" for i in range(layers) for group in _SEQUENTIAL for n in group]
+    target = f"model.layers.{layers - 1}.mlp.down_proj"
+    oracle = type(hf)(hf.config).eval()
+    oracle.load_state_dict(state)
+    for module in order[: order.index(target)]:
+        oracle.get_submodule(module).weight.data = quantized[module + ".weight"].dequantize()
+    seen = Stats(hf.config.intermediate_size)
+    oracle.get_submodule(target).register_forward_hook(lambda m, a, o: seen.add(a[0]))
+    with torch.no_grad():
+        for start in range(0, len(ids), 64):
+            oracle(torch.tensor([ids[start : start + 64]]), use_cache=False)
+    used = stats[target].hessian
+    assert seen.count == stats[target].count == len(ids)
+    torch.testing.assert_close(used, seen.hessian, rtol=1e-6, atol=1e-6 * seen.hessian.abs().max())
+    floats = collect_stats(path, ids, chunk=64)[target].hessian
+    assert (floats - used).norm() > 1e-3 * used.norm()  # the quantised inputs really differ
 
 
 def test_calibrated_artifacts_load_and_report(model, tmp_path):

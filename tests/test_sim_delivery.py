@@ -57,6 +57,47 @@ def test_the_jitter_is_recovered_from_the_step_log_whatever_the_clock_offset():
     assert abs(got["lag1_correlation"]) < 0.2  # independent draws
 
 
+def prefix_and_speculation_run(jitter_scale_s: float, legacy: bool, num_requests: int = 60):
+    """Each request's prompt hits the prefix cache but for its last token (a one-token prompt
+    chunk), then verifies 3 proposals per step and accepts 1 or 2 (2 or 3 tokens a step). `legacy`
+    logs the chunks as (n, start) only, as servers did before the chunk kinds were recorded."""
+    rng = np.random.default_rng(5)
+    steps, records, delays = [], [], []
+    for i in range(num_requests):
+        prompt, t, produced, events = 30 + i % 15, 1.3 * i, 0, []
+        while produced < 20:
+            if produced == 0:
+                chunk, made = [1, prompt - 1, 1, 0], 1
+            else:
+                chunk, made = [4, prompt + produced - 1, 2, 3], 2 + int(rng.integers(2))
+            steps.append({"index": len(steps), "t_start_s": t, "waited_s": 0.0, "commands_s": 0.0,
+                          "step_s": STEP_S, "deliver_s": 0.0,
+                          "chunks": [chunk[:2] if legacy else chunk]})  # fmt: skip
+            t += STEP_S
+            delay = float(rng.exponential(jitter_scale_s))
+            produced += made
+            delays += [delay] * made
+            events.append(StreamEvent(t + delay + OFFSET_S, 3, produced))
+        records.append(RequestRecord(f"r{i}", i, "measured", "ok", 0.0, 0.0, 1.0, produced,
+                                     events=tuple(events), num_prompt_tokens_server=prompt))  # fmt: skip
+    return records, steps, np.asarray(delays)
+
+
+def test_a_prefix_hit_and_verified_proposals_are_matched_by_the_chunks_kinds():
+    """A one-token prompt chunk gives the first token; a verification gives several: the step log's
+    chunk kinds match every token. The old (n, start) reading took the first for a decode step and
+    the verification for a prompt chunk, so none was matched to its own step."""
+    records, steps, delays = prefix_and_speculation_run(2e-3, legacy=False)
+    got = delivery_jitter(records, steps)
+    assert got is not None and got["num_tokens"] == len(delays)
+    q = np.asarray(got["quantiles"])
+    expected = np.percentile(delays, [10, 90]) - np.median(delays)
+    assert q[[10, 90]] == pytest.approx(expected, abs=2e-4)
+    legacy = delivery_jitter(*prefix_and_speculation_run(2e-3, legacy=True)[:2])
+    # the old reading matches tokens to other requests' steps, seconds away
+    assert legacy is None or abs(legacy["quantiles"][10] - expected[0]) > 0.1
+
+
 def test_no_jitter_measured_gives_a_flat_distribution_and_too_few_tokens_none():
     records, steps, _ = synthetic_run(1e-9)
     q = np.asarray(delivery_jitter(records, steps)["quantiles"])

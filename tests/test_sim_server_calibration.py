@@ -148,7 +148,11 @@ def test_a_live_server_logs_its_steps_and_the_cli_fits_them(gpt2_model_dir, tmp_
     rows = [r for r in doc["steps"] if r["chunks"]]
     assert len(rows) >= 8 * 6  # one step per output token at least
     assert all(r["step_s"] > 0 and r["commands_s"] >= 0 and r["deliver_s"] >= 0 for r in rows)
-    assert sum(n for r in rows for n, _ in r["chunks"]) >= sum(10 + 7 * i for i in range(8))
+    assert sum(c[0] for r in rows for c in r["chunks"]) >= sum(10 + 7 * i for i in range(8))
+    # (new tokens, start, what it samples: 1 the first output token, 2 a later one, proposals)
+    kinds = [c[2] for r in rows for c in r["chunks"]]
+    assert kinds.count(1) == 8 and kinds.count(2) == 8 * 5
+    assert all(len(c) == 4 and c[3] == 0 for r in rows for c in r["chunks"])
     saved = tmp_path / "steps.json"
     saved.write_text(json.dumps(doc))
     profile = tmp_path / "p.json"

@@ -26,6 +26,7 @@ import torch
 from kvserve.core.errors import KVServeError
 from kvserve.engine.faults import DeadEngine, FaultInjection, inject_runner_fault
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.step_log import chunk_row
 from kvserve.engine.wire import (
     AbortCmd,
     AddCmd,
@@ -316,9 +317,7 @@ class EngineCore:
     def _publish(self, deltas, times: tuple[float, float, float, float]) -> None:
         slept_s, t0, t1, t2 = times
         last = self.engine.last_scheduler_output
-        chunks = (
-            () if last is None else tuple((c.num_tokens, c.start_position) for c in last.chunks)
-        )
+        chunks = () if last is None else tuple(map(chunk_row, last.chunks))
         masks = []
         while self._mask_times:
             masks.append(self._mask_times.popleft())

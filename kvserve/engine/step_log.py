@@ -2,7 +2,8 @@
 
 Each iteration of the engine thread records: when it started, how long it slept idle before it
 (no work), how long applying queued commands, `engine.step()` and handing the outputs to the HTTP
-side took, and what the step computed (per chunk: new tokens, cached tokens before them). The time
+side took, and what the step computed (per chunk, `chunk_row`: new tokens, cached tokens before them,
+what it samples, proposals it verifies). The time
 from one iteration's start to the next, less the idle wait, is what a step costs *while serving*:
 it includes the HTTP side's share of the interpreter and the cores (also between the timed parts
 of an iteration), which an offline calibration of `step()` alone never sees. A bounded ring; read through `GET /debug/steps`.
@@ -13,7 +14,23 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from kvserve.core.outputs import ScheduledChunk
+
 MAX_STEPS = 50_000
+SAMPLES_NOTHING, SAMPLES_FIRST, SAMPLES_LATER = 0, 1, 2
+
+
+def chunk_row(chunk: ScheduledChunk) -> tuple[int, int, int, int]:
+    """(new tokens, start position, what the chunk samples, proposals it verifies). It samples
+    the request's first output token (`SAMPLES_FIRST`: the prompt's last chunk), a later one
+    (`SAMPLES_LATER`: a decode step, a verification, the last chunk of a recomputation after
+    preemption), or nothing (`SAMPLES_NOTHING`: a prompt chunk before the last). A chunk verifying k
+    proposals yields 1 to k + 1 tokens, at positions start + n - k .. start + n."""
+    if not chunk.sample:
+        kind = SAMPLES_NOTHING
+    else:
+        kind = SAMPLES_LATER if chunk.num_output_tokens else SAMPLES_FIRST
+    return (chunk.num_tokens, chunk.start_position, kind, chunk.num_spec_tokens)
 
 
 class StepLog:
@@ -29,7 +46,7 @@ class StepLog:
         commands_s: float,
         step_s: float,
         deliver_s: float,
-        chunks: tuple[tuple[int, int], ...],
+        chunks: tuple[tuple[int, int, int, int], ...],
     ) -> None:
         with self._lock:
             self._rows.append(

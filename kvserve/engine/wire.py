@@ -167,7 +167,9 @@ class StepRow(msgspec.Struct, frozen=True):
     commands_s: float
     step_s: float
     deliver_s: float
-    chunks: tuple[tuple[int, int], ...]
+    # per chunk: (new tokens, start position, what it samples: 0 nothing, 1 the first output token,
+    # 2 a later one; proposals verified) (kvserve/engine/step_log.py)
+    chunks: tuple[tuple[int, int, int, int], ...]
 
 
 class CoreOutputs(msgspec.Struct, frozen=True, tag=True):

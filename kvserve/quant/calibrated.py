@@ -1,9 +1,15 @@
 """Calibrated methods: GPTQ, AWQ, SmoothQuant, and the activation-outlier report (docs/quantization.md).
 
-Calibration statistics come from one pass of the float model (transformers, the reference
-implementation) over the calibration tokens, with hooks on every block linear's input: the Hessian
-X^T X (GPTQ), per-channel max |x| (SmoothQuant, outliers), mean |x| and a sample of rows (AWQ). All
-layers are calibrated on float activations (one pass, not layer by layer).
+Calibration statistics come from the float model (transformers, the reference implementation) run
+over the calibration tokens, with hooks on the block linears' inputs: the Hessian X^T X (GPTQ),
+per-channel max |x| (SmoothQuant, outliers), mean |x| and a sample of rows (AWQ).
+- SmoothQuant and AWQ: one pass of the float model (AutoAWQ also searches each layer on the float
+  layer before it). AWQ searches each group's input scales, then each weight group's clipping range
+  (`awq_clip`, every block linear but q/k, whose errors meet in the attention scores, as in AutoAWQ).
+- GPTQ: layer by layer, as the GPTQ reference does (`sequential_gptq`): each linear's Hessian comes
+  from the inputs it sees once every linear before it (earlier layers, and earlier projections of its
+  own layer: q/k/v, then o, then gate/up, then down) holds its quantised weights, so each linear's
+  rounding also compensates the error that reaches it from those before.
 
 Scales that move range between a linear's input and its weight are folded where that is exact:
 into the preceding RMSNorm for q/k/v and gate/up, into up_proj's rows for down_proj
@@ -71,6 +77,87 @@ def collect_stats(model_dir: Path, token_ids: list[int], chunk: int = 256) -> di
     for hook in hooks:
         hook.remove()
     return stats
+
+
+class _Stop(Exception):
+    """Raised by the hook that captures the first decoder layer's inputs (the rest is not run)."""
+
+
+# the projections of one decoder layer in the order GPTQ quantises them; each tuple shares its input
+_SEQUENTIAL = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+
+def sequential_gptq(
+    model_dir: Path,
+    checkpoint: dict[str, torch.Tensor],
+    formats: dict[str, TensorScheme],
+    token_ids: list[int],
+    chunk: int = 256,
+) -> tuple[dict[str, QuantizedTensor], dict[str, Stats]]:
+    """GPTQ layer by layer. `formats`: checkpoint weight name -> scheme for the linears to quantise.
+    Returns (the block linears' codes, the input statistics each was quantised with, by module name).
+
+    The float model's first decoder layer inputs are captured once per calibration chunk; then, per
+    layer and per group of `_SEQUENTIAL`, the layer runs over every chunk with hooks on the group's
+    (shared) input, the group's linears are quantised from those statistics, and their dequantised
+    weights replace the float ones in the layer; the layer's output with all its linears quantised
+    is the next layer's input."""
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.progress import progress
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    layers = model.model.layers
+    captured: list[tuple[torch.Tensor, dict]] = []  # per chunk: (hidden [1, T, H], layer kwargs)
+
+    def capture(module, args, kwargs):
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.append((hidden, dict(kwargs)))
+        raise _Stop
+
+    hook = layers[0].register_forward_pre_hook(capture, with_kwargs=True)
+    with torch.no_grad():
+        for start in range(0, len(token_ids), chunk):
+            try:
+                model(torch.tensor([token_ids[start : start + chunk]]), use_cache=False)
+            except _Stop:
+                pass
+    hook.remove()
+
+    def run(layer) -> list[torch.Tensor]:
+        outs = []
+        for hidden, kwargs in captured:
+            out = layer(hidden, **kwargs)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+        return outs
+
+    quantized: dict[str, QuantizedTensor] = {}
+    all_stats: dict[str, Stats] = {}
+    with torch.no_grad():
+        for index in progress(range(len(layers)), len(layers), "GPTQ, layer by layer"):
+            layer, prefix = layers[index], f"model.layers.{index}"
+            for group in _SEQUENTIAL:
+                names = [n for n in group if f"{prefix}.{n}.weight" in formats]
+                if not names:
+                    continue
+                first = layer.get_submodule(names[0])
+                stats = Stats(first.in_features)
+                hook = first.register_forward_hook(lambda m, a, o: stats.add(a[0]))
+                run(layer)
+                hook.remove()
+                for name in names:
+                    key = f"{prefix}.{name}.weight"
+                    quantized[key] = gptq(checkpoint[key], stats.hessian, formats[key])
+                    module = layer.get_submodule(name)
+                    module.weight.copy_(quantized[key].dequantize().to(module.weight.dtype))
+                    all_stats[f"{prefix}.{name}"] = stats
+            captured = [(out, kwargs) for out, (_, kwargs) in zip(run(layer), captured)]
+    return quantized, all_stats
 
 
 def outlier_report(stats: dict[str, Stats]) -> dict[str, float]:
@@ -165,6 +252,43 @@ def awq_scales(
     return best[0], best[1]
 
 
+def awq_clip(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    scheme: TensorScheme,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+) -> torch.Tensor:
+    """AWQ's clipping search (AutoAWQ `auto_clip`): per output row and scale group, clamp the weights
+    to +-r max|w| for r on a grid from 1 down to 1 - max_shrink, keeping the r whose rounding error
+    e (weights - their dequantised codes) gives the least e H e^T, H the block of the input Hessian
+    X^T X (all calibration tokens) over the group's inputs. r = 1 is plain rounding, so no group's
+    error grows. `weight` [N, K]; returns the clamped weights (a tensor-wide scale: unchanged)."""
+    if scheme.granularity == "tensor":
+        return weight
+    num_rows, num_cols = weight.shape
+    glen = scheme.group_len(num_cols)
+    w = weight.double()
+    best_w = w.clone()
+    best_err = torch.full((num_rows, -(-num_cols // glen)), float("inf"), dtype=torch.float64)
+    for step in range(grid + 1):
+        ratio = 1.0 - max_shrink * step / grid
+        clipped = torch.empty_like(w)
+        for g, c0 in enumerate(range(0, num_cols, glen)):
+            part = w[:, c0 : c0 + glen]
+            bound = part.abs().amax(1, keepdim=True) * ratio
+            clipped[:, c0 : c0 + glen] = torch.minimum(torch.maximum(part, -bound), bound)
+        err = w - quantize(clipped.float(), scheme).dequantize().double()  # [N, K]
+        for g, c0 in enumerate(range(0, num_cols, glen)):
+            e = err[:, c0 : c0 + glen]
+            h = hessian[c0 : c0 + glen, c0 : c0 + glen].double()
+            group_err = ((e @ h) * e).sum(1)  # [N]
+            better = group_err < best_err[:, g]
+            best_err[:, g] = torch.where(better, group_err, best_err[:, g])
+            best_w[better, c0 : c0 + glen] = clipped[better, c0 : c0 + glen]
+    return best_w.to(weight.dtype)
+
+
 def smooth_scales(weights: list[torch.Tensor], stats: Stats, alpha: float) -> torch.Tensor:
     """SmoothQuant: s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) over the weights sharing this input."""
     w_max = torch.cat(weights).abs().amax(0).clamp(min=1e-5)
@@ -196,7 +320,6 @@ def calibrated_quantize(
     from kvserve.progress import progress
     from kvserve.quant.convert import quantized_formats
 
-    stats = collect_stats(Path(model_dir), token_ids)
     dtypes = {k: v.dtype for k, v in checkpoint.items()}
     checkpoint = {
         k: v.float() if v.is_floating_point() else v.clone() for k, v in checkpoint.items()
@@ -204,10 +327,18 @@ def calibrated_quantize(
     formats = quantized_formats(checkpoint, scheme)
     linear = scheme.for_class("linear")
     layers = sorted({n.rsplit(".", 3)[0] for n in formats if n.startswith("model.layers.")})
-    extra: dict = {"outliers": outlier_report(stats)}
+    if method == "gptq":
+        blocks = {n: f for n, f in formats.items() if n.startswith("model.layers.")}
+        quantized, stats = sequential_gptq(Path(model_dir), checkpoint, blocks, token_ids)
+        # inputs as the quantised model's earlier linears produce them
+        extra: dict = {"outliers": outlier_report(stats), "calibration_order": "layer by layer"}
+    else:
+        quantized, stats = {}, collect_stats(Path(model_dir), token_ids)
+        extra = {"outliers": outlier_report(stats), "calibration_order": "one float pass"}
     if method in ("smoothquant", "awq"):
         chosen = {}
         for layer in layers:
+            input_scales: dict[str, torch.Tensor] = {}
             for group, (linears, _) in _GROUPS.items():
                 weights = [checkpoint[f"{layer}.{lin}.weight"] for lin in linears]
                 st = stats[f"{layer}.{linears[0]}"]
@@ -216,20 +347,29 @@ def calibrated_quantize(
                 else:
                     s, chosen[f"{layer}.{group}"] = awq_scales(weights, st, linear)
                 fold(checkpoint, layer, group, s)
+                for lin in linears:
+                    input_scales[lin] = s
                 if method == "smoothquant":
                     st.absmax = st.absmax / s  # the smoothed input's range, for the report
+            if method == "awq":  # clip once every fold of the layer is in (down's moves up_proj)
+                for lin in ("self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                            "mlp.down_proj"):  # fmt: skip
+                    key = f"{layer}.{lin}.weight"
+                    if key not in formats:
+                        continue
+                    h = stats[f"{layer}.{lin}"].hessian
+                    if lin in input_scales:  # the input is x / s: H / (s s^T)
+                        sd = input_scales[lin].double()
+                        h = h / (sd[:, None] * sd[None, :])
+                    checkpoint[key] = awq_clip(checkpoint[key], h, formats[key])
         if method == "awq":
             extra["awq_alpha"] = chosen
         else:
             extra["smoothquant_alpha"] = alpha
             extra["outliers_after"] = outlier_report(stats)
-    quantized = {}
-    for name, fmt in progress(formats.items(), len(formats), f"quantising ({method})"):
-        module = name.removesuffix(".weight")
-        if method == "gptq" and module in stats:
-            quantized[name] = gptq(checkpoint[name], stats[module].hessian, fmt)
-        else:
-            quantized[name] = quantize(checkpoint[name], fmt)
+    rest = {n: f for n, f in formats.items() if n not in quantized}  # GPTQ: the head (RTN)
+    for name, fmt in progress(rest.items(), len(rest), f"quantising ({method})"):
+        quantized[name] = quantize(checkpoint[name], fmt)
     # tensors left in float go back to the checkpoint's dtype (bf16 norms: the fold then rounds)
     checkpoint = {k: v.to(dtypes[k]) for k, v in checkpoint.items()}
     return quantized, checkpoint, extra

@@ -25,6 +25,7 @@ from statistics import NormalDist
 import numpy as np
 
 from kvserve.bench.records import RequestRecord
+from kvserve.engine.step_log import SAMPLES_FIRST, SAMPLES_LATER
 from kvserve.sim.workload import SimError
 
 _NORMAL = NormalDist()
@@ -33,17 +34,29 @@ MIN_TOKENS = 200  # fewer matched tokens: no jitter term
 
 
 def _step_ends(steps: Iterable[dict]) -> dict[tuple[int, int], list[float]]:
-    """{(chunk end position, 1 if a decode chunk else 0): [(server-clock end time, number of
-    sequences) of the steps holding such a chunk]}: where each token could have come from."""
+    """{(position of a token a chunk sampled, 1 if a later output token else 0 for the first):
+    [(server-clock end time, number of sequences) of the steps holding such a chunk]}: where each
+    token could have come from. A chunk row is (new tokens n, start, what it samples, proposals k)
+    (kvserve/engine/step_log.py `chunk_row`): the first token sits at start + n, later ones at
+    start + n - k .. start + n. Logs from before the kinds were recorded hold (n, start) only: there
+    a one-token chunk after position 0 is read as a decode step and any other as a prompt chunk."""
     ends: dict[tuple[int, int], list[float]] = {}
     for row in steps:
         if not row["chunks"]:
             continue
         end = row["t_start_s"] + row["commands_s"] + row["step_s"] + row["deliver_s"]
-        for n, c in row["chunks"]:
-            ends.setdefault((int(n) + int(c), int(n == 1 and c > 0)), []).append(
-                (end, len(row["chunks"]))
-            )
+        for chunk in row["chunks"]:
+            n, start = int(chunk[0]), int(chunk[1])
+            if len(chunk) < 4:
+                keys = [(n + start, int(n == 1 and start > 0))]
+            elif chunk[2] == SAMPLES_FIRST:
+                keys = [(n + start, 0)]
+            elif chunk[2] == SAMPLES_LATER:
+                keys = [(n + start - i, 1) for i in range(int(chunk[3]) + 1)]
+            else:
+                keys = []
+            for key in keys:
+                ends.setdefault(key, []).append((end, len(row["chunks"])))
     return ends
 
 

@@ -40,7 +40,7 @@ def loads_and_costs(steps: Iterable[dict]) -> tuple[list[StepLoad], list[float]]
         cost = timed
         if nxt is not None and nxt["index"] == row["index"] + 1:
             cost = max(timed, nxt["t_start_s"] - row["t_start_s"] - nxt["waited_s"])
-        loads.append(StepLoad(tuple(ChunkLoad(int(n), int(c)) for n, c in row["chunks"])))
+        loads.append(StepLoad(tuple(ChunkLoad(int(c[0]), int(c[1])) for c in row["chunks"])))
         costs.append(cost)
     return loads, costs
 
