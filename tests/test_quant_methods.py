@@ -121,7 +121,7 @@ def test_awq_clipping_lowers_the_error_of_weights_with_a_heavy_tail(name):
     assert layer_error(x, w, quantize(clipped, scheme).dequantize()) < rtn
 
 
-def test_gptq_calibrates_each_linear_on_the_quantised_linears_before_it(model):
+def test_gptq_calibrates_each_linear_on_the_quantised_linears_before_it(model, monkeypatch):
     """The oracle: a full forward of the float model in which every linear GPTQ quantised before the
     one checked (layer 0's, then layer 1's q/k/v, o, gate/up) holds its dequantised weights. The
     checked linear's inputs there give the Hessian it was quantised with; the float model's do not."""
@@ -129,11 +129,19 @@ def test_gptq_calibrates_each_linear_on_the_quantised_linears_before_it(model):
     state = {k: v.clone() for k, v in hf.state_dict().items()}
     scheme = parse_tensor_scheme("int4-g32")
     formats = {k: scheme for k in state if ".layers." in k and k.endswith("_proj.weight")}
+    layers = hf.config.num_hidden_layers
+    target = f"model.layers.{layers - 1}.mlp.down_proj"
+    used = {}
+
+    def recording_gptq(weight, hessian, scheme):
+        if weight is state[target + ".weight"]:
+            used["hessian"] = hessian.clone()
+        return gptq(weight, hessian, scheme)
+
+    monkeypatch.setattr("kvserve.quant.calibrated.gptq", recording_gptq)
     quantized, stats = sequential_gptq(path, state, formats, ids, chunk=64)
     assert set(quantized) == set(formats)
-    layers = hf.config.num_hidden_layers
     order = [f"model.layers.{i}.{n}" for i in range(layers) for group in _SEQUENTIAL for n in group]
-    target = f"model.layers.{layers - 1}.mlp.down_proj"
     oracle = type(hf)(hf.config).eval()
     oracle.load_state_dict(state)
     for module in order[: order.index(target)]:
@@ -143,8 +151,9 @@ def test_gptq_calibrates_each_linear_on_the_quantised_linears_before_it(model):
     with torch.no_grad():
         for start in range(0, len(ids), 64):
             oracle(torch.tensor([ids[start : start + 64]]), use_cache=False)
-    used = stats[target].hessian
+    used = used["hessian"]
     assert seen.count == stats[target].count == len(ids)
+    assert stats[target].hessian.numel() == 0  # dropped once used: one group's held at a time
     torch.testing.assert_close(used, seen.hessian, rtol=1e-6, atol=1e-6 * seen.hessian.abs().max())
     floats = collect_stats(path, ids, chunk=64)[target].hessian
     assert (floats - used).norm() > 1e-3 * used.norm()  # the quantised inputs really differ

@@ -98,6 +98,67 @@ def test_a_prefix_hit_and_verified_proposals_are_matched_by_the_chunks_kinds():
     assert legacy is None or abs(legacy["quantiles"][10] - expected[0]) > 0.1
 
 
+def intake_run(intake_scale_s: float, num_requests: int = 60):
+    """One request at a time: it reaches the server `intake` after the client sent it (exponential,
+    the spread to recover), a prompt step and 9 decode steps; each token arrives 1-3 ms after its
+    step. The records carry the server's TTFT, as `kvserve bench serve` records it."""
+    rng = np.random.default_rng(11)
+    steps, records, intakes = [], [], []
+    for i in range(num_requests):
+        prompt, arrive = 40 + i % 7, 0.5 * i
+        intake = float(rng.exponential(intake_scale_s))
+        intakes.append(intake)
+        t, events = arrive, []
+        for j in range(10):
+            chunk = [prompt, 0, 1, 0] if j == 0 else [1, prompt + j - 1, 2, 0]
+            steps.append({"index": len(steps), "t_start_s": t, "waited_s": 0.0, "commands_s": 0.0,
+                          "step_s": STEP_S, "deliver_s": 0.0, "chunks": [chunk]})  # fmt: skip
+            t += STEP_S
+            events.append(StreamEvent(t + float(rng.uniform(1e-3, 3e-3)) + OFFSET_S, 3, j + 1))
+        send = arrive - intake + OFFSET_S  # client clock
+        records.append(RequestRecord(f"r{i}", i, "measured", "ok", send, send, 1.0, 10,
+                                     events=tuple(events), num_prompt_tokens_server=prompt,
+                                     extra={"server_metrics": {"ttft_s": STEP_S}}))  # fmt: skip
+    return records, steps, np.asarray(intakes)
+
+
+def test_the_intake_spread_is_recovered_without_the_first_tokens_delivery():
+    """Client TTFT - server TTFT is the intake plus the first token's delivery delay: the intake's
+    spread (its quantiles less the median) is what remains once the matched delay is taken out."""
+    records, steps, intakes = intake_run(20e-3)
+    got = delivery_jitter(records, steps)
+    assert got["num_requests"] == len(records)
+    q = np.asarray(got["intake_quantiles"])
+    expected = np.percentile(intakes, [10, 90, 99]) - np.median(intakes)
+    assert q[[10, 90, 99]] == pytest.approx(expected, abs=1e-6)
+    assert q[50] == pytest.approx(0.0, abs=1e-12)
+    no_server = [RequestRecord(**{**r.__dict__, "extra": {}}) for r in records]
+    assert "intake_quantiles" not in delivery_jitter(no_server, steps)  # TTFT unknown: no term
+
+
+def test_the_simulator_draws_each_requests_intake():
+    from kvserve.sim.cost import StepProfile
+    from kvserve.sim.setup import profile_deployment
+    from kvserve.sim.study import EngineShape, Policy, evaluate
+    from kvserve.sim.workload import SimRequest
+
+    fit = {"residual_ratio_quantiles": [1.0, 1.0]}
+    jitter = {"quantiles": [0.0, 0.0], "lag1_correlation": 0.0}
+    spread = {"intake_quantiles": list(np.linspace(-0.004, 0.096, 101))}
+    shape = EngineShape(num_blocks=500, max_model_len=512, max_num_seqs=4, chunk_tokens=64)
+    requests = tuple(SimRequest(i, 0.5 * i, 10, 5) for i in range(200))
+    runs = {}
+    for name, extra in (("plain", {}), ("intake", spread), ("again", spread)):
+        meta = {"fit": fit, "delivery_jitter": jitter | extra, "request_overhead_s": 0.01}
+        cost = profile_deployment(StepProfile(("const",), (0.005,), meta), noise=True).cost_model
+        runs[name], _ = evaluate(Policy.parse("on_demand-chunked"), shape, cost, requests, None)
+    plain, late = (runs[k]["summary"]["latency_s"]["ttft"] for k in ("plain", "intake"))
+    assert plain["p99"] == pytest.approx(plain["p50"])  # alone, constant steps: one TTFT
+    assert late["p99"] > plain["p99"] + 0.05  # the intake's tail is in the TTFT tail
+    assert late["p50"] == pytest.approx(plain["p50"] + 0.046, abs=0.01)  # spread's median 0.046
+    assert runs["again"]["summary"] == runs["intake"]["summary"]  # seeded
+
+
 def test_no_jitter_measured_gives_a_flat_distribution_and_too_few_tokens_none():
     records, steps, _ = synthetic_run(1e-9)
     q = np.asarray(delivery_jitter(records, steps)["quantiles"])

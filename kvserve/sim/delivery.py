@@ -31,6 +31,7 @@ from kvserve.sim.workload import SimError
 _NORMAL = NormalDist()
 NUM_QUANTILES = 101
 MIN_TOKENS = 200  # fewer matched tokens: no jitter term
+MIN_REQUESTS = 20  # fewer requests with a matched first token: no intake spread
 
 
 def _step_ends(steps: Iterable[dict]) -> dict[tuple[int, int], list[float]]:
@@ -60,10 +61,13 @@ def _step_ends(steps: Iterable[dict]) -> dict[tuple[int, int], list[float]]:
     return ends
 
 
-def _token_delays(record: RequestRecord, ends: dict, offset: float | None) -> list[float]:
-    """Receive time - step end (client clock - server clock) of each token of `record`; with
-    `offset`, each token's step is the candidate whose end + offset is nearest its receive time,
-    else every candidate's (up to 64 per token: `_clock_offset` finds the true one)."""
+def _token_delays(
+    record: RequestRecord, ends: dict, offset: float | None
+) -> list[tuple[int, float]]:
+    """(j, receive time - step end (client clock - server clock)) of each token j (1 = the first)
+    of `record`; with `offset`, each token's step is the candidate whose end + offset is nearest
+    its receive time, else every candidate's (up to 64 per token: `_clock_offset` finds the true
+    one)."""
     prompt = record.num_prompt_tokens_server
     if record.outcome != "ok" or not prompt or not record.events:
         return []
@@ -75,10 +79,10 @@ def _token_delays(record: RequestRecord, ends: dict, offset: float | None) -> li
             key = (prompt, 0) if j == 1 else (prompt + j - 1, 1)
             cands = ends.get(key, [])
             if offset is None:
-                out += [event.t_s - e for e, _ in cands[:64]]
+                out += [(j, event.t_s - e) for e, _ in cands[:64]]
             elif cands:
                 end, _ = min(cands, key=lambda e: abs(event.t_s - e[0] - offset))
-                out.append(event.t_s - end)
+                out.append((j, event.t_s - end))
         seen = max(seen, count)
     return out
 
@@ -101,14 +105,22 @@ def delivery_jitter(records: list[RequestRecord], steps: list[dict]) -> dict | N
     docstring): {"quantiles": jitter in seconds at percentiles 0..100 (median 0),
     "lag1_correlation", "num_tokens", "median_delay_s"}; None when too few tokens match."""
     ends = _step_ends(steps)
-    offset = _clock_offset([d for r in records for d in _token_delays(r, ends, None)])
+    offset = _clock_offset([d for r in records for _, d in _token_delays(r, ends, None)])
     if offset is None:
         return None
-    per_request = [np.asarray(_token_delays(r, ends, offset)) for r in records]
+    pairs_per_request = [_token_delays(r, ends, offset) for r in records]
+    per_request = [np.asarray([d for _, d in p]) for p in pairs_per_request]
     matched = [x for d in per_request for x in d]
     if len(matched) < MIN_TOKENS:
         return None
     offset = float(np.median(matched))  # the clocks' offset + the median delay
+    # intake: client TTFT - server TTFT less the first token's delivery delay, per request
+    intake = []
+    for record, delays in zip(records, pairs_per_request, strict=True):
+        first = next((d for j, d in delays if j == 1), None)
+        gap = ttft_gap_s(record)
+        if first is not None and gap is not None:
+            intake.append(gap - first)
     jitter, pairs = [], []
     for d in per_request:
         d = d - offset
@@ -122,22 +134,53 @@ def delivery_jitter(records: list[RequestRecord], steps: list[dict]) -> dict | N
         ra = np.argsort(np.argsort(a)) / len(a)
         rb = np.argsort(np.argsort(b)) / len(b)
         rho = float(np.clip(np.corrcoef(ra, rb)[0, 1], -0.95, 0.95))
-    return {
-        "quantiles": [float(q) for q in np.percentile(j, np.linspace(0, 100, NUM_QUANTILES))],
+    levels = np.linspace(0, 100, NUM_QUANTILES)
+    out = {
+        "quantiles": [float(q) for q in np.percentile(j, levels)],
         "lag1_correlation": rho,
         "num_tokens": len(j),
         "median_delay_s": offset,
     }
+    if len(intake) >= MIN_REQUESTS:
+        spread = np.asarray(intake) - np.median(intake)
+        out |= {"intake_quantiles": [float(q) for q in np.percentile(spread, levels)],
+                "num_requests": len(intake)}  # fmt: skip
+    return out
+
+
+def ttft_gap_s(record: RequestRecord) -> float | None:
+    """Client TTFT (send to the first text) less the server's TTFT for one completed request: the
+    time outside the engine loop (HTTP in, the first token's way out, the client); None if
+    unknown."""
+    server = (record.extra or {}).get("server_metrics") or {}
+    text = [e.t_s for e in record.events if e.num_chars > 0]
+    if record.outcome != "ok" or record.t_send_s is None or not text:
+        return None
+    if server.get("ttft_s") is None:
+        return None
+    return (text[0] - record.t_send_s) - float(server["ttft_s"])
 
 
 class DeliveryJitter:
     """Per-token delivery jitter drawn from measured quantiles, AR(1)-correlated along a request
     (seeded per request index, so a request's draws do not depend on the others')."""
 
-    def __init__(self, quantiles: list[float], lag1_correlation: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        quantiles: list[float],
+        lag1_correlation: float = 0.0,
+        seed: int = 0,
+        intake_quantiles: list[float] | None = None,
+    ):
         q = np.asarray(quantiles, dtype=float)
         if len(q) < 2 or not (np.diff(q) >= 0).all():
             raise SimError("delivery jitter quantiles must be >= 2 non-decreasing values")
+        self._intake = None
+        if intake_quantiles is not None:
+            iq = np.asarray(intake_quantiles, dtype=float)
+            if len(iq) < 2 or not (np.diff(iq) >= 0).all():
+                raise SimError("intake quantiles must be >= 2 non-decreasing values")
+            self._intake = (iq, np.linspace(0.0, 1.0, len(iq)))
         if not -1 < lag1_correlation < 1:
             raise SimError("the delivery jitter's lag-1 correlation must be in (-1, 1)")
         self._q, self._levels = q, np.linspace(0.0, 1.0, len(q))
@@ -160,9 +203,21 @@ class DeliveryJitter:
         self._state[request_index] = (rng, z)
         return out
 
+    def intake_s(self, request_index: int) -> float:
+        """The request's intake time less the median intake (seconds; 0 without a measured
+        spread): drawn once per request from its own seeded stream."""
+        if self._intake is None:
+            return 0.0
+        u = float(np.random.default_rng((self.seed, request_index, 1)).random())
+        return float(np.interp(u, self._intake[1], self._intake[0]))
+
     def describe(self) -> dict:
-        return {
+        out = {
             "kind": "per-token delivery jitter, AR(1) along a request",
             "p1_p50_p99_s": [float(np.interp(p, self._levels, self._q)) for p in (0.01, 0.5, 0.99)],
             "lag1_correlation": self.rho,
         }
+        if self._intake is not None:
+            iq, levels = self._intake[0], self._intake[1]
+            out["intake_p1_p50_p99_s"] = [float(np.interp(p, levels, iq)) for p in (0.01, 0.5, 0.99)]
+        return out

@@ -80,14 +80,20 @@ def simulate_continuous(
     overhead_s = float(getattr(cost_model, "request_overhead_s", 0.0))
     # ... and how each token's delivery to the client scatters (kvserve.sim.delivery)
     delivery = getattr(cost_model, "delivery", None)
-    pending = sorted(timelines, key=lambda t: (t.request.arrival_s, t.request.index))
+    # when each request reaches the loop: its arrival, the median overhead, its intake's spread
+    ready = {
+        t.request_id: t.request.arrival_s
+        + max(0.0, overhead_s + (delivery.intake_s(t.request.index) if delivery else 0.0))
+        for t in timelines
+    }
+    pending = sorted(timelines, key=lambda t: (ready[t.request_id], t.request.index))
     run = SimRun(policy, timelines, num_blocks=num_blocks)
     now = 0.0
     next_arrival = 0
     while next_arrival < len(pending) or scheduler.has_unfinished():
         while (
             next_arrival < len(pending)
-            and pending[next_arrival].request.arrival_s + overhead_s <= now
+            and ready[pending[next_arrival].request_id] <= now
         ):
             timeline = pending[next_arrival]
             next_arrival += 1
@@ -104,7 +110,7 @@ def simulate_continuous(
                     "and nothing running (a request larger than the cache?)"
                 )
             if next_arrival < len(pending):
-                now = max(now, pending[next_arrival].request.arrival_s + overhead_s)
+                now = max(now, ready[pending[next_arrival].request_id])
             continue
         for new in out.new_requests:
             by_id[new.request_id].first_scheduled_s = now

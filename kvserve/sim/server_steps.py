@@ -20,6 +20,7 @@ from typing import Any
 
 from kvserve.bench.records import RequestRecord
 from kvserve.sim.cost import DEFAULT_FEATURES, ChunkLoad, StepLoad, StepProfile
+from kvserve.sim.delivery import ttft_gap_s
 from kvserve.sim.fit import fit_profile
 from kvserve.sim.workload import SimError
 
@@ -48,13 +49,7 @@ def loads_and_costs(steps: Iterable[dict]) -> tuple[list[StepLoad], list[float]]
 def request_overhead_s(records: Iterable[RequestRecord]) -> float | None:
     """Median of client TTFT - server TTFT over a bench run's completed requests: the time a
     request spends outside the engine loop (HTTP in, SSE out, the client), None if unknown."""
-    gaps = []
-    for r in records:
-        server = (r.extra or {}).get("server_metrics") or {}
-        text = [e.t_s for e in r.events if e.num_chars > 0]
-        if r.outcome != "ok" or r.t_send_s is None or not text or server.get("ttft_s") is None:
-            continue
-        gaps.append((text[0] - r.t_send_s) - float(server["ttft_s"]))
+    gaps = [g for g in map(ttft_gap_s, records) if g is not None]
     return statistics.median(gaps) if gaps else None
 
 
