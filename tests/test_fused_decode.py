@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.model import fused_decode
+from kvserve.model import cpu_kernels, fused_decode
+from kvserve.model.kv_cache import allocate_layers, quantise
 from kvserve.model.linear import PackedLinear, onednn_available
 from kvserve.model.qlinear import QuantLinear, round_activations
 from kvserve.quant.kernels import kernels_available
@@ -229,6 +230,60 @@ def test_fused_step_is_taken_and_equals_the_per_op_path(llama_dir, isa, quantiza
     assert steps == len(PROMPT)
     # the same C functions in the same order (the per-op path's linears run the same GEMVs)
     assert torch.equal(fused, per_op)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_8bit_kv_writer_gives_kv_cache_quantises_bits(kind):
+    """csrc/layer_ops.c write_kv_q (the fused step's and the CPU per-op path's writer) against
+    kv_cache.quantise (torch): codes and fp16 scales bit for bit, over vectors from 1e-30 (fp16
+    subnormal and clamped scales) to 1e6, an all-zero and an all-negative-zero vector, heads not
+    contiguous with the row (q in front, as in the fused projection), slots in any order."""
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, dim = 64, 3, 64
+    _, (cache,) = allocate_layers(1, 8, 16, heads, dim, torch.float32, kind, torch.device("cpu"))
+    qkv = torch.randn(rows, (4 + 2 * heads) * dim, generator=gen)
+    qkv *= torch.logspace(-30, 6, rows)[:, None]
+    qkv[3], qkv[5] = 0.0, -0.0
+    qkv[7, 4 * dim : 4 * dim + 5] = 448.0 * torch.tensor([1.0, -1.0, 0.5, 0.25, 1e-3])
+    k = qkv[:, 4 * dim : (4 + heads) * dim].view(rows, heads, dim)
+    v = qkv[:, (4 + heads) * dim :].view(rows, heads, dim)
+    slots = torch.randperm(128, generator=gen)[:rows]
+    cpu_kernels.write_kv_q(k, v, slots, cache)
+    for x, codes, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+        want_codes, want_scales = quantise(x, kind)
+        assert torch.equal(codes.view(-1, heads, dim)[slots], want_codes)
+        got = scales.view(-1, heads)[slots]
+        assert torch.equal(got.view(torch.int16), want_scales.view(torch.int16))
+    untouched = torch.ones(128, dtype=torch.bool)
+    untouched[slots] = False
+    assert (cache.k.view(-1, heads, dim)[untouched] == 0).all()  # only the given slots written
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_an_8bit_kv_cache_runs_the_fused_step(llama_dir, isa, kv_cache_dtype, quantization):
+    """With an int8 / fp8 cache the step is fused too (it writes the codes and scales the per-op
+    path writes, and its attention reads them in place): the same bits as the per-op path, team and
+    forking steps alike. (test_paged_attention's 8-bit cache test holds these logits, now from the
+    fused step, against an fp32 recompute.)"""
+    if quantization and not kernels_available():
+        pytest.skip("the quantised GEMM extension did not build")
+    fused, per_op, steps = _fused_and_per_op(
+        llama_dir, quantization=quantization, kv_cache_dtype=kv_cache_dtype
+    )
+    assert steps == len(PROMPT)
+    assert torch.equal(fused, per_op)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(str(llama_dir), num_blocks=64, quantization=quantization,
+                  kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+        team, forked = _team_then_forked(llm, LONG_PROMPT)  # 2 attention splits
+        assert torch.equal(team, forked)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel

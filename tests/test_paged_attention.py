@@ -50,8 +50,8 @@ def _filled_cache(kind: str, contexts: list[int], block_size: int = 16):
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
 def test_cpu_kernel_equals_torch_backend(kind, isa):
-    """Both kernels (the AVX2 one with its vector exp, fp32 caches; the portable loops) chosen at run
-    time by decode_isa()."""
+    """Both kernels (the AVX2 one with its vector exp, an 8-bit cache's rows dequantised first; the
+    portable loops) chosen at run time by decode_isa()."""
     assert kernel_available()
     if isa not in fused_decode.available_isas():
         pytest.skip(f"this CPU (or build) has no {isa}")
@@ -96,12 +96,13 @@ def test_a_nan_in_the_cache_or_query_reaches_the_output_as_in_torch(isa):
 
 @needs_kernel
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-def test_the_cut_into_items_does_not_change_the_bits(isa):
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8"])
+def test_the_cut_into_items_does_not_change_the_bits(isa, kind):
     """The thread count picks the cut (all kv heads per item; one kv head; q-head chunks of one): a
-    row's numbers must not depend on it."""
+    row's numbers must not depend on it (an 8-bit item dequantises only its own kv heads' rows)."""
     if isa not in fused_decode.available_isas():
         pytest.skip(f"this CPU (or build) has no {isa}")
-    cache, meta = _filled_cache("auto", [600])
+    cache, meta = _filled_cache(kind, [600])
     q = torch.randn(1, 9, 64, generator=torch.Generator().manual_seed(3))
     threads = torch.get_num_threads()
     fused_decode.set_max_isa(isa)

@@ -33,7 +33,7 @@ _SOURCES = tuple(
 )
 _HEADERS = tuple(
     Path(__file__).parent / "csrc" / name
-    for name in ("decode_step.h", "paged_attention.h", "vexp.h")
+    for name in ("decode_step.h", "paged_attention.h", "vexp.h", "half.h")
 )
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
@@ -94,6 +94,7 @@ def load_kernel() -> ctypes.CDLL | None:
         "add_rms_norm": ([_PTR] * 5 + [_INT, _INT, f32, _INT], None),
         "rotary": ([_PTR, i64, _PTR, _PTR, _INT, _INT, _INT, _INT], None),
         "write_kv": ([_PTR, _PTR, i64, _PTR, _PTR, _PTR, _INT, _INT, _INT], None),
+        "write_kv_q": ([_PTR, _PTR, i64] + [_PTR] * 5 + [_INT] * 5, None),
         "silu_mul": ([_PTR, _PTR, _INT, _INT, _INT], None),
         # decode_step.c (model/fused_decode.py)
         "decode_isa": ([], _INT),
@@ -228,6 +229,23 @@ def write_kv(
     load_kernel().write_kv(
         k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), num_rows, num_kv_heads * head_dim, torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def write_kv_q(
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim] fp32 views of rows of one buffer (as write_kv)
+    v: torch.Tensor,
+    slots: torch.Tensor,  # [T] int64
+    cache,  # an 8-bit LayerKVCache (kv_cache.py): uint8 codes and fp16 scales
+) -> None:
+    """The rows into an 8-bit cache: the codes and scales kv_cache.quantise gives, bit for bit."""
+    if k.dtype != torch.float32 or k.stride(-1) != 1 or k.stride(1) != k.shape[2]:
+        raise ValueError("write_kv_q needs fp32 rows of contiguous heads")
+    num_rows, num_kv_heads, head_dim = k.shape
+    load_kernel().write_kv_q(
+        k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), cache.k.data_ptr(),
+        cache.v.data_ptr(), cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), num_rows,
+        num_kv_heads, head_dim, {"int8": 1, "fp8": 2}[cache.kind], torch.get_num_threads(),
     )  # fmt: skip
 
 

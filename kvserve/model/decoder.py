@@ -85,6 +85,8 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, k, rope)
         if fused and not kv_cache.quantised:
             cpu_kernels.write_kv(k, v, meta.slot_mapping, kv_cache.k, kv_cache.v)
+        elif fused:  # 8-bit: the fused step's writer (kv_cache.quantise's bits)
+            cpu_kernels.write_kv_q(k, v, meta.slot_mapping, kv_cache)
         else:
             kv_cache.write(k, v, meta.slot_mapping)
         out = backend(q, kv_cache, meta, self.scale)  # [T, num_heads, head_dim]

@@ -9,8 +9,10 @@ are the same C functions the per-op path calls. `small_linear` runs one linear t
 `PackedLinear`: the LM head, prefill).
 
 It applies when the C kernels are on (fp32 activations on CPU), every projection has a native layout
-(`PackedLinear` with its fp32 panels, or `QuantLinear` on the panel layout), the KV cache is fp32,
-there is no q/k norm, and the step is decode rows only; anything else takes the per-op path.
+(`PackedLinear` with its fp32 panels, or `QuantLinear` on the panel layout), the KV cache is fp32 or
+8-bit (int8 / fp8 codes with fp16 scales: the step writes them as kv_cache.quantise does, bit for
+bit, and the attention reads them in place), there is no q/k norm, and the step is decode rows only;
+anything else takes the per-op path.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ _PTR, _INT, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _LIN_F32, _LIN_Q8, _LIN_Q4, _LIN_BF16 = 0, 1, 2, 3
 FPANEL = 16  # output columns per panel of the fp32 layout (csrc/decode_step.h)
 ISA_NAMES = {3: "avx512", 2: "avx2", 0: "scalar"}  # 3: AVX-512 F/BW/VL with VNNI
+_KV_KINDS = {"float": 0, "int8": 1, "fp8": 2}  # the cache kinds the step takes (Model.kv_kind)
 
 
 class _Linear(ctypes.Structure):
@@ -40,6 +43,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _Linear), ("o", _Linear),
         ("gate_up", _Linear), ("down", _Linear), ("k_cache", _PTR), ("v_cache", _PTR),
+        ("k_scale", _PTR), ("v_scale", _PTR),
     ]  # fmt: skip
 
 
@@ -47,7 +51,7 @@ class _Model(ctypes.Structure):
     _fields_ = [
         ("num_layers", _INT), ("hidden", _INT), ("num_heads", _INT), ("num_kv_heads", _INT),
         ("head_dim", _INT), ("inter", _INT), ("block_size", _INT), ("eps", _F32), ("scale", _F32),
-        ("layers", ctypes.POINTER(_Layer)), ("final_norm", _PTR),
+        ("layers", ctypes.POINTER(_Layer)), ("final_norm", _PTR), ("kv_kind", _INT), ("kv_lut", _PTR),
     ]  # fmt: skip
 
 
@@ -194,9 +198,12 @@ class FusedDecoder:
             return None
         keep: list = []
         layers = (_Layer * len(model.layers))()
+        kind = kv_caches[0].kind if kv_caches else "float"
         for i, (layer, cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None or cache.quantised or cache.k.dtype != torch.float32:
+            if attn.q_norm is not None or cache.kind != kind or kind not in _KV_KINDS:
+                return None
+            if cache.k.dtype != (torch.float32 if kind == "float" else torch.uint8):
                 return None
             descs = [
                 linear_descriptor(m, keep)
@@ -206,19 +213,21 @@ class FusedDecoder:
             if any(d is None for d in descs) or any(w.dtype != torch.float32 for w in norms):
                 return None
             norms = [w.detach().contiguous() for w in norms]
-            keep += norms + [cache.k, cache.v]
+            scales = [cache.k_scale, cache.v_scale] if cache.quantised else []
+            keep += norms + [cache.k, cache.v] + scales
             layers[i] = _Layer(
                 norms[0].data_ptr(), norms[1].data_ptr(), *descs, cache.k.data_ptr(),
-                cache.v.data_ptr(),
+                cache.v.data_ptr(), *(t.data_ptr() for t in scales),
             )  # fmt: skip
         final_norm = model.norm.weight.detach().contiguous()
         block_size = kv_caches[0].k.shape[1]
+        lut = None if kind == "float" else cpu_kernels.code_table(kind)
         struct = _Model(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, block_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, layers,
-            final_norm.data_ptr(),
+            final_norm.data_ptr(), _KV_KINDS[kind], None if lut is None else lut.data_ptr(),
         )  # fmt: skip
-        keep += [layers, final_norm]
+        keep += [layers, final_norm, lut]
         return cls(model, kv_caches, struct, keep)
 
     def max_rows(self) -> int:

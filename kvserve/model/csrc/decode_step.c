@@ -43,7 +43,8 @@
 typedef struct {
     const float *input_norm, *post_norm; /* [D] */
     Linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [num_blocks, block_size, KVH, Dh] fp32 */
+    void *k_cache, *v_cache; /* [num_blocks, block_size, KVH, Dh] fp32, or uint8 codes (kv_kind) */
+    uint16_t *k_scale, *v_scale; /* 8-bit caches: [num_blocks, block_size, KVH] fp16; else NULL */
 } Layer;
 
 typedef struct {
@@ -51,6 +52,8 @@ typedef struct {
     float eps, scale;
     const Layer *layers;
     const float *final_norm;
+    int kv_kind;          /* 0: fp32 cache; 1: int8 codes, 2: fp8 e4m3 codes (kv_cache.py) */
+    const float *kv_lut;  /* 8-bit caches: [256] the value of each code */
 } Model;
 
 /* from layer_ops.c / paged_attention.c */
@@ -60,12 +63,27 @@ void rotary(float *qkv, int64_t row_stride, const float *cos_rows, const float *
             int num_rotated, int head_dim, int num_threads);
 void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t *slots, float *k_cache,
               float *v_cache, int num_rows, int kv_values, int num_threads);
+void write_kv_q(const float *k, const float *v, int64_t row_stride, const int64_t *slots,
+                uint8_t *k_codes, uint8_t *v_codes, uint16_t *k_scale, uint16_t *v_scale,
+                int num_rows, int num_kv_heads, int head_dim, int kind, int num_threads);
 void silu_mul(const float *gate_up, float *out, int num_rows, int inter, int num_threads);
 int paged_decode_attention(const float *q, const void *k, const void *v, const uint16_t *k_scale,
                            const uint16_t *v_scale, const float *lut, const int32_t *block_table,
                            const int32_t *context_lens, float *out, int64_t q_row_stride, int batch,
                            int num_heads, int num_kv_heads, int head_dim, int block_size,
                            int max_blocks, float scale, int num_threads);
+
+/* this layer's new K and V rows (qkv [M, qkv_width], after q) into its cache, fp32 or 8-bit */
+static void layer_write_kv(const Model *mdl, const Layer *L, const float *qkv, int64_t qkv_width,
+                           const int64_t *slots, int M) {
+    const int q_size = mdl->num_heads * mdl->head_dim, kv_size = mdl->num_kv_heads * mdl->head_dim;
+    const float *k = qkv + q_size, *v = qkv + q_size + kv_size;
+    if (mdl->kv_kind == 0)
+        write_kv(k, v, qkv_width, slots, L->k_cache, L->v_cache, M, kv_size, 1);
+    else
+        write_kv_q(k, v, qkv_width, slots, L->k_cache, L->v_cache, L->k_scale, L->v_scale, M,
+                   mdl->num_kv_heads, mdl->head_dim, mdl->kv_kind, 1);
+}
 
 static int g_max_isa = 3; /* 3: AVX-512 (with VNNI) allowed; 2: AVX2; 0: scalar only */
 
@@ -483,9 +501,11 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
     int status = 0;
     float *parts = NULL;
     AttnWork work; /* the attention of layer 0; each layer points it at its own cache */
-    status = attention_setup(&work, qkv, mdl->layers[0].k_cache, mdl->layers[0].v_cache, NULL, NULL,
-                             NULL, block_table, context_lens, attn, qkv_width, M, H, KVH, Dh,
-                             mdl->block_size, max_blocks, mdl->scale, num_threads);
+    status = attention_setup(&work, qkv, mdl->layers[0].k_cache, mdl->layers[0].v_cache,
+                             mdl->layers[0].k_scale, mdl->layers[0].v_scale,
+                             mdl->kv_kind ? mdl->kv_lut : NULL, block_table, context_lens, attn,
+                             qkv_width, M, H, KVH, Dh, mdl->block_size, max_blocks, mdl->scale,
+                             num_threads);
     if (status != 0) goto done; /* -3: a context past its block-table row (as the forking call) */
     parts = malloc(sizeof(float) * attention_parts_floats(&work));
     if (!qkv || !attn || !gate_up || !own || !acts || !parts) {
@@ -512,14 +532,13 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
             step_barrier(&bar, nt);
             if (tid == 0) {
                 rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
-                write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_width, slots, L->k_cache,
-                         L->v_cache, M, kv_size, 1);
+                layer_write_kv(mdl, L, qkv, qkv_width, slots, M);
                 atomic_store_explicit(&next_item, 0, memory_order_relaxed); /* its last use ended
                                                            at least two barriers ago */
             }
             step_barrier(&bar, nt);
             AttnWork w = work;
-            w.k = L->k_cache, w.v = L->v_cache;
+            w.k = L->k_cache, w.v = L->v_cache, w.k_scale = L->k_scale, w.v_scale = L->v_scale;
             /* items are claimed one at a time: a batch mixing one long context with short ones
              * has most of its work in a few items (the bits do not depend on who runs an item) */
             for (int64_t i; (i = atomic_fetch_add_explicit(&next_item, 1, memory_order_relaxed)) <
@@ -596,11 +615,11 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
                      1);
         if ((status = run_linear(&L->qkv, normed, M, qkv, num_threads)) != 0) goto done;
         rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
-        write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_width, slots, L->k_cache, L->v_cache, M,
-                 kv_size, 1);
-        status = paged_decode_attention(qkv, L->k_cache, L->v_cache, NULL, NULL, NULL, block_table,
-                                        context_lens, attn, qkv_width, M, H, KVH, Dh, mdl->block_size,
-                                        max_blocks, mdl->scale, num_threads);
+        layer_write_kv(mdl, L, qkv, qkv_width, slots, M);
+        status = paged_decode_attention(qkv, L->k_cache, L->v_cache, L->k_scale, L->v_scale,
+                                        mdl->kv_kind ? mdl->kv_lut : NULL, block_table, context_lens,
+                                        attn, qkv_width, M, H, KVH, Dh, mdl->block_size, max_blocks,
+                                        mdl->scale, num_threads);
         if (status != 0) goto done;
         if ((status = run_linear(&L->o, attn, M, hidden, num_threads)) != 0) goto done;
         add_rms_norm(hidden, residual, L->post_norm, normed, residual, M, D, mdl->eps, 1);

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "half.h"
 #include "vexp.h"
 
 int decode_isa(void); /* decode_step.c: 3 AVX-512, 2 AVX2, 0 the portable loops */
@@ -74,6 +75,50 @@ void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t 
 #pragma omp simd
         for (int d = 0; d < kv_values; d++) kd[d] = ks[d], vd[d] = vs[d];
     }
+}
+
+/* The same rows into an 8-bit cache (kv_cache.py `quantise`, bit for bit): per (row, kv head) the fp16
+ * scale = fp16(max(max |value| / code_max, 2^-24)), and each code = value / scale clamped to +-code_max,
+ * int8 (kind 1, code_max 127) rounded half to even, fp8 e4m3fn (kind 2, code_max 448) converted as torch
+ * converts. codes [num_blocks, block_size, KVH, Dh] uint8, scales [num_blocks, block_size, KVH] fp16.
+ * A NaN value gives a NaN scale and codes of 0 (int8) or NaN (fp8). */
+static void quantise_row(const float *x, int head_dim, int kind, uint8_t *codes, uint16_t *scale) {
+    const float code_max = kind == 1 ? 127.f : 448.f;
+    float amax = 0.f;
+    int nan = 0;
+    for (int d = 0; d < head_dim; d++) {
+        const float a = fabsf(x[d]);
+        nan |= a != a;
+        amax = a > amax ? a : amax;
+    }
+    float s = nan ? NAN : amax / code_max;
+    s = s < 0x1p-24f ? 0x1p-24f : s; /* NaN compares false: kept */
+    *scale = float_to_half(s);
+    const float sf = half_to_float(*scale);
+    for (int d = 0; d < head_dim; d++) {
+        float q = x[d] / sf;
+        q = q < -code_max ? -code_max : q > code_max ? code_max : q;
+        if (kind == 1) {
+            q = nearbyintf(q); /* the default rounding mode: half to even, as torch.round */
+            codes[d] = q == q ? (uint8_t)(int8_t)q : 0;
+        } else {
+            codes[d] = float_to_e4m3(q);
+        }
+    }
+}
+
+void write_kv_q(const float *k, const float *v, int64_t row_stride, const int64_t *slots,
+                uint8_t *k_codes, uint8_t *v_codes, uint16_t *k_scale, uint16_t *v_scale,
+                int num_rows, int num_kv_heads, int head_dim, int kind, int num_threads) {
+    const int64_t kv_values = (int64_t)num_kv_heads * head_dim;
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * kv_values >= PARALLEL_MIN_VALUES)
+    for (int t = 0; t < num_rows; t++)
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t index = slots[t] * num_kv_heads + h;
+            const int64_t src = t * row_stride + (int64_t)h * head_dim;
+            quantise_row(k + src, head_dim, kind, k_codes + index * head_dim, k_scale + index);
+            quantise_row(v + src, head_dim, kind, v_codes + index * head_dim, v_scale + index);
+        }
 }
 
 /* out = silu(gate) * up for gate_up [T, 2 I] (gate first); out [T, I]. */

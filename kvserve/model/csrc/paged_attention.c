@@ -17,8 +17,9 @@
  * give the same bits. With one split the item writes its normalised output itself (the merge's arithmetic:
  * (0 + acc * exp(0)) / (0 + l * exp(0)), the same bits).
  *
- * Kernels: AVX2 (fp32 cache, head_dim a multiple of 8; a vector exp on the scores) or the portable loops,
- * chosen at run time by decode_isa() (decode_step.c; tests force the portable path). They round
+ * Kernels: AVX2 (head_dim a multiple of 8; a vector exp on the scores; an 8-bit cache's rows of an item
+ * dequantised into a per-thread buffer first) or the portable loops, chosen at run time by decode_isa()
+ * (decode_step.c; tests force the portable path). They round
  * differently (summation order, exp), within the tests' 1e-5 of the torch backend.
  *
  * Layouts (row-major):
@@ -37,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
 #include "paged_attention.h"
 #include "vexp.h"
 #if defined(__x86_64__) || defined(__i386__)
@@ -47,18 +49,6 @@
 #define MAX_HEAD_DIM 256
 
 int decode_isa(void); /* decode_step.c: 2 = AVX2 allowed, 0 = portable loops */
-
-#ifdef __F16C__
-static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-#else
-static inline float half_to_float(uint16_t h) { /* IEEE binary16 -> binary32, subnormals included */
-    const int sign = h >> 15, exponent = (h >> 10) & 31, mantissa = h & 1023;
-    float value = exponent == 0    ? ldexpf((float)mantissa, -24)
-                  : exponent == 31 ? (mantissa ? NAN : INFINITY)
-                                   : ldexpf((float)(mantissa | 1024), exponent - 25);
-    return sign ? -value : value;
-}
-#endif
 
 /* Row of D values for (slot, head) as fp32 into dst (8-bit: dequantised). */
 static inline const float *load_row(const AttnWork *a, const void *cache, const uint16_t *scales,
@@ -148,7 +138,46 @@ INL __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256
 #define prefetch_row(row, n, hint)                                                                 \
     for (int64_t d_ = 0; d_ < (n); d_ += 16) _mm_prefetch((const char *)((row) + d_), hint)
 
-/* The same item on AVX2 (fp32 cache, D % 8 == 0). Scores: 8 positions at a time per q head, 8 dot
+/* An 8-bit cache's rows of the item, dequantised (lut[code] * scale, the values load_row gives) into
+ * buf: position i's kv heads [kh0, kh1) at buf + i * span; rows[i] becomes that offset less the span's
+ * start, so the fp32 code below reads them as it reads the cache. 8 codes at a time: int8 codes
+ * converted (the lut's values exactly), fp8 ones through a gather of the lut. */
+static void dequantise_rows(const AttnWork *a, const void *cache, const uint16_t *scales,
+                            const int64_t *slot_rows, int n, int kh0, int kh1, float *buf) {
+    const int D = a->head_dim, KVH = a->num_kv_heads;
+    const int64_t span = (int64_t)(kh1 - kh0) * D;
+    for (int i = 0; i < n; i++) {
+        const int64_t slot = slot_rows[i] / ((int64_t)KVH * D);
+        for (int h = kh0; h < kh1; h++) {
+            const int64_t index = slot * KVH + h;
+            const uint8_t *codes = (const uint8_t *)cache + index * D;
+            const __m256 sv = _mm256_set1_ps(half_to_float(scales[index]));
+            float *dst = buf + i * span + (int64_t)(h - kh0) * D;
+            for (int d = 0; d < D; d += 8) {
+                const __m128i c8 = _mm_loadl_epi64((const __m128i *)(codes + d));
+                const __m256 vals = a->int8_lut
+                                        ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8))
+                                        : _mm256_i32gather_ps(a->lut, _mm256_cvtepu8_epi32(c8), 4);
+                _mm256_storeu_ps(dst + d, _mm256_mul_ps(vals, sv));
+            }
+        }
+    }
+}
+
+/* per-thread scratch for dequantised rows (OpenMP threads persist: grown, never shrunk) */
+static _Thread_local float *tl_rows;
+static _Thread_local int64_t tl_rows_floats;
+
+static float *row_scratch(int64_t floats) {
+    if (floats > tl_rows_floats) {
+        float *grown = realloc(tl_rows, sizeof(float) * floats);
+        if (!grown) return NULL;
+        tl_rows = grown, tl_rows_floats = floats;
+    }
+    return tl_rows;
+}
+
+/* The same item on AVX2 (fp32 cache, or an 8-bit one dequantised first; D % 8 == 0). Scores: 8 positions at a time per q head, 8 dot
  * products accumulated in registers and reduced together (a tail group repeats its last position; its
  * extra lanes are masked); the item's rows are prefetched ahead, V into L2 while the scores run.
  * Softmax on 8 scores at a time. Values: tiles of V_TILE positions, every q head of the item
@@ -167,6 +196,18 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
     for (int t = t0; t < t1;) { /* one block at a time: one division per block */
         const int64_t base = (int64_t)table[t / bs] * bs;
         for (int off = t % bs; off < bs && t < t1; off++, t++) rows[t - t0] = (base + off) * slot_stride;
+    }
+    if (a->lut != NULL) { /* 8-bit: this item's K and V rows as fp32, then the fp32 code */
+        float *buf = row_scratch(2 * (int64_t)n * span);
+        if (buf == NULL) { /* no memory for the rows: the portable loops read the codes */
+            attend_portable(a, b, hq0, hq1, t0, t1, m_out, l_out, acc_out);
+            return;
+        }
+        const int kh0 = hq0 / G, kh1 = (hq1 - 1) / G + 1;
+        dequantise_rows(a, a->k, a->k_scale, rows, n, kh0, kh1, buf);
+        dequantise_rows(a, a->v, a->v_scale, rows, n, kh0, kh1, buf + (int64_t)n * span);
+        kc = buf - span_off, vc = buf + (int64_t)n * span - span_off;
+        for (int i = 0; i < n; i++) rows[i] = i * span;
     }
     for (int i = n; i < ((n + 7) & ~7); i++) rows[i] = rows[n - 1]; /* the tail group's extra lanes */
     for (int i = 0; i < n && i < PREFETCH_AHEAD; i++)
@@ -293,7 +334,9 @@ int attention_setup(AttnWork *w, const float *q, const void *k, const void *v,
     w->kv_per_item = kv_per_item;
     w->chunks = chunks;
     w->num_items = units * (num_kv_heads / kv_per_item) * chunks;
-    w->isa = decode_isa() >= 2 && lut == NULL && head_dim % 8 == 0 ? 2 : 0;
+    w->isa = decode_isa() >= 2 && head_dim % 8 == 0 ? 2 : 0;
+    w->int8_lut = lut != NULL;
+    for (int c = 0; lut != NULL && c < 256; c++) w->int8_lut &= lut[c] == (float)(int8_t)c;
     return 0;
 }
 

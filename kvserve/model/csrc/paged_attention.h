@@ -21,6 +21,7 @@ typedef struct {
     int max_splits, kv_per_item, chunks, isa; /* splits of the longest context; kv heads per item;
                                                  q-head chunks per kv head (kv_per_item 1) */
     int64_t num_items, total_values;
+    int int8_lut; /* lut is the int8 table (lut[c] = (int8_t)c): codes convert without it */
 } AttnWork;
 
 /* Describe one call (the arguments of paged_decode_attention); -1 for shapes it refuses, -3 for a
