@@ -103,7 +103,10 @@ def _clock_offset(diffs: list[float], window_s: float = 2e-3) -> float | None:
 def delivery_jitter(records: list[RequestRecord], steps: list[dict]) -> dict | None:
     """The jitter of a bench run's token deliveries against the server's step log (module
     docstring): {"quantiles": jitter in seconds at percentiles 0..100 (median 0),
-    "lag1_correlation", "num_tokens", "median_delay_s"}; None when too few tokens match."""
+    "lag1_correlation", "num_tokens", "median_delay_s"}, and with the server's TTFT in the records
+    (at least MIN_REQUESTS of them) "intake_quantiles" (each request's client - server TTFT less its
+    first token's delay, less their median; docs/simulator.md) and "num_requests"; None when too few
+    tokens match."""
     ends = _step_ends(steps)
     offset = _clock_offset([d for r in records for _, d in _token_delays(r, ends, None)])
     if offset is None:
