@@ -167,6 +167,7 @@ static void f32_panel_scalar(const Linear *L, const float *x, int M, float *y, i
 #define INL static inline __attribute__((always_inline))
 #define F32_PREFETCH_LINES 16 /* software prefetch distance: inputs (64-byte lines) ahead */
 #define F32_TILE_MAX 6        /* rows of the largest register tile */
+#define NEXT_PANELS_MIN_TILES 5 /* row tiles from which the later ones prefetch the next panels */
 
 /* store row m's sums with the bias added */
 INL void f32_sums_out(const Linear *L, float *y, int m, int n0, int cols, __m256 a0, __m256 a1) {
@@ -268,7 +269,8 @@ INL __m512 load_w16(const void *base, int64_t i, const int bf16) {
 }
 
 INL void f32_tile512(const Linear *L, const float *x, float *y, int p, const int NP, int m0,
-                     const int R, int prefetch, const int bf16) {
+                     const int R, int prefetch, const int bf16, int next_p, int64_t g0, int shift,
+                     int64_t nlines) {
     const int K = L->k;
     const int64_t pstride = (int64_t)K * FPANEL, wbase = (int64_t)p * pstride;
     const char *wbytes = (const char *)L->w;
@@ -284,6 +286,11 @@ INL void f32_tile512(const Linear *L, const float *x, float *y, int p, const int
         __m512 w0, w1 = _mm512_setzero_ps(), w2 = w1, w3 = w1;
 #define F32_PF(q) _mm_prefetch(wbytes + (wk + (q) * pstride + F32_PREFETCH_LINES * FPANEL) * wsize, _MM_HINT_T0)
         if (prefetch) F32_PF(0);
+        {
+            const int64_t g = g0 + k, line = g >> shift;
+            if (!(g & ((1 << shift) - 1)) && line < nlines)
+                _mm_prefetch(wbytes + ((int64_t)next_p * pstride + line * FPANEL) * wsize, _MM_HINT_T0);
+        }
         w0 = load_w16(L->w, wk, bf16);
         if (NP > 1) {
             if (prefetch) F32_PF(1);
@@ -324,22 +331,35 @@ INL void f32_tile512(const Linear *L, const float *x, float *y, int p, const int
 
 /* panels [p0, p1) of every row: 1-3 rows in tiles of 4 panels (4-12 independent chains), more rows
  * in tiles of 6 rows x 2 panels (12 accumulators: 2 weight loads and 6 broadcasts per 12 FMAs),
- * each group of panels' lines in cache across its row tiles; the first row tile prefetches. */
+ * each group of panels' lines in cache across its row tiles. The first row tile of a group streams
+ * it from memory (prefetching 16 lines ahead) while the later tiles compute from cache: with 5 or
+ * more row tiles (M > 24) those later tiles also prefetch the next group, one line every 2^shift
+ * inputs spread over them, so that its first tile finds it in cache and the memory stream overlaps
+ * the arithmetic. Measured on 120 distinct 576/1536-wide matrices, 20 alternations (Zen 4, 2
+ * threads): 32 rows 1.09-1.14x, 64 rows 1.11x, 128 rows 1.10x faster; 8 and 16 rows 5-10% slower
+ * and 24 rows even, hence the threshold. */
 INL void f32_panels512_w(const Linear *L, const float *x, int M, float *y, int p0, int p1,
                          const int bf16) {
-    const int NPmax = M <= 3 ? 4 : 2, RT = M <= 3 ? 3 : 6;
+    const int NPmax = M <= 3 ? 4 : 2, RT = M <= 3 ? 3 : 6, tiles = (M + RT - 1) / RT;
     for (int p = p0; p < p1;) {
         const int np = p1 - p >= NPmax ? NPmax : p1 - p >= 2 ? 2 : 1;
+        const int pn = p + np, npn = p1 - pn < 2 ? p1 - pn : 2; /* the next group's panels */
+        int shift = 0;
+        while (npn && (2 << shift) * npn <= tiles - 1) shift++;
+        const int64_t nlines = tiles >= NEXT_PANELS_MIN_TILES ? (int64_t)npn * L->k : 0;
         for (int m0 = 0; m0 < M; m0 += RT) {
-            const int R = M - m0 < RT ? M - m0 : RT, pf = m0 == 0;
+            const int t = m0 / RT, R = M - m0 < RT ? M - m0 : RT;
+            const int pf = t == 0 && (p == p0 || nlines == 0);
+            const int64_t g0 = t > 0 ? (int64_t)(t - 1) * L->k : 0, nl = t > 0 ? nlines : 0;
+            const int np0 = pn;
 #define F32_NP(NPV)                                                        \
     switch (R) {                                                          \
-    case 1: f32_tile512(L, x, y, p, NPV, m0, 1, pf, bf16); break;               \
-    case 2: f32_tile512(L, x, y, p, NPV, m0, 2, pf, bf16); break;               \
-    case 3: f32_tile512(L, x, y, p, NPV, m0, 3, pf, bf16); break;               \
-    case 4: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 4, pf, bf16); break; \
-    case 5: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 5, pf, bf16); break; \
-    default: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 6, pf, bf16); break; \
+    case 1: f32_tile512(L, x, y, p, NPV, m0, 1, pf, bf16, np0, g0, shift, nl); break;               \
+    case 2: f32_tile512(L, x, y, p, NPV, m0, 2, pf, bf16, np0, g0, shift, nl); break;               \
+    case 3: f32_tile512(L, x, y, p, NPV, m0, 3, pf, bf16, np0, g0, shift, nl); break;               \
+    case 4: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 4, pf, bf16, np0, g0, shift, nl); break; \
+    case 5: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 5, pf, bf16, np0, g0, shift, nl); break; \
+    default: f32_tile512(L, x, y, p, NPV > 2 ? 2 : NPV, m0, 6, pf, bf16, np0, g0, shift, nl); break; \
     }
             if (np == 4) {
                 F32_NP(4)
