@@ -199,7 +199,7 @@ def test_quantised_steps_are_fused_up_to_sixteen_rows_as_fp32_ones_are():
     assert fp32.path(16, 5000) == "team" and fp32.path(17, 10) == "per-op"
     assert int8.path(16, 5000) == "team" and int8.path(17, 10) == "per-op"
     assert "as one region at every context" in fp32.sources()["dispatch"]
-    # an fp32 KV cache only (the planner passes fused_eligible=False for a quantised one)
+    # not for every cache (the planner passes fused_eligible=False for a bf16 / fp16 one)
     no_kv = EngineCost.from_profile(SPEC, FP32, 0.0, profile, fused_eligible=False)
     assert no_kv.path(1, 10) == "per-op"
 

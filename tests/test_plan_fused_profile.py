@@ -63,18 +63,26 @@ def test_a_quantised_kv_cache_takes_the_per_op_path_even_for_one_row():
     assert cost.terms_s(1, 0)["dispatch"] == pytest.approx(3 * 4e-4 + 2e-3)
 
 
-def test_the_plan_uses_the_fused_step_for_an_fp32_cache_only():
+def test_the_plan_uses_the_fused_step_for_fp32_and_8bit_caches():
+    """The fused step takes fp32, int8 and fp8 caches (model/fused_decode.py); a bf16 cache, which
+    the CPU engine does not run, is priced on the per-op path."""
     profile = hw(PER_OP + FUSED)
     k32 = arith.kv_bytes_per_token(SPEC, 4)
     fused = EngineCost.from_profile(SPEC, FP32, k32, profile)
     plan = make_plan(SPEC, profile, "fp32", "fp32")
     t = plan.workload.mean_decode_context
     assert plan.latency.tpot_solo_s == pytest.approx(fused.decode_step_s(1, t))
-    plan_int8 = make_plan(SPEC, profile, "fp32", "int8")
-    k8 = arith.kv_bytes_per_token(SPEC, plan_int8.kv_bytes_per_value)
-    per_op = EngineCost.from_profile(SPEC, FP32, k8, profile, fused_eligible=False)
-    assert plan_int8.latency.tpot_solo_s == pytest.approx(per_op.decode_step_s(1, t))
-    assert plan_int8.latency.tpot_solo_s > plan.latency.tpot_solo_s
+    for kv in ("int8", "fp8"):
+        plan_8 = make_plan(SPEC, profile, "fp32", kv)
+        k8 = arith.kv_bytes_per_token(SPEC, plan_8.kv_bytes_per_value)
+        fused_8 = EngineCost.from_profile(SPEC, FP32, k8, profile)
+        assert fused_8.path(1, t) != "per-op"
+        assert plan_8.latency.tpot_solo_s == pytest.approx(fused_8.decode_step_s(1, t))
+    plan_bf16 = make_plan(SPEC, profile, "fp32", "bf16")
+    k16 = arith.kv_bytes_per_token(SPEC, plan_bf16.kv_bytes_per_value)
+    per_op = EngineCost.from_profile(SPEC, FP32, k16, profile, fused_eligible=False)
+    assert plan_bf16.latency.tpot_solo_s == pytest.approx(per_op.decode_step_s(1, t))
+    assert plan_bf16.latency.tpot_solo_s > plan.latency.tpot_solo_s
 
 
 def test_linear_rates_are_not_interpolated_across_the_kernel_change():

@@ -14,7 +14,7 @@ with those points the planner's step is
 floored by the FLOPs at the measured peak. Three step shapes (the path the engine takes):
 
 - **team** (B <= the fused step's rows: the profile's `decode_fused_f32_rows` (16) when every
-  projection is fp32, `decode_fused_rows` (4) when quantised; an fp32 KV cache; more than one
+  projection is fp32, `decode_fused_rows` (4) when quantised; an fp32 or 8-bit KV cache; more than one
   thread): every layer in one native call running as one OpenMP region (decode_step.c's team
   step, at every context: the team splits the attention itself); host cost `fused-dispatch`,
   `fused-fixed`;
@@ -113,7 +113,7 @@ class EngineCost:
     ) -> EngineCost | None:
         """None when the profile has no dispatch points (a datasheet or an older measurement).
         `fused_eligible`: whether the engine can run this plan's decode steps fused (it needs an
-        fp32 KV cache; docs/planning.md)."""
+        fp32 or 8-bit KV cache; docs/planning.md)."""
         rates: dict[str, list[tuple[int, float]]] = {}
         fused_rates: dict[str, list[tuple[int, float]]] = {}
         by_kind: dict[str, list[tuple[int, float]]] = {}

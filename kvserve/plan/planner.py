@@ -21,6 +21,8 @@ from kvserve.plan.parallel import (
 
 HOURS_PER_YEAR = 24 * 365
 
+FUSED_KV_DTYPES = ("fp32", "int8", "fp8")  # KV caches the fused decode step takes
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -411,8 +413,9 @@ def make_plan(
     comm = parallel.comm(model, activation_bytes(fmt)) if parallel and tp > 1 else None
     engine = None
     if tp == 1:  # the measured engine profile is one device's (docs/planning.md)
-        # the fused decode step needs an fp32 KV cache (kvserve/model/fused_decode.py)
-        engine = EngineCost.from_profile(rank, fmt, k, hardware, bw, kv_dtype == "fp32")
+        # the fused decode step takes an fp32 or 8-bit KV cache (kvserve/model/fused_decode.py)
+        fused_kv = kv_dtype in FUSED_KV_DTYPES
+        engine = EngineCost.from_profile(rank, fmt, k, hardware, bw, fused_kv)
     cost = arith.RooflineCost(
         rank, weight_bytes, k, bw, hardware.peak_flops_per_s, a.mfu, comm, engine
     )
