@@ -148,7 +148,7 @@ def sequential_gptq(
                     continue
                 first = layer.get_submodule(names[0])
                 stats = Stats(first.in_features)
-                hook = first.register_forward_hook(lambda m, a, o: stats.add(a[0]))
+                hook = first.register_forward_hook(lambda m, a, o, s=stats: s.add(a[0]))
                 run(layer)
                 hook.remove()
                 for name in names:
@@ -158,7 +158,9 @@ def sequential_gptq(
                     module.weight.copy_(quantized[key].dequantize().to(module.weight.dtype))
                     all_stats[f"{prefix}.{name}"] = stats
                 stats.hessian = stats.hessian.new_empty(0)  # used: one group's held at a time
-            captured = [(out, kwargs) for out, (_, kwargs) in zip(run(layer), captured, strict=True)]
+            captured = [
+                (out, kwargs) for out, (_, kwargs) in zip(run(layer), captured, strict=True)
+            ]
     return quantized, all_stats
 
 
@@ -276,7 +278,7 @@ def awq_clip(
     for step in range(grid + 1):
         ratio = 1.0 - max_shrink * step / grid
         clipped = torch.empty_like(w)
-        for g, c0 in enumerate(range(0, num_cols, glen)):
+        for c0 in range(0, num_cols, glen):
             part = w[:, c0 : c0 + glen]
             bound = part.abs().amax(1, keepdim=True) * ratio
             clipped[:, c0 : c0 + glen] = torch.minimum(torch.maximum(part, -bound), bound)

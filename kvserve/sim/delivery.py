@@ -222,5 +222,7 @@ class DeliveryJitter:
         }
         if self._intake is not None:
             iq, levels = self._intake[0], self._intake[1]
-            out["intake_p1_p50_p99_s"] = [float(np.interp(p, levels, iq)) for p in (0.01, 0.5, 0.99)]
+            out["intake_p1_p50_p99_s"] = [
+                float(np.interp(p, levels, iq)) for p in (0.01, 0.5, 0.99)
+            ]
         return out

@@ -91,10 +91,7 @@ def simulate_continuous(
     now = 0.0
     next_arrival = 0
     while next_arrival < len(pending) or scheduler.has_unfinished():
-        while (
-            next_arrival < len(pending)
-            and ready[pending[next_arrival].request_id] <= now
-        ):
+        while next_arrival < len(pending) and ready[pending[next_arrival].request_id] <= now:
             timeline = pending[next_arrival]
             next_arrival += 1
             sim = timeline.request
