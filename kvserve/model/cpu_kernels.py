@@ -232,6 +232,9 @@ def write_kv(
     )  # fmt: skip
 
 
+KV_KINDS = {"float": 0, "int8": 1, "fp8": 2}  # cache kinds as the C kernels number them
+
+
 def write_kv_q(
     k: torch.Tensor,  # [T, num_kv_heads, head_dim] fp32 views of rows of one buffer (as write_kv)
     v: torch.Tensor,
@@ -245,7 +248,7 @@ def write_kv_q(
     load_kernel().write_kv_q(
         k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), cache.k.data_ptr(),
         cache.v.data_ptr(), cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), num_rows,
-        num_kv_heads, head_dim, {"int8": 1, "fp8": 2}[cache.kind], torch.get_num_threads(),
+        num_kv_heads, head_dim, KV_KINDS[cache.kind], torch.get_num_threads(),
     )  # fmt: skip
 
 

@@ -28,7 +28,6 @@ _PTR, _INT, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _LIN_F32, _LIN_Q8, _LIN_Q4, _LIN_BF16 = 0, 1, 2, 3
 FPANEL = 16  # output columns per panel of the fp32 layout (csrc/decode_step.h)
 ISA_NAMES = {3: "avx512", 2: "avx2", 0: "scalar"}  # 3: AVX-512 F/BW/VL with VNNI
-_KV_KINDS = {"float": 0, "int8": 1, "fp8": 2}  # the cache kinds the step takes (Model.kv_kind)
 
 
 class _Linear(ctypes.Structure):
@@ -201,7 +200,7 @@ class FusedDecoder:
         kind = kv_caches[0].kind if kv_caches else "float"
         for i, (layer, cache) in enumerate(zip(model.layers, kv_caches, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.q_norm is not None or cache.kind != kind or kind not in _KV_KINDS:
+            if attn.q_norm is not None or cache.kind != kind or kind not in cpu_kernels.KV_KINDS:
                 return None
             if cache.k.dtype != (torch.float32 if kind == "float" else torch.uint8):
                 return None
@@ -225,7 +224,7 @@ class FusedDecoder:
         struct = _Model(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, block_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, layers,
-            final_norm.data_ptr(), _KV_KINDS[kind], None if lut is None else lut.data_ptr(),
+            final_norm.data_ptr(), cpu_kernels.KV_KINDS[kind], None if lut is None else lut.data_ptr(),
         )  # fmt: skip
         keep += [layers, final_norm, lut]
         return cls(model, kv_caches, struct, keep)

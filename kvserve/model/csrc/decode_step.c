@@ -288,7 +288,7 @@ INL void f32_tile512(const Linear *L, const float *x, float *y, int p, const int
         if (prefetch) F32_PF(0);
         {
             const int64_t g = g0 + k, line = g >> shift;
-            if (!(g & ((1 << shift) - 1)) && line < nlines)
+            if (NP <= 2 && !(g & ((1 << shift) - 1)) && line < nlines) /* not in 1-3 row tiles */
                 _mm_prefetch(wbytes + ((int64_t)next_p * pstride + line * FPANEL) * wsize, _MM_HINT_T0);
         }
         w0 = load_w16(L->w, wk, bf16);
