@@ -15,7 +15,10 @@ same rate and count; its TPOT p50); `cores` is then not measured.
 Settings: `libgomp` is torch's OpenMP runtime as it comes (2 threads, each spinning 300,000 iterations
 before it sleeps; the count is set explicitly, to the value libgomp uses when it is unset, so that
 kvserve's default stays out); `kvserve` is what the `kvserve` command line applies when the variables
-are unset (kvserve.threads.THREAD_DEFAULTS); the others set one variable each.
+are unset (kvserve.threads.THREAD_DEFAULTS) with the engine's default thread policy (adaptive: a step
+runs on one thread fewer while a neighbour takes CPU time from the team, kvserve.threads.TeamSizer);
+`fixed` is the same with `--thread-policy fixed` (every step on all threads); the others set one
+variable each (adaptive policy). `thread_changes` counts the team's changes of size.
 
     PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/neighbour.py --model /tmp/kv/smol-gpt2 \
         [--rounds 2] [--settings libgomp,kvserve] [--target server] [--out FILE]
@@ -44,6 +47,7 @@ from tests.server_utils import running_server  # noqa: E402
 SETTINGS = {
     "libgomp": {"GOMP_SPINCOUNT": "300000"},  # libgomp's own when unset (<= 1 thread per CPU)
     "kvserve": {},  # kvserve.threads' defaults, applied before torch loads
+    "fixed": {},  # the same, with --thread-policy fixed (every step on 2 threads)
     "omp1": {"OMP_NUM_THREADS": "1"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "spin100": {"GOMP_SPINCOUNT": "100"},
@@ -53,6 +57,8 @@ SETTINGS = {
     "spin100k": {"GOMP_SPINCOUNT": "100000"},
 }
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+KVSERVE_DEFAULTS = ("kvserve", "fixed")  # settings that run with kvserve.threads' defaults
+THREAD_POLICY = {"fixed": "fixed"}  # the engine's thread_policy where not the default (adaptive)
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -64,7 +70,8 @@ def worker(args: argparse.Namespace) -> dict:
 
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(args.model, kv_cache_memory_bytes=256 * 1024**2, enable_prefix_caching=False)
+    llm = LLM(args.model, kv_cache_memory_bytes=256 * 1024**2, enable_prefix_caching=False,
+              thread_policy=args.thread_policy)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -90,12 +97,13 @@ def worker(args: argparse.Namespace) -> dict:
         tpots.append((times[-1] - times[0]) / (len(times) - 1))
     return {"tpot_p50_ms": statistics.median(tpots) * 1e3, "tpot_max_ms": max(tpots) * 1e3,
             "wall_s": wall_s, "cores": cpu_s / wall_s, "torch_threads": torch.get_num_threads(),
+            "thread_changes": engine.runner.num_thread_changes,
             "env": {k: os.environ[k] for k in _THREAD_VARIABLES if k in os.environ}}  # fmt: skip
 
 
 def serve_case(args: argparse.Namespace, env: dict[str, str]) -> dict:
     """One `kvserve serve` under `env`, loaded by `kvserve bench serve`; its TPOT p50."""
-    serve_args = ("--no-prefix-caching",)
+    serve_args = ("--no-prefix-caching", "--thread-policy", args.thread_policy)
     with running_server(args.model, *serve_args, timeout_s=300, env=env) as (url, _):
         threads = httpx.get(f"{url}/debug/steps?since=1000000000").json()["engine"].get("threads")
         with tempfile.TemporaryDirectory() as out:
@@ -106,9 +114,13 @@ def serve_case(args: argparse.Namespace, env: dict[str, str]) -> dict:
                      "--no-plots", "--no-progress"]  # fmt: skip
             subprocess.run(bench, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
             summary = json.loads((Path(out) / "summary.json").read_text())
+        metrics = httpx.get(f"{url}/metrics").text
+    changes = [line.split()[-1] for line in metrics.splitlines()
+               if line.startswith("kvserve_engine_thread_changes_total")]  # fmt: skip
     tpot = summary["latency_s"]["tpot"]
     return {"tpot_p50_ms": tpot["p50"] * 1e3, "tpot_max_ms": tpot["max"] * 1e3 if "max" in tpot
             else None, "threads": threads, "cores": None,
+            "thread_changes": float(changes[0]) if changes else None,
             "env": {k: env[k] for k in _THREAD_VARIABLES if k in env}}  # fmt: skip
 
 
@@ -116,12 +128,13 @@ def run_case(args: argparse.Namespace, name: str, busy: bool) -> dict:
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         base = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
+        args.thread_policy = THREAD_POLICY.get(name, "adaptive")
         if args.target == "server":
             return serve_case(args, base | SETTINGS[name])
         cmd = [sys.executable, __file__, "--worker", "--model", args.model,
                "--rate", str(args.rate), "--num-requests", str(args.num_requests),
-               "--new-tokens", str(args.new_tokens)]  # fmt: skip
-        if name == "kvserve":
+               "--new-tokens", str(args.new_tokens), "--thread-policy", args.thread_policy]  # fmt: skip
+        if name in KVSERVE_DEFAULTS:
             cmd.append("--kvserve-defaults")
         env = base | SETTINGS[name]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -152,6 +165,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--target", choices=["offline", "server"], default="offline")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--thread-policy", default="adaptive", help=argparse.SUPPRESS)
     parser.add_argument("--kvserve-defaults", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="benchmarks/results/neighbour.json")
     args = parser.parse_args()

@@ -17,7 +17,8 @@ calls (a few minutes each):
     PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/serving_sweep.py --engines vllm,vllm-bind01
     .venv/bin/python benchmarks/serving_sweep.py --table   # the table of what the JSON holds
 
-Engines: `kvserve` (kvserve serve, its defaults, --no-prefix-caching), `llamacpp` (llama-server
+Engines: `kvserve` (kvserve serve, its defaults, --no-prefix-caching), `kvserve-fixed` (the same
+with --thread-policy fixed: every step on both threads), `llamacpp` (llama-server
 --no-cache-prompt, `--llama-parallel` slots), `vllm` (vLLM CPU as it comes), `vllm-bind01` (vLLM
 with VLLM_CPU_OMP_THREADS_BIND=0-1: its compute threads on both cores).
 """
@@ -43,16 +44,18 @@ from tests.server_utils import free_port  # noqa: E402
 
 LLAMA_BIN = "/tmp/kv/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 SLO = "ttft=2s,worst_gap=500ms"
-ENGINES = ("kvserve", "llamacpp", "vllm", "vllm-bind01")
+ENGINES = ("kvserve", "kvserve-fixed", "llamacpp", "vllm", "vllm-bind01")
 
 
 def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of one engine's server on 127.0.0.1:port."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    if engine == "kvserve":
+    if engine.startswith("kvserve"):
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", args.model, "--host", "127.0.0.1",
                "--port", str(port), "--served-model-name", "smol", "--no-prefix-caching",
                "--log-level", "warning"]  # fmt: skip
+        if engine == "kvserve-fixed":
+            cmd += ["--thread-policy", "fixed"]
         return cmd, env
     if engine == "llamacpp":
         cmd = [f"{args.llama_bin}/llama-server", "-m", args.gguf, "--host", "127.0.0.1",
@@ -149,6 +152,11 @@ def run_engine(engine: str, args) -> dict:
         started = time.time()
         subprocess.run(cmd, check=True)
         wall_s = time.time() - started
+        thread_changes = None
+        if engine.startswith("kvserve"):  # the adaptive thread policy's changes of team size
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+            thread_changes = next((float(line.split()[-1]) for line in metrics
+                                   if line.startswith("kvserve_engine_thread_changes_total")), None)  # fmt: skip
     sweep = json.loads((out / "sweep.json").read_text())
     rows = [rate_row(r) for r in sweep["rows"]]
     hashes = {str(r["offered_rps"]): output_hashes(Path(r["dir"])) for r in sweep["rows"]}
@@ -158,6 +166,7 @@ def run_engine(engine: str, args) -> dict:
         "server_env": thread_env,
         "bench_command": " ".join(["kvserve", *cmd[3:]]),
         "wall_s": wall_s,
+        "thread_changes": thread_changes,
         "rows": rows,
         "saturation": next((r for r in rows if str(r["offered_rps"]) == "inf"), None),
         "output_hashes": hashes,

@@ -16,6 +16,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_SCALE_BYTES = 2
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+# adaptive: kvserve/threads.py TeamSizer; fixed: every step on all of torch's threads
+THREAD_POLICIES = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     quantization: str | None = None  # weight scheme (docs/quantization.md), rounded at load
     tensor_parallel_size: int = 1  # ranks the target model is sharded over (docs/parallel.md)
+    # THREAD_POLICIES. adaptive: on CPU, a step's thread count drops while a neighbour takes CPU time
+    # from the team (kvserve.threads.TeamSizer); fixed: every step uses torch's thread count.
+    thread_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -261,6 +266,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise InvalidRequestError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}", "attention_backend"
+            )
+        if self.thread_policy not in THREAD_POLICIES:
+            raise InvalidRequestError(
+                f"thread_policy must be one of {THREAD_POLICIES}", "thread_policy"
             )
         if self.quantization is not None:
             from kvserve.quant.scheme import parse_weight_scheme  # torch-free

@@ -9,15 +9,22 @@ The offline API (`from kvserve import LLM`, before torch is imported) loads torc
 then gives the environment back as it was (`defaults_while_torch_loads`), so programs the user starts
 later are unaffected; its tensor-parallel ranks get them again through `spawn_environment`.
 A variable the user set wins: a default is applied only when no variable of its group is set (setting
-`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` keeps both of ours out). This module never imports torch.
+`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` keeps both of ours out).
+
+`TeamSizer` (with `RunDelayMeter`) is the engine's adaptive thread policy: the threads of the next step,
+one fewer while a neighbour takes CPU time from the team. This module never imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
+
+logger = logging.getLogger(__name__)
 
 # Chosen from benchmarks/neighbour.py, quiet and with one busy core (docs/performance.md "Threads"): of
 # the settings that kept TPOT within 2x beside a busy core, the best quiet TPOT (tied with a 1,000-spin
@@ -106,3 +113,149 @@ def describe_threads(num_threads: int, environ: Mapping[str, str] | None = None)
         if name in environ
     ]
     return "; ".join([f"{num_threads} OpenMP threads", *(settings or ["libgomp defaults"])])
+
+
+# --- the engine's team size beside a neighbour --------------------------------------------------------
+
+
+class RunDelayMeter:
+    """Seconds this process's threads have spent runnable but waiting for a CPU since the meter
+    started (the second field of Linux's `/proc/<pid>/task/<tid>/schedstat`, summed over the
+    threads): the CPU time others took from it. The thread list is read again every `rescan_s`
+    (OpenMP starts its workers lazily); a thread counts from when the meter first sees it. `available`
+    is False where the kernel gives no schedstat (not Linux, or CONFIG_SCHED_INFO off)."""
+
+    def __init__(
+        self, task_dir: str = "/proc/self/task", rescan_s: float = 1.0, clock=None
+    ) -> None:
+        self._task_dir = task_dir
+        self._rescan_s = rescan_s
+        self._clock = clock or time.monotonic
+        self._fds: dict[str, int] = {}
+        self._last_ns: dict[str, int] = {}
+        self._total_ns = 0
+        self._scanned_at = float("-inf")
+        self.available = self._scan()
+
+    def _delay_ns(self, tid: str) -> int | None:
+        try:
+            return int(os.pread(self._fds[tid], 128, 0).split()[1])
+        except (OSError, IndexError, ValueError):  # the thread ended
+            os.close(self._fds.pop(tid))
+            self._last_ns.pop(tid, None)
+            return None
+
+    def _scan(self) -> bool:
+        try:
+            tids = set(os.listdir(self._task_dir))
+        except OSError:
+            return False
+        for tid in tids - self._fds.keys():
+            try:
+                self._fds[tid] = os.open(f"{self._task_dir}/{tid}/schedstat", os.O_RDONLY)
+            except OSError:
+                continue
+            now = self._delay_ns(tid)
+            if now is not None:
+                self._last_ns[tid] = now
+        self._scanned_at = self._clock()
+        return bool(self._fds)
+
+    def read_s(self) -> float:
+        if self._clock() - self._scanned_at >= self._rescan_s:
+            self._scan()
+        for tid in list(self._fds):
+            now = self._delay_ns(tid)
+            if now is not None:
+                self._total_ns += max(0, now - self._last_ns[tid])
+                self._last_ns[tid] = now
+        return self._total_ns * 1e-9
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class TeamSizer:
+    """How many threads the engine's next step uses, chosen from the CPU time its threads lose.
+
+    Beside a neighbour that keeps a core busy, a team with a thread on every core runs each step at the
+    pace of the thread the neighbour delays (every layer ends in barriers), and loses more than the
+    share of CPU the neighbour took (docs/performance.md "Threads"). The runner reports each step's
+    wall time; over a window of steps (`window_s` of step time, at least `min_steps` steps) the sizer
+    reads the run delay (`RunDelayMeter`: time runnable but not running) and divides it by the
+    window's thread-seconds: ~0.01 quiet, ~1/3 with 2 threads on 2 cores beside one busy core. Above
+    `threshold`, the team drops one thread (not below 1). A smaller team cannot see whether the
+    neighbour left, so after `probe_s` it tries one more thread for a window: kept where that window
+    loses less than `threshold`; otherwise back down, and the wait before the next try doubles (up to
+    `max_probe_s`). The thread count changes the speed, never the numbers: every kernel gives the same
+    bits at any thread count (tests/test_threads.py).
+
+    `clock` and `meter` are injectable (tests drive the policy with a fake clock and delays)."""
+
+    def __init__(
+        self,
+        max_threads: int,
+        meter: RunDelayMeter | None = None,
+        *,
+        clock=None,
+        threshold: float = 0.2,
+        window_s: float = 0.2,
+        min_steps: int = 3,
+        probe_s: float = 1.0,
+        max_probe_s: float = 8.0,
+    ) -> None:
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.meter = meter if meter is not None else RunDelayMeter()
+        self._clock = clock or time.monotonic
+        self.threshold = threshold
+        self.window_s, self.min_steps = window_s, min_steps
+        self.min_probe_s, self.max_probe_s = probe_s, max_probe_s
+        self._probe_wait_s = probe_s
+        self._probing = False
+        self._next_probe = float("inf")
+        self.last_lost: float | None = None  # the last window's run delay per thread-second
+        self.num_changes = 0
+        self._open_window()
+
+    def _open_window(self) -> None:
+        self._window_wall_s, self._window_steps = 0.0, 0
+        self._window_delay_s = self.meter.read_s()
+
+    def _set(self, threads: int) -> None:
+        if threads != self.threads:
+            self.threads = threads
+            self.num_changes += 1
+
+    def observe(self, step_s: float) -> int:
+        """Record one step's wall time; returns the thread count for the next step."""
+        now = self._clock()
+        if not self._probing and self.threads < self.max_threads and now >= self._next_probe:
+            self._probing = True  # the window now open measured the smaller team: start afresh
+            self._set(self.threads + 1)
+            self._open_window()
+            return self.threads
+        self._window_wall_s += step_s
+        self._window_steps += 1
+        if self._window_wall_s < self.window_s or self._window_steps < self.min_steps:
+            return self.threads
+        lost = (self.meter.read_s() - self._window_delay_s) / (self._window_wall_s * self.threads)
+        self.last_lost = lost
+        logger.debug(
+            "team of %d threads lost %.3f of %.3f s", self.threads, lost, self._window_wall_s
+        )
+        if lost > self.threshold and self.threads > 1:
+            if self._probing:  # the neighbour is still there: wait longer before the next try
+                self._probe_wait_s = min(2 * self._probe_wait_s, self.max_probe_s)
+            self._set(self.threads - 1)
+            self._next_probe = now + self._probe_wait_s
+        elif self._probing:
+            self._probe_wait_s = self.min_probe_s
+            self._next_probe = (
+                now + self._probe_wait_s if self.threads < self.max_threads else float("inf")
+            )
+        self._probing = False
+        self._open_window()
+        return self.threads

@@ -160,3 +160,21 @@ def test_spawned_ranks_get_the_defaults_the_offline_api_loaded_torch_with(monkey
         assert os.environ["GOMP_SPINCOUNT"] == "5"
         assert "GOMP_SPINCOUNT=5 (set by user)" in threads.describe_threads(2)
     assert os.environ["GOMP_SPINCOUNT"] == "5"
+
+
+def test_the_team_size_is_on_metrics_and_in_the_step_log(server):
+    """The adaptive thread policy's state (kvserve/threads.py TeamSizer) reaches /metrics and
+    /debug/steps: the engine core runs 2 threads here (this server has no OMP_NUM_THREADS), and a
+    neighbour (other tests) may have taken one, so any count from 1 to 2 is right."""
+    url, _ = server
+    start = httpx.get(f"{url}/debug/steps", params={"since": 10**9}).json()["num_recorded"]
+    body = {"prompt": "hello there", "max_tokens": 4, "ignore_eos": True}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+    steps = httpx.get(f"{url}/debug/steps", params={"since": start}).json()["steps"]
+    assert steps and all(1 <= row["threads"] <= 2 for row in steps), steps
+    metrics = httpx.get(f"{url}/metrics").text.splitlines()
+    threads = [float(x.split()[-1]) for x in metrics if x.startswith("kvserve_engine_threads{")]
+    changes = [x for x in metrics if x.startswith("kvserve_engine_thread_changes_total{")]
+    lost = [float(x.split()[-1]) for x in metrics if x.startswith("kvserve_engine_cpu_lost_ratio{")]
+    assert len(threads) == 1 and 1 <= threads[0] <= 2 and len(changes) == 1, metrics
+    assert len(lost) == 1 and lost[0] >= 0.0

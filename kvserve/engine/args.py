@@ -21,6 +21,7 @@ from kvserve.config import (
     DTYPE_BYTES,
     KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
+    THREAD_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -123,6 +124,13 @@ class EngineArgs:
         "auto",
         "auto: the in-place C kernels on CPU with fp32 weights; torch: torch ops only",
         choices=ATTENTION_BACKENDS,
+    )
+    thread_policy: str = _option(
+        "adaptive",
+        "adaptive: on CPU, steps use one thread fewer while a neighbour takes CPU time from "
+        "the engine's threads, trying the full count again now and then; fixed: always "
+        'torch\'s thread count (docs/performance.md "Threads")',
+        choices=THREAD_POLICIES,
     )
     tensor_parallel_size: int = _option(
         1,
@@ -266,6 +274,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             quantization=self.quantization,
             tensor_parallel_size=self.tensor_parallel_size,
+            thread_policy=self.thread_policy,
         )
 
     def _speculative_config(self, model_dir: Path) -> SpeculativeConfig | None:

@@ -310,7 +310,7 @@ class EngineClient:
         if out.step is not None:
             s = out.step
             core.step_log.record(s.t_start_s, s.waited_s, s.commands_s, s.step_s, s.deliver_s,
-                                 s.chunks)  # fmt: skip
+                                 s.chunks, s.threads)  # fmt: skip
         if self._on_grammar_compile is not None:
             for seconds in out.grammar_compile_s:
                 self._on_grammar_compile(seconds)

@@ -332,7 +332,15 @@ class EngineCore:
                 stats=self.collect_stats(),
                 num_admitted_samples=self._num_admitted,
                 num_waiting_samples=self.engine.num_waiting_samples,
-                step=StepRow(t0, slept_s, t1 - t0, t2 - t1, time.perf_counter() - t2, chunks),
+                step=StepRow(
+                    t0,
+                    slept_s,
+                    t1 - t0,
+                    t2 - t1,
+                    time.perf_counter() - t2,
+                    chunks,
+                    self.engine.runner.last_step_threads,
+                ),  # fmt: skip
                 grammar_compile_s=compiles,
                 grammar_mask_s=masks,
             )
@@ -359,4 +367,7 @@ class EngineCore:
             prefix_cache_queries=kv.stats.num_queries,
             prefix_cache_hits=kv.stats.num_hits,
             num_steps=scheduler.stats.num_steps,
+            num_threads=engine.runner.num_threads,
+            num_thread_changes=engine.runner.num_thread_changes,
+            cpu_lost=engine.runner.cpu_lost,
         )

@@ -3,7 +3,7 @@
 Each iteration of the engine thread records: when it started, how long it slept idle before it
 (no work), how long applying queued commands, `engine.step()` and handing the outputs to the HTTP
 side took, and what the step computed (per chunk, `chunk_row`: new tokens, cached tokens before them,
-what it samples, proposals it verifies). The time
+what it samples, proposals it verifies) and the threads it ran on. The time
 from one iteration's start to the next, less the idle wait, is what a step costs *while serving*:
 it includes the HTTP side's share of the interpreter and the cores (also between the timed parts
 of an iteration), which an offline calibration of `step()` alone never sees. A bounded ring; read through `GET /debug/steps`.
@@ -47,16 +47,19 @@ class StepLog:
         step_s: float,
         deliver_s: float,
         chunks: tuple[tuple[int, int, int, int], ...],
+        threads: int = 0,
     ) -> None:
         with self._lock:
             self._rows.append(
-                (self.num_recorded, t_start_s, waited_s, commands_s, step_s, deliver_s, chunks)
-            )
+                (self.num_recorded, t_start_s, waited_s, commands_s, step_s, deliver_s, chunks,
+                 threads)
+            )  # fmt: skip
             self.num_recorded += 1
 
     def since(self, index: int) -> list[dict]:
         """Rows with sequence number >= index (those still in the ring)."""
         with self._lock:
             rows = [r for r in self._rows if r[0] >= index]
-        keys = ("index", "t_start_s", "waited_s", "commands_s", "step_s", "deliver_s", "chunks")
+        keys = ("index", "t_start_s", "waited_s", "commands_s", "step_s", "deliver_s", "chunks",
+                "threads")  # fmt: skip
         return [dict(zip(keys, r, strict=True)) for r in rows]

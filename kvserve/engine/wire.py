@@ -77,6 +77,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_num_emitted: int = 0
     spec_draft_time_s: float = 0.0
     spec_target_time_s: float = 0.0
+    num_threads: int = 0  # the next step's threads (kvserve/threads.py TeamSizer)
+    num_thread_changes: int = 0
+    cpu_lost: float = 0.0  # the last window's run delay per thread-second (TeamSizer.last_lost)
 
 
 class FrozenMetrics(msgspec.Struct, frozen=True):
@@ -170,6 +173,7 @@ class StepRow(msgspec.Struct, frozen=True):
     # per chunk: (new tokens, start position, what it samples: 0 nothing, 1 the first output token,
     # 2 a later one; proposals verified) (kvserve/engine/step_log.py)
     chunks: tuple[tuple[int, int, int, int], ...]
+    threads: int = 0  # the threads the step ran on
 
 
 class CoreOutputs(msgspec.Struct, frozen=True, tag=True):

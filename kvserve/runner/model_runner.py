@@ -7,6 +7,7 @@ scheduler: block ids arrive in the output it is given.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ from kvserve.runner.forward import allocate_kv_cache, forward_chunks
 from kvserve.runner.sampler import Sampler, SamplingBatch, greedy_argmax
 from kvserve.runner.spec_decode import DraftJob, NgramProposer, verify_greedy, verify_stochastic
 from kvserve.structured.grammar import GrammarCache
+from kvserve.threads import RunDelayMeter, TeamSizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +81,39 @@ class ModelRunner:
         self.spec_stats = SpecStats()
         self.grammars: GrammarCache | None = None  # set by the engine when a request needs one
         self.grammar_mask_times_s: deque[float] = deque(maxlen=4096)  # per step; drained by metrics
+        self.team = self._team_sizer()
+        self.last_step_threads = torch.get_num_threads()
+
+    def _team_sizer(self) -> TeamSizer | None:
+        """The adaptive thread policy's sizer (kvserve/threads.py), for one CPU rank with 2+ threads
+        on a kernel that reports run delay; else None (every step on torch's thread count)."""
+        config = self.config
+        if (
+            config.thread_policy != "adaptive"
+            or self.device.type != "cpu"
+            or config.tensor_parallel_size != 1
+            or torch.get_num_threads() < 2
+        ):
+            return None
+        meter = RunDelayMeter()
+        if not meter.available:
+            logger.info("thread policy adaptive: no run delay to read here; steps use all threads")
+            return None
+        return TeamSizer(torch.get_num_threads(), meter)
+
+    @property
+    def num_threads(self) -> int:
+        """The threads the next step uses."""
+        return torch.get_num_threads()
+
+    @property
+    def num_thread_changes(self) -> int:
+        return 0 if self.team is None else self.team.num_changes
+
+    @property
+    def cpu_lost(self) -> float:
+        """The last window's share of step thread-time lost to other processes (0 if unmeasured)."""
+        return 0.0 if self.team is None else self.team.last_lost or 0.0
 
     def _load_model(self):
         """The target model this process runs (a tensor-parallel runner loads its rank's shard)."""
@@ -138,6 +175,17 @@ class ModelRunner:
         chunks = scheduler_output.chunks
         if not chunks:
             return RunnerOutput(sampled=())
+        started = time.perf_counter()
+        self.last_step_threads = torch.get_num_threads()
+        try:
+            return self._execute(chunks)
+        finally:
+            if self.team is not None:
+                threads = self.team.observe(time.perf_counter() - started)
+                if threads != self.last_step_threads:
+                    torch.set_num_threads(threads)
+
+    def _execute(self, chunks: tuple[ScheduledChunk, ...]) -> RunnerOutput:
         sampling = [c for c in chunks if c.sample]
         rows, row = [], 0
         for chunk in chunks:

@@ -54,6 +54,12 @@ _PER_CORE = (
     ("kvserve_engine_num_steps", "Steps this engine core ran", "num_steps", CounterMetricFamily),
     ("kvserve_engine_prefix_cache_hits", "Prompt tokens served from this core's prefix cache",
      "prefix_cache_hits", CounterMetricFamily),
+    ("kvserve_engine_threads", "Threads this core's next step uses (the adaptive thread policy "
+     "drops one while a neighbour takes CPU time)", "num_threads", GaugeMetricFamily),
+    ("kvserve_engine_thread_changes", "Times this core's step thread count changed",
+     "num_thread_changes", CounterMetricFamily),
+    ("kvserve_engine_cpu_lost_ratio", "Share of this core's step thread-time spent runnable but "
+     "not running (taken by other processes), over the last window", "cpu_lost", GaugeMetricFamily),
 )  # fmt: skip
 
 
