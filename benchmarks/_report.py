@@ -7,10 +7,31 @@ import platform
 from pathlib import Path
 
 
+def cpu_description() -> dict[str, object]:
+    """The CPU the run had (Linux /proc/cpuinfo): model name, family and model (AMD family 25 is Zen 3
+    at model 1, Zen 4 at model 17), the vector extensions that choose kernels, and the CPUs usable."""
+    import os
+
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return {}
+    flags = set(fields.get("flags", "").split())
+    return {"model_name": fields.get("model name"), "family": fields.get("cpu family"),
+            "model": fields.get("model"),
+            "vector": sorted(f for f in flags if f.startswith(("avx2", "avx512", "fma"))),
+            "cpus": len(os.sched_getaffinity(0))}  # fmt: skip
+
+
 def write_report(out: str | Path, report: dict) -> None:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report | {"machine": platform.platform()}, indent=2))
+    report = report | {"machine": platform.platform(), "cpu": cpu_description()}
+    path.write_text(json.dumps(report, indent=2))
     print(f"wrote {path}")
 
 

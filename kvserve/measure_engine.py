@@ -33,7 +33,7 @@ from kvserve.plan.hardware import MeasuredPoint
 
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32)
 DISPATCH_ROWS = (1, 4, 16)
-FUSED_ROWS = (1, 2, 4, 8, 16)  # the fused step's host cost, at those it takes
+FUSED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the fused step's host cost, at those it takes
 # decode_step.c runs the fused step as one OpenMP region (the team step) at every context whenever
 # at least this many threads run (team_step); a test checks the planner's path rule against the
 # kernel's choice (tests/test_plan_engine_overhead.py)
@@ -226,7 +226,7 @@ def measure_attention(
 
 
 def _tiny_decoder(
-    num_layers: int, fused: bool, context: int = 64, max_batch: int = 16, shape=None, scheme=None
+    num_layers: int, fused: bool, context: int = 64, max_batch: int = 64, shape=None, scheme=None
 ) -> tuple[Callable[..., Callable[[], object]], object]:
     """A random tiny DecoderLM in the engine's CPU layout, its fused decode step on or off;
     returns (make_step(batch) -> one decode forward (+ logits of every row) at `context`, the

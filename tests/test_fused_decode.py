@@ -279,7 +279,7 @@ def test_an_8bit_kv_cache_runs_the_fused_step(llama_dir, isa, kv_cache_dtype, qu
     torch.set_num_threads(2)
     try:
         llm = LLM(str(llama_dir), num_blocks=64, quantization=quantization,
-                  kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+                  kv_cache_dtype=kv_cache_dtype, thread_policy="fixed")  # fmt: skip
         team, forked = _team_then_forked(llm, LONG_PROMPT)  # 2 attention splits
         assert torch.equal(team, forked)
     finally:
@@ -297,7 +297,7 @@ def test_team_step_equals_the_step_that_forks_per_linear(llama_dir, isa, quantiz
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        llm = LLM(str(llama_dir), num_blocks=64, quantization=quantization)
+        llm = LLM(str(llama_dir), num_blocks=64, quantization=quantization, thread_policy="fixed")
         team, forked = _team_then_forked(llm, PROMPT)
         assert llm.engine.runner.model.fused.num_steps == 2 * len(PROMPT)
         assert torch.equal(team, forked)
@@ -331,7 +331,7 @@ def test_team_step_splits_a_long_context_with_the_same_bits_as_the_forking_step(
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        llm = LLM(str(llama_dir), num_blocks=64)
+        llm = LLM(str(llama_dir), num_blocks=64, thread_policy="fixed")
         team, forked = _team_then_forked(llm, LONG_PROMPT)
         assert torch.equal(team, forked)
         reference = LLM(str(llama_dir), num_blocks=64, attention_backend="torch")
@@ -361,14 +361,14 @@ def test_team_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa, quan
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert fused_decode.max_step_rows() == 16
+        assert fused_decode.max_step_rows() == 64
         llm = LLM(
             str(llama_dir), num_blocks=128, max_num_seqs=16, enable_prefix_caching=False,
-            quantization=quantization,
+            quantization=quantization, thread_policy="fixed",  # 2 threads even beside a neighbour
         )  # fmt: skip
         _batch_logprobs(llm, 2)  # builds the fused step
         fused = llm.engine.runner.model.fused
-        assert fused is not None and fused.max_rows() == 16
+        assert fused is not None and fused.max_rows() == 64
         steps, team = fused.num_steps, fused_decode.team_steps()
         team_run = _batch_logprobs(llm, 16)
         big_steps = fused.num_steps - steps
@@ -385,7 +385,7 @@ def test_team_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa, quan
             per_op_run = _batch_logprobs(llm, 16)
             assert fused.num_steps - steps < big_steps  # the 16-row steps went per-op
         finally:
-            fused_decode.set_f32_max_rows(16)
+            fused_decode.set_f32_max_rows(64)
         for team_req, per_op_req in zip(team_run, per_op_run, strict=True):
             assert [t for t, _ in team_req] == [t for t, _ in per_op_req]
             diffs = [abs(a - b) for (_, a), (_, b) in zip(team_req, per_op_req, strict=True)]
@@ -403,13 +403,72 @@ def test_fused_step_equals_a_one_pass_torch_recompute(llama_dir, isa):
 
 
 @needs_kernel
-def test_fused_step_off_for_the_torch_backend_and_prompt_chunks(llama_dir):
+def test_fused_step_off_for_the_torch_backend_and_large_prompt_chunks(llama_dir):
     torch_llm = LLM(str(llama_dir), num_blocks=64, attention_backend="torch")
     torch_llm.engine.score(PROMPT, chunk_size=1)
     assert torch_llm.engine.runner.model.fused is None
     llm = LLM(str(llama_dir), num_blocks=64)
-    llm.engine.score(PROMPT)  # one prompt chunk: the per-op path
+    long_prompt = PROMPT * 2  # 80 tokens: more than the fused step's rows
+    assert len(long_prompt) > fused_decode.max_step_rows()
+    llm.engine.score(long_prompt)  # one prompt chunk: the per-op path (flash attention)
     assert llm.engine.runner.model.fused is None
+
+
+def test_which_steps_run_row_by_row():
+    """runner/forward.py per_row_step: at most the fused step's rows, and each prompt chunk's rows x
+    context within PER_ROW_MAX_WORK; as_rows gives each token its own position and context."""
+    from kvserve.runner.forward import PER_ROW_MAX_WORK, as_rows, per_row_step
+
+    blocks = (7, 8, 9)
+    assert per_row_step([(0, 40, blocks), (90, 1, blocks)], 64)
+    assert not per_row_step([(0, 40, blocks), (0, 30, blocks)], 64)  # 70 rows
+    assert per_row_step(
+        [(PER_ROW_MAX_WORK // 32 - 32, 32, blocks)], 64
+    )  # rows x context at the bound
+    assert not per_row_step([(PER_ROW_MAX_WORK // 32 - 31, 32, blocks)], 64)
+    assert per_row_step([(10_000, 1, blocks)] * 64, 64)  # decode rows: any context
+    assert as_rows([(5, 3, blocks), (40, 1, (1,))]) == [
+        (5, 1, blocks), (6, 1, blocks), (7, 1, blocks), (40, 1, (1,))
+    ]  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_small_prompt_chunk_runs_fused_with_the_decode_steps_bits(
+    llama_dir, isa, quantization, kv_cache_dtype, monkeypatch
+):
+    """A prompt of 40 tokens in one chunk (and in chunks of 16, the later ones reading the cached
+    earlier ones) runs as one fused step of 40 rows: the same bits as 40 decode steps of one row
+    (each position's attention is the decode kernel's, each linear the same panel GEMV whatever the
+    rows), and within 1e-4 of the chunk attended at once by torch's flash kernel (the per-op path,
+    as before; 5e-2 with quantised linears, which round activations to int8) and, with fp32 weights
+    and cache, of the pure-torch recompute (the oracle)."""
+    from kvserve.runner import forward
+
+    if quantization and not kernels_available():
+        pytest.skip("the quantised GEMM extension did not build")
+    options = dict(num_blocks=64, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(str(llama_dir), **options)
+    model = llm.engine.runner.model
+    one_by_one = llm.engine.score(PROMPT, chunk_size=1)
+    steps = model.fused.num_steps
+    whole = llm.engine.score(PROMPT)
+    assert model.fused.num_steps == steps + 1  # the whole prompt in one fused step
+    assert torch.equal(whole, one_by_one)
+    chunked = llm.engine.score(PROMPT, chunk_size=16)
+    assert model.fused.num_steps == steps + 1 + 3
+    assert torch.equal(chunked, one_by_one)
+    monkeypatch.setattr(forward, "PER_ROW_MAX_WORK", 0)  # prompt chunks attend at once again
+    flash = llm.engine.score(PROMPT)
+    assert model.fused.num_steps == steps + 4
+    # quantised linears round their input rows to int8: a last-bit change of the attention's output
+    # can move one code, a step far above 1e-4 (the kernels' own tests hold each code exactly)
+    tolerance = 1e-4 if quantization is None else 5e-2
+    assert_logits_close(whole, flash, tolerance, f"row by row ({isa}) vs the chunk at once")
+    if quantization is None and kv_cache_dtype == "auto":
+        reference = LLM(str(llama_dir), attention_backend="torch", **options).engine.score(PROMPT)
+        assert_logits_close(whole, reference, 1e-4, f"row by row ({isa}) vs torch recompute")
 
 
 def test_without_a_compiler_the_per_op_path_runs(llama_dir, tmp_path):

@@ -116,10 +116,10 @@ def test_measure_engine_times_the_engines_own_modules():
         expected |= {"fused-dispatch", "fused-fixed"}
         fused = sorted(p.num_columns for p in points if p.kind == "fused-dispatch")
         assert fused[-1] == fused_rows() and fused[0] == 1
-        if fused_decode.max_step_rows() > fused_decode.max_rows():  # fp32 steps of 16 rows
+        if fused_decode.max_step_rows() > fused_decode.max_rows():  # fp32 steps of 64 rows
             expected.add("linear-fused:fp32")
             panel = [p for p in points if p.kind == "linear-fused:fp32"]
-            assert [p.num_columns for p in panel] == [8, 16]
+            assert [p.num_columns for p in panel] == [8, 16, 32, 64]
             assert panel[0].bytes_per_s * panel[0].median_s == pytest.approx(4 * 128 * 64)
     assert kinds == expected
     assert all(p.bytes_per_s > 0 for p in points if p.kind == "attention")

@@ -62,7 +62,7 @@ def max_rows() -> int:
 
 
 def max_step_rows() -> int:
-    """Rows a fused step may have (16 unless `set_f32_max_rows` lowered it), fp32 or quantised
+    """Rows a fused step may have (64 unless `set_f32_max_rows` lowered it), fp32 or quantised
     projections alike: the panel GEMVs reuse each weight panel for all rows (csrc/decode_step.c
     decode_step_max_rows). `max_rows()` (4) is the GEMVs' register tile."""
     library = cpu_kernels.load_kernel()
@@ -70,7 +70,7 @@ def max_step_rows() -> int:
 
 
 def set_f32_max_rows(rows: int) -> None:
-    """Cap the rows of a fused step, fp32 or quantised (1-16; benchmarks and tests compare 16 with 4,
+    """Cap the rows of a fused step, fp32 or quantised (1-64; benchmarks and tests compare 64 with 4,
     where larger batches take the per-op path, one panel GEMM per linear)."""
     cpu_kernels.load_kernel().decode_set_f32_max_rows(rows)
 

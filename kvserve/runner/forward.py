@@ -6,9 +6,33 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.model.attention import AttentionBackend, build_attention_metadata
+from kvserve.model import fused_decode
+from kvserve.model.attention import AttentionBackend, build_attention_metadata, cpu_attention
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.kv_cache import LayerKVCache, allocate_layers
+
+# A small step's prompt chunks attend row by row (below): each row reads its whole causal context
+# again, so only while a chunk's rows x context stays this small (a 32-row chunk at ~1,000 positions;
+# docs/performance.md "Small steps row by row").
+PER_ROW_MAX_WORK = 32 * 1024
+
+
+def per_row_step(spans: Sequence[tuple[int, int, Sequence[int]]], max_rows: int) -> bool:
+    """Whether a step of `spans` ((start, new tokens, block ids) per chunk) runs as one-token rows:
+    at most `max_rows` tokens in all (the fused step's rows), and every prompt chunk's rows x
+    context within PER_ROW_MAX_WORK."""
+    if sum(n for _, n, _ in spans) > max_rows:
+        return False
+    return all(n == 1 or n * (start + n) <= PER_ROW_MAX_WORK for start, n, _ in spans)
+
+
+def as_rows(
+    spans: Sequence[tuple[int, int, Sequence[int]]],
+) -> list[tuple[int, int, Sequence[int]]]:
+    """Every new token as a chunk of its own: position start + i, attending to the keys up to and
+    including its own (its chunk's earlier tokens are written to the cache in the same step, before
+    any row attends: both the fused step and the per-op path write a layer's K/V first)."""
+    return [(start + i, 1, block_ids) for start, n, block_ids in spans for i in range(n)]
 
 
 def forward_chunks(
@@ -21,17 +45,26 @@ def forward_chunks(
     logit_rows: Sequence[int] | None,
 ) -> torch.Tensor:
     """`chunks`: (start position, token ids, block ids) per request, in batch order. Writes their K/V into
-    `kv_caches` and returns logits [len(logit_rows), V] for the given flat rows (None: every row)."""
+    `kv_caches` and returns logits [len(logit_rows), V] for the given flat rows (None: every row).
+
+    With the CPU kernels, a step small enough (`per_row_step`) runs every token as a decode row of
+    its own: prompt chunks then take the fused step (one native call for all layers) instead of ~10
+    dispatched ops a layer, and the attention of a prompt token is the decode kernel's, the same
+    code a decode step at that position runs. Larger steps attend per chunk (torch's flash kernel)."""
     input_ids: list[int] = []
     positions: list[int] = []
     for start, token_ids, _ in chunks:
         input_ids.extend(token_ids)
         positions.extend(range(start, start + len(token_ids)))
-    meta = build_attention_metadata(
-        [(start, len(token_ids), block_ids) for start, token_ids, block_ids in chunks],
-        block_size,
-        device,
-    )
+    spans = [(start, len(token_ids), block_ids) for start, token_ids, block_ids in chunks]
+    if (
+        attention is cpu_attention
+        and device.type == "cpu"
+        and any(n > 1 for _, n, _ in spans)
+        and per_row_step(spans, fused_decode.max_step_rows())
+    ):
+        spans = as_rows(spans)
+    meta = build_attention_metadata(spans, block_size, device)
     ids_t = torch.tensor(input_ids, device=device)  # [T]
     positions_t = torch.tensor(positions, device=device)  # [T]
     hidden = model(ids_t, positions_t, kv_caches, meta, attention)  # [T, hidden_size]

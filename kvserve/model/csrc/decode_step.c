@@ -128,8 +128,10 @@ int64_t decode_team_steps(void) { return atomic_load(&g_team_steps); }
 int decode_max_rows(void) { return DECODE_MAX_ROWS; }
 /* Rows a fused step may have (fp32 or quantised projections): the panel GEMVs reuse each panel for
  * all rows (row tiles while it is in cache), so the step needs no other kernel; tests and benchmarks
- * set it (decode_set_f32_max_rows: 4 = DECODE_MAX_ROWS, the GEMVs' register tile). */
-#define F32_STEP_ROWS 16
+ * set it (decode_set_f32_max_rows: 4 = DECODE_MAX_ROWS, the GEMVs' register tile). 64 since the
+ * prompt chunks of a small step run here too, one row per token (runner/forward.py per_row_step);
+ * 16 before. */
+#define F32_STEP_ROWS 64
 static int g_f32_max_rows = F32_STEP_ROWS;
 void decode_set_f32_max_rows(int rows) {
     g_f32_max_rows = rows < 1 ? 1 : rows > F32_STEP_ROWS ? F32_STEP_ROWS : rows;
@@ -592,7 +594,7 @@ done:
     return status;
 }
 
-/* The rows a fused step takes: decode_f32_max_rows() (16 unless a test or benchmark set it), whatever
+/* The rows a fused step takes: decode_f32_max_rows() (64 unless a test or benchmark set it), whatever
  * the projections' kinds. The quantised GEMV takes any rows (row tiles of 4, pairs of panels above 4
  * rows), so quantised steps are no longer capped at DECODE_MAX_ROWS: at 16 rows the fused step ran
  * int8 and int4 batch-16 decode 1.6-1.7x faster than the per-op path (docs/performance.md). */
