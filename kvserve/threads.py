@@ -176,6 +176,10 @@ class RunDelayMeter:
             os.close(fd)
         self._fds.clear()
 
+    def __del__(self) -> None:  # an engine dropped without a shutdown keeps no descriptors open
+        with contextlib.suppress(Exception):
+            self.close()
+
 
 class TeamSizer:
     """How many threads the engine's next step uses, chosen from the CPU time its threads lose.
