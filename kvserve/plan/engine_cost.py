@@ -13,7 +13,7 @@ with those points the planner's step is
 
 floored by the FLOPs at the measured peak. Three step shapes (the path the engine takes):
 
-- **team** (B <= the fused step's rows: the profile's `decode_fused_f32_rows` (16), for fp32 and
+- **team** (B <= the fused step's rows: the profile's `decode_fused_f32_rows` (64 since the small-steps change; 16 in older profiles), for fp32 and
   quantised projections alike; an fp32 or 8-bit KV cache; more than one
   thread): every layer in one native call running as one OpenMP region (decode_step.c's team
   step, at every context: the team splits the attention itself); host cost `fused-dispatch`,
