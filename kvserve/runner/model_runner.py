@@ -103,8 +103,8 @@ class ModelRunner:
 
     @property
     def num_threads(self) -> int:
-        """The threads the next step uses."""
-        return torch.get_num_threads()
+        """The threads the next step uses (the sizer's count: torch's is per calling thread)."""
+        return torch.get_num_threads() if self.team is None else self.team.threads
 
     @property
     def num_thread_changes(self) -> int:
