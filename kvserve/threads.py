@@ -192,9 +192,9 @@ class TeamSizer:
     window's thread-seconds: ~0.01 quiet, ~1/3 with 2 threads on 2 cores beside one busy core. Above
     `threshold`, the team drops one thread (not below 1). A smaller team cannot see whether the
     neighbour left, so after `probe_s` it tries one more thread for a window: kept where that window
-    loses less than `threshold`; otherwise back down, and the wait before the next try doubles (up to
+    loses no more than `threshold`; otherwise back down, and the wait before the next try doubles (up to
     `max_probe_s`). The thread count changes the speed, never the numbers: every kernel gives the same
-    bits at any thread count (tests/test_threads.py).
+    bits at any thread count (tests/test_team_sizer.py).
 
     `clock` and `meter` are injectable (tests drive the policy with a fake clock and delays)."""
 
