@@ -33,6 +33,7 @@ def main() -> None:
     LLM = kvserve_llm()
     import torch
 
+    from kvserve.model import fused_decode
     from kvserve.runner import forward
 
     llm = LLM(args.model, enable_prefix_caching=False, kv_cache_memory_bytes=512 * 1024**2,
@@ -46,9 +47,7 @@ def main() -> None:
             tokens = tuple(torch.randint(3, runner.vocab_size, (n,), generator=gen).tolist())
             blocks = tuple(range(1, 1 + -(-(start + n) // block_size)))
             chunk = [(start, tokens, blocks)]
-            per_row = forward.per_row_step(
-                [(start, n, blocks)], forward.fused_decode.max_step_rows()
-            )
+            per_row = forward.per_row_step([(start, n, blocks)], fused_decode.max_step_rows())
 
             def run(chunk=chunk, n=n):
                 return forward_chunks_timed(forward, runner, chunk, n)

@@ -430,6 +430,25 @@ def test_which_steps_run_row_by_row():
     assert as_rows([(5, 3, blocks), (40, 1, (1,))]) == [
         (5, 1, blocks), (6, 1, blocks), (7, 1, blocks), (40, 1, (1,))
     ]  # fmt: skip
+    long_chunk = (PER_ROW_MAX_WORK // 32 - 31, 32, blocks)  # past the bound: attends at once
+    assert as_rows([(0, 2, blocks), long_chunk]) == [(0, 1, blocks), (1, 1, blocks), long_chunk]
+
+
+@needs_kernel
+def test_a_prompt_gives_the_same_bits_alone_and_in_a_step_too_large_to_fuse(llama_dir):
+    """Three prompts of 100 tokens in all take the per-op path (more rows than the fused step's);
+    each still attends row by row, so every token and logprob equals the prompt's run alone (fused)
+    bit for bit."""
+    llm = LLM(str(llama_dir), num_blocks=128, enable_prefix_caching=False)
+    prompts = [PROMPT, PROMPT[:30][::-1], PROMPT[5:35]]
+    assert sum(map(len, prompts)) > fused_decode.max_step_rows()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+
+    def key(output):
+        return [(lp.token_id, lp.logprob, lp.top) for lp in output.outputs[0].logprobs]
+
+    alone = [key(llm.generate([prompt], params)[0]) for prompt in prompts]
+    assert [key(o) for o in llm.generate(prompts, params)] == alone
 
 
 @needs_kernel

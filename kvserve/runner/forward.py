@@ -6,33 +6,44 @@ from collections.abc import Sequence
 
 import torch
 
-from kvserve.model import fused_decode
 from kvserve.model.attention import AttentionBackend, build_attention_metadata, cpu_attention
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.kv_cache import LayerKVCache, allocate_layers
 
-# A small step's prompt chunks attend row by row (below): each row reads its whole causal context
-# again, so only while a chunk's rows x context stays this small (a 32-row chunk at ~1,000 positions;
-# docs/performance.md "Small steps row by row").
+# A prompt chunk attends row by row (below) while its rows x context stays this small: each row reads
+# its whole causal context again (a 32-row chunk at ~1,000 positions; docs/performance.md "Small
+# steps row by row").
 PER_ROW_MAX_WORK = 32 * 1024
 
 
+def attends_by_row(start: int, num_new: int) -> bool:
+    """Whether a chunk of `num_new` tokens at `start` attends row by row: a decode row always; a
+    prompt chunk while num_new x (start + num_new) <= PER_ROW_MAX_WORK."""
+    return num_new == 1 or num_new * (start + num_new) <= PER_ROW_MAX_WORK
+
+
 def per_row_step(spans: Sequence[tuple[int, int, Sequence[int]]], max_rows: int) -> bool:
-    """Whether a step of `spans` ((start, new tokens, block ids) per chunk) runs as one-token rows:
-    at most `max_rows` tokens in all (the fused step's rows), and every prompt chunk's rows x
-    context within PER_ROW_MAX_WORK."""
+    """Whether a step of `spans` ((start, new tokens, block ids) per chunk) is one fused step: every
+    chunk attends row by row and there are at most `max_rows` tokens in all (the fused step's rows)."""
     if sum(n for _, n, _ in spans) > max_rows:
         return False
-    return all(n == 1 or n * (start + n) <= PER_ROW_MAX_WORK for start, n, _ in spans)
+    return all(attends_by_row(start, n) for start, n, _ in spans)
 
 
 def as_rows(
     spans: Sequence[tuple[int, int, Sequence[int]]],
 ) -> list[tuple[int, int, Sequence[int]]]:
-    """Every new token as a chunk of its own: position start + i, attending to the keys up to and
-    including its own (its chunk's earlier tokens are written to the cache in the same step, before
-    any row attends: both the fused step and the per-op path write a layer's K/V first)."""
-    return [(start + i, 1, block_ids) for start, n, block_ids in spans for i in range(n)]
+    """Every new token of a chunk that `attends_by_row` as a chunk of its own (position start + i,
+    attending to the keys up to and including its own: its chunk's earlier tokens are written to the
+    cache in the same step, before any row attends, on both the fused step and the per-op path);
+    other chunks as they are."""
+    out: list[tuple[int, int, Sequence[int]]] = []
+    for start, n, block_ids in spans:
+        if attends_by_row(start, n):
+            out.extend((start + i, 1, block_ids) for i in range(n))
+        else:
+            out.append((start, n, block_ids))
+    return out
 
 
 def forward_chunks(
@@ -47,23 +58,21 @@ def forward_chunks(
     """`chunks`: (start position, token ids, block ids) per request, in batch order. Writes their K/V into
     `kv_caches` and returns logits [len(logit_rows), V] for the given flat rows (None: every row).
 
-    With the CPU kernels, a step small enough (`per_row_step`) runs every token as a decode row of
-    its own: prompt chunks then take the fused step (one native call for all layers) instead of ~10
-    dispatched ops a layer, and the attention of a prompt token is the decode kernel's, the same
-    code a decode step at that position runs. Larger steps attend per chunk (torch's flash kernel)."""
+    With the CPU kernels, each prompt chunk within `attends_by_row`'s bound runs its tokens as decode
+    rows of their own: a prompt token's attention is then the decode kernel's, the same code a decode
+    step at that position runs, whatever else the step holds (solo, batched, chunked, after a
+    prefix-cache hit: the same bits), and a step of such rows only, at most
+    `fused_decode.max_step_rows()` of them (`per_row_step`), takes the fused step: one native call
+    for all layers instead of ~10 dispatched ops a layer. Longer chunks attend at once (torch's flash
+    kernel)."""
     input_ids: list[int] = []
     positions: list[int] = []
     for start, token_ids, _ in chunks:
         input_ids.extend(token_ids)
         positions.extend(range(start, start + len(token_ids)))
     spans = [(start, len(token_ids), block_ids) for start, token_ids, block_ids in chunks]
-    if (
-        attention is cpu_attention
-        and device.type == "cpu"
-        and any(n > 1 for _, n, _ in spans)
-        and per_row_step(spans, fused_decode.max_step_rows())
-    ):
-        spans = as_rows(spans)
+    if attention is cpu_attention and device.type == "cpu" and any(n > 1 for _, n, _ in spans):
+        spans = as_rows(spans)  # a step of rows only, at most the fused step's, runs fused
     meta = build_attention_metadata(spans, block_size, device)
     ids_t = torch.tensor(input_ids, device=device)  # [T]
     positions_t = torch.tensor(positions, device=device)  # [T]
