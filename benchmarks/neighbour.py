@@ -101,9 +101,9 @@ def worker(args: argparse.Namespace) -> dict:
             "env": {k: os.environ[k] for k in _THREAD_VARIABLES if k in os.environ}}  # fmt: skip
 
 
-def serve_case(args: argparse.Namespace, env: dict[str, str]) -> dict:
+def serve_case(args: argparse.Namespace, env: dict[str, str], policy: str) -> dict:
     """One `kvserve serve` under `env`, loaded by `kvserve bench serve`; its TPOT p50."""
-    serve_args = ("--no-prefix-caching", "--thread-policy", args.thread_policy)
+    serve_args = ("--no-prefix-caching", "--thread-policy", policy)
     with running_server(args.model, *serve_args, timeout_s=300, env=env) as (url, _):
         threads = httpx.get(f"{url}/debug/steps?since=1000000000").json()["engine"].get("threads")
         with tempfile.TemporaryDirectory() as out:
@@ -128,12 +128,12 @@ def run_case(args: argparse.Namespace, name: str, busy: bool) -> dict:
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         base = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
-        args.thread_policy = THREAD_POLICY.get(name, "adaptive")
+        policy = THREAD_POLICY.get(name, "adaptive")
         if args.target == "server":
-            return serve_case(args, base | SETTINGS[name])
+            return serve_case(args, base | SETTINGS[name], policy)
         cmd = [sys.executable, __file__, "--worker", "--model", args.model,
                "--rate", str(args.rate), "--num-requests", str(args.num_requests),
-               "--new-tokens", str(args.new_tokens), "--thread-policy", args.thread_policy]  # fmt: skip
+               "--new-tokens", str(args.new_tokens), "--thread-policy", policy]  # fmt: skip
         if name in KVSERVE_DEFAULTS:
             cmd.append("--kvserve-defaults")
         env = base | SETTINGS[name]

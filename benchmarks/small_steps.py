@@ -47,7 +47,7 @@ def main() -> None:
             tokens = tuple(torch.randint(3, runner.vocab_size, (n,), generator=gen).tolist())
             blocks = tuple(range(1, 1 + -(-(start + n) // block_size)))
             chunk = [(start, tokens, blocks)]
-            per_row = forward.per_row_step([(start, n, blocks)], fused_decode.max_step_rows())
+            per_row = forward.attends_by_row(start, n) and n <= fused_decode.max_step_rows()
 
             def run(chunk=chunk, n=n):
                 return forward_chunks_timed(forward, runner, chunk, n)

@@ -415,18 +415,17 @@ def test_fused_step_off_for_the_torch_backend_and_large_prompt_chunks(llama_dir)
 
 
 def test_which_steps_run_row_by_row():
-    """runner/forward.py per_row_step: at most the fused step's rows, and each prompt chunk's rows x
-    context within PER_ROW_MAX_WORK; as_rows gives each token its own position and context."""
-    from kvserve.runner.forward import PER_ROW_MAX_WORK, as_rows, per_row_step
+    """runner/forward.py attends_by_row: a prompt chunk while its rows x context is within
+    PER_ROW_MAX_WORK, a decode row always; as_rows gives each such token its own position and
+    context. (Whether the step then runs fused is the decoder's rule: rows only, at most
+    max_step_rows(); the large-step tests below.)"""
+    from kvserve.runner.forward import PER_ROW_MAX_WORK, as_rows, attends_by_row
 
     blocks = (7, 8, 9)
-    assert per_row_step([(0, 40, blocks), (90, 1, blocks)], 64)
-    assert not per_row_step([(0, 40, blocks), (0, 30, blocks)], 64)  # 70 rows
-    assert per_row_step(
-        [(PER_ROW_MAX_WORK // 32 - 32, 32, blocks)], 64
-    )  # rows x context at the bound
-    assert not per_row_step([(PER_ROW_MAX_WORK // 32 - 31, 32, blocks)], 64)
-    assert per_row_step([(10_000, 1, blocks)] * 64, 64)  # decode rows: any context
+    assert attends_by_row(0, 40)
+    assert attends_by_row(PER_ROW_MAX_WORK // 32 - 32, 32)  # rows x context at the bound
+    assert not attends_by_row(PER_ROW_MAX_WORK // 32 - 31, 32)
+    assert attends_by_row(10_000, 1)  # decode rows: any context
     assert as_rows([(5, 3, blocks), (40, 1, (1,))]) == [
         (5, 1, blocks), (6, 1, blocks), (7, 1, blocks), (40, 1, (1,))
     ]  # fmt: skip

@@ -22,14 +22,6 @@ def attends_by_row(start: int, num_new: int) -> bool:
     return num_new == 1 or num_new * (start + num_new) <= PER_ROW_MAX_WORK
 
 
-def per_row_step(spans: Sequence[tuple[int, int, Sequence[int]]], max_rows: int) -> bool:
-    """Whether a step of `spans` ((start, new tokens, block ids) per chunk) is one fused step: every
-    chunk attends row by row and there are at most `max_rows` tokens in all (the fused step's rows)."""
-    if sum(n for _, n, _ in spans) > max_rows:
-        return False
-    return all(attends_by_row(start, n) for start, n, _ in spans)
-
-
 def as_rows(
     spans: Sequence[tuple[int, int, Sequence[int]]],
 ) -> list[tuple[int, int, Sequence[int]]]:
@@ -62,9 +54,9 @@ def forward_chunks(
     rows of their own: a prompt token's attention is then the decode kernel's, the same code a decode
     step at that position runs, whatever else the step holds (solo, batched, chunked, after a
     prefix-cache hit: the same bits), and a step of such rows only, at most
-    `fused_decode.max_step_rows()` of them (`per_row_step`), takes the fused step: one native call
-    for all layers instead of ~10 dispatched ops a layer. Longer chunks attend at once (torch's flash
-    kernel)."""
+    `fused_decode.max_step_rows()` of them, takes the fused step (the decoder's `_fused_for`): one
+    native call for all layers instead of ~10 dispatched ops a layer. Longer chunks attend at once
+    (torch's flash kernel)."""
     input_ids: list[int] = []
     positions: list[int] = []
     for start, token_ids, _ in chunks:

@@ -129,7 +129,7 @@ int decode_max_rows(void) { return DECODE_MAX_ROWS; }
 /* Rows a fused step may have (fp32 or quantised projections): the panel GEMVs reuse each panel for
  * all rows (row tiles while it is in cache), so the step needs no other kernel; tests and benchmarks
  * set it (decode_set_f32_max_rows: 4 = DECODE_MAX_ROWS, the GEMVs' register tile). 64 since the
- * prompt chunks of a small step run here too, one row per token (runner/forward.py per_row_step);
+ * prompt chunks of a small step run here too, one row per token (runner/forward.py as_rows);
  * 16 before. */
 #define F32_STEP_ROWS 64
 static int g_f32_max_rows = F32_STEP_ROWS;
