@@ -249,7 +249,11 @@ class EngineConfig:
     # ATTENTION_BACKENDS. auto: on CPU with fp32 weights, the C kernels (in-place decode attention and the
     # fused layer ops); torch: torch ops only (the reference path, any device and dtype).
     attention_backend: str = "auto"
-    quantization: str | None = None  # weight scheme (docs/quantization.md), rounded at load
+    quantization: str | None = None  # weight scheme (docs/quantization.md), quantised at load
+    # how `quantization` quantises the block linears at load: rtn, or a calibrated method (gptq, awq,
+    # smoothquant) on the calibration text in `calib` (kvserve.quant.methods)
+    quantization_method: str = "rtn"
+    calib: str | None = None
     tensor_parallel_size: int = 1  # ranks the target model is sharded over (docs/parallel.md)
     # THREAD_POLICIES. adaptive: on CPU, a step's thread count drops while a neighbour takes CPU time
     # from the team (kvserve.threads.TeamSizer); fixed: every step uses torch's thread count.
@@ -275,6 +279,32 @@ class EngineConfig:
             from kvserve.quant.scheme import parse_weight_scheme  # torch-free
 
             parse_weight_scheme(self.quantization)  # raises QuantizationError naming the choice
+        self._check_quantization_method()
+
+    def _check_quantization_method(self) -> None:
+        from kvserve.quant.methods import check_method  # torch-free
+        from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
+
+        method = self.quantization_method
+        if method == "rtn":
+            if self.calib is not None:
+                raise QuantizationError(
+                    "--calib is for a calibrated --quantization-method (gptq, awq, smoothquant); "
+                    "round to nearest uses none"
+                )
+            return
+        if self.quantization is None:
+            raise QuantizationError(
+                f"--quantization-method {method} needs --quantization (the format it produces)"
+            )
+        check_method(parse_weight_scheme(self.quantization), method)  # unknown or mismatched
+        if self.calib is None:
+            raise QuantizationError(f"{method} needs calibration text: pass --calib FILE")
+        if self.tensor_parallel_size > 1:
+            raise QuantizationError(
+                f"--quantization-method {method} runs on one rank: quantise with `kvserve "
+                "quantize` and serve the written directory with --tensor-parallel-size"
+            )
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -177,3 +177,95 @@ def test_calibrated_artifacts_load_and_report(model, tmp_path):
     short.write_text("too short")
     with pytest.raises(QuantizationError, match="needs at least"):
         quantize_checkpoint(path, tmp_path / "x", weights="int4-g32", method="gptq", calib=short)
+
+
+def test_calibrated_method_at_load_equals_its_artifact(model, tmp_path):
+    """`--quantization FMT --quantization-method M --calib FILE` serves the codes `kvserve quantize`
+    writes for the same text: the same logits as the artifact, bit for bit."""
+    path, _, _ = model
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text(json.dumps({"text": CALIB}) + "\n")
+    prompt = [50256, 464, 2068, 7586, 21831, 18045, 625, 262]
+    for weights, method in (("int4-g32", "gptq"), ("int4-g32", "awq"), ("w8a8", "smoothquant")):
+        out = tmp_path / method
+        quantize_checkpoint(path, out, weights=weights, method=method, calib=str(calib))
+        served = LLM(str(out), num_blocks=16, max_model_len=64).engine.score(prompt)
+        at_load = LLM(str(path), num_blocks=16, max_model_len=64, quantization=weights,
+                      quantization_method=method, calib=str(calib)).engine.score(prompt)  # fmt: skip
+        rtn = LLM(str(path), num_blocks=16, max_model_len=64, quantization=weights).engine.score(
+            prompt
+        )
+        assert torch.equal(at_load, served), method
+        assert not torch.equal(at_load, rtn), method  # the method did something
+
+
+def test_calibrated_method_at_load_takes_a_short_last_group(tmp_path):
+    """A row length that is not a multiple of the group: no artifact can hold it (compressed-tensors
+    needs whole groups), but at load GPTQ quantises it with a short last group, and beats RTN."""
+    path = tmp_path / "m"
+    build_gpt2_tokenized_checkpoint(path, hidden_size=64, intermediate_size=192)  # down: 128 + 64
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    with pytest.raises(QuantizationError, match="short group"):
+        quantize_checkpoint(path, tmp_path / "x", weights="int4-g128", method="gptq", calib=calib)
+    llm = LLM(str(path), num_blocks=16, max_model_len=64, quantization="int4-g128",
+              quantization_method="gptq", calib=str(calib))  # fmt: skip
+    down = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert down.in_features == 192 and down.scales.shape[1] == 2  # [panels, groups, 8]: 128 + 64
+    prompt = [50256, 464, 2068, 7586, 21831, 18045, 625, 262]
+    ref = LLM(str(path), num_blocks=16, max_model_len=64).engine.score(prompt)
+    rtn = LLM(str(path), num_blocks=16, max_model_len=64, quantization="int4-g128").engine.score(
+        prompt
+    )
+    err = {
+        "gptq": ((llm.engine.score(prompt) - ref).norm() / ref.norm()).item(),
+        "rtn": ((rtn - ref).norm() / ref.norm()).item(),
+    }
+    assert 0 < err["gptq"] < 0.5 and err["rtn"] > 0, err
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"quantization_method": "gptq", "calib": "c.txt"}, "needs --quantization"),
+        ({"quantization": "int4-g32", "quantization_method": "gptq"}, "pass --calib"),
+        ({"quantization": "w8a8", "quantization_method": "gptq", "calib": "c.txt"}, "weight-only"),
+        ({"quantization": "int8", "quantization_method": "smoothquant", "calib": "c.txt"}, "w8a8"),
+        ({"quantization": "int8", "calib": "c.txt"}, "round to nearest uses none"),
+        (
+            {
+                "quantization": "int8",
+                "quantization_method": "gptq",
+                "calib": "c.txt",
+                "tensor_parallel_size": 2,
+            },
+            "one rank",
+        ),  # fmt: skip
+    ],
+)
+def test_calibrated_method_at_load_errors_name_the_choice(model, options, match):
+    from kvserve.engine.args import EngineArgs
+
+    path, _, _ = model
+    with pytest.raises(QuantizationError, match=match):
+        EngineArgs(model=str(path), **options).create_engine_config()
+
+
+def test_calibrated_method_at_load_refuses_a_missing_calibration_file(model, tmp_path):
+    path, _, _ = model
+    with pytest.raises(QuantizationError, match="does not exist"):
+        LLM(str(path), num_blocks=16, max_model_len=64, quantization="int4-g32",
+            quantization_method="gptq", calib=str(tmp_path / "absent.txt"))  # fmt: skip
+
+
+def test_manifest_names_the_method_and_calibration_at_load(model, tmp_path):
+    from kvserve.server.manifest import quantization_manifest, sha256_file
+
+    path, _, _ = model
+    calib = tmp_path / "calib.txt"
+    calib.write_text(CALIB)
+    rtn = quantization_manifest(path, "int4-g32")
+    assert rtn["source"] == "rtn at load" and "calibration_sha256" not in rtn
+    gptq = quantization_manifest(path, "int4-g32", "gptq", str(calib))
+    assert gptq["method"] == "gptq" and gptq["source"] == "gptq at load"
+    assert gptq["calibration_sha256"] == sha256_file(calib)

@@ -51,6 +51,14 @@ def register(subparsers) -> None:
     cmp.add_argument(
         "--candidate-quantization", default=None, help="quantise the candidate at load"
     )
+    cmp.add_argument(
+        "--candidate-method",
+        default="rtn",
+        help="method of --candidate-quantization: rtn, gptq, awq, smoothquant",
+    )
+    cmp.add_argument(
+        "--candidate-calib", default=None, help="calibration text for --candidate-method"
+    )
     cmp.add_argument("--window", type=int, default=256, help="window length in tokens")
     cmp.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens")
     cmp.add_argument("--num-prompts", type=int, default=8, help="greedy-agreement prompts")
@@ -146,6 +154,8 @@ def run_compare(args: argparse.Namespace) -> int:
             candidate,
             args.data,
             cand_quantization=args.candidate_quantization,
+            cand_method=args.candidate_method,
+            cand_calib=args.candidate_calib,
             window=args.window,
             max_tokens=args.max_tokens,
             num_prompts=args.num_prompts,

@@ -31,6 +31,7 @@ from kvserve.config import (
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
 from kvserve.models import resolve_model
 from kvserve.options import format_bytes, parse_bytes
+from kvserve.quant.methods import METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,21 @@ class EngineArgs:
     seed: int = _option(0, "engine random seed", type=int)
     quantization: str | None = _option(
         None,
-        "quantise weights at load (round to nearest): int8, int4-g128, w8a8, "
-        "linear=int4-g64,head=int8, ... (docs/quantization.md)",
+        "quantise weights at load: int8, int4-g128, w8a8, linear=int4-g64,head=int8, ... "
+        "(docs/quantization.md)",
         optional=True,
+    )
+    quantization_method: str = _option(
+        "rtn",
+        "how --quantization quantises the block linears: rtn (round to nearest), or gptq, awq, "
+        "smoothquant on the calibration text of --calib (the head and table: rtn)",
+        choices=tuple(METHODS),
+    )
+    calib: str | None = _option(
+        None,
+        "calibration text for --quantization-method: .jsonl with a text field, or plain text",
+        optional=True,
+        metavar="FILE",
     )
     kv_cache_dtype: str = _option(
         "auto",
@@ -273,6 +286,8 @@ class EngineArgs:
             speculative=speculative,
             attention_backend=self.attention_backend,
             quantization=self.quantization,
+            quantization_method=self.quantization_method,
+            calib=self.calib,
             tensor_parallel_size=self.tensor_parallel_size,
             thread_policy=self.thread_policy,
         )

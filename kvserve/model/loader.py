@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ from kvserve.model.qlinear import QuantLinear, kernel_summary
 from kvserve.model.registry import get_arch
 from kvserve.quant.convert import artifact_tensors, concat_rows
 from kvserve.quant.rtn import QuantizedTensor
-from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
+from kvserve.quant.scheme import QuantizationError, WeightScheme, parse_weight_scheme
 
 # Our fused parameter <- the checkpoint's tensors, concatenated along the output dimension.
 _FUSED = {
@@ -86,9 +87,13 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     quantization: str | None = None,
+    quantization_method: str = "rtn",
+    calib: str | None = None,
 ) -> DecoderLM:
     """The checkpoint's DecoderLM on `device`; `quantization` (a scheme string, docs/quantization.md)
-    rounds its weights to nearest at load and runs them on the integer kernels."""
+    quantises its weights at load and runs them on the integer kernels: rounded to nearest, or the
+    block linears by a calibrated `quantization_method` (gptq, awq, smoothquant) on the text in
+    `calib`, as `kvserve quantize` would write them, short scale groups allowed."""
     model_dir = Path(model_dir)
     arch = get_arch(config.model_type)
     with torch.device("meta"):
@@ -100,6 +105,13 @@ def load_model(
             f"{model_dir} is already quantised (quantization_config in config.json): drop "
             f"--quantization {quantization}"
         )
+    scheme = parse_weight_scheme(quantization) if quantization is not None else None
+    if scheme is not None and quantization_method != "rtn":
+        # the block linears' codes, and the checkpoint with AWQ / SmoothQuant's scales folded
+        artifact, checkpoint = calibrated_at_load(
+            model_dir, checkpoint, scheme, quantization_method, calib
+        )
+        scheme = replace(scheme, linear=None)  # the head and the table: rounded below
     state: dict[str, torch.Tensor] = {}
     missing: list[str] = []
     used: set[str] = set()
@@ -160,11 +172,9 @@ def load_model(
         left = [n for n, p in model.named_parameters() if p.is_meta]
         if left:  # a quantised weight whose module is not a linear kvserve can run quantised
             raise ModelLoadError(f"{model_dir}: no quantised kernel for {left[:4]}")
-    if quantization is not None:
-        scheme = parse_weight_scheme(quantization)
-        if scheme.is_quantized:
-            apply_weight_scheme(model, scheme)
-            log_kernels(model, scheme.name)
+    if scheme is not None and scheme.is_quantized:
+        apply_weight_scheme(model, scheme)
+        log_kernels(model, quantization)
     unused = sorted(set(checkpoint) - used)
     # The model holds the tensors now: drop this function's references before the CPU layouts are
     # built, so each original is freed as its layer is converted (otherwise the peak holds the
@@ -185,6 +195,32 @@ def load_model(
             ", ".join(unused[:5]),
         )
     return model.eval()
+
+
+def calibrated_at_load(
+    model_dir: Path,
+    checkpoint: dict[str, torch.Tensor],
+    scheme: WeightScheme,
+    method: str,
+    calib: str | None,
+) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor]]:
+    """The block linears of `scheme` quantised by `method` on the calibration text (the first
+    CALIB_TOKENS tokens of `calib`, as `kvserve quantize` takes them): ({HF weight name: codes},
+    the float checkpoint, rescaled where the method folds scales into the preceding norm)."""
+    from kvserve.engine.args import load_tokenizer
+    from kvserve.quant.calibrated import calibrated_quantize
+    from kvserve.quant.methods import CALIB_TOKENS, check_method, read_calibration
+
+    check_method(scheme, method)
+    ids = read_calibration(calib, method, load_tokenizer(model_dir), CALIB_TOKENS)
+    blocks = replace(scheme, embed=None, head=None)
+    quantized, checkpoint, _ = calibrated_quantize(
+        model_dir, checkpoint, blocks, method, ids, whole_groups=False
+    )
+    logger.info(
+        "quantization %s: %s on %d calibration tokens at load", scheme.name, method, len(ids)
+    )
+    return quantized, checkpoint
 
 
 def _copied_by_cpu_layout(model: DecoderLM, name: str) -> bool:

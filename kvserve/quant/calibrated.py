@@ -318,9 +318,11 @@ def calibrated_quantize(
     method: str,
     token_ids: list[int],
     alpha: float = 0.5,
+    whole_groups: bool = True,
 ) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor], dict]:
     """Quantise `checkpoint`'s block linears by `method`; returns (quantized, the possibly rescaled
-    float checkpoint, report extras). Other classes (the head) use RTN."""
+    float checkpoint, report extras). Other classes (the head) use RTN. `whole_groups=False`
+    allows a short last scale group (quantised at load: no artifact has to hold it)."""
     from kvserve.progress import progress
     from kvserve.quant.convert import quantized_formats
 
@@ -328,7 +330,7 @@ def calibrated_quantize(
     checkpoint = {
         k: v.float() if v.is_floating_point() else v.clone() for k, v in checkpoint.items()
     }
-    formats = quantized_formats(checkpoint, scheme)
+    formats = quantized_formats(checkpoint, scheme, whole_groups)
     linear = scheme.for_class("linear")
     layers = sorted({n.rsplit(".", 3)[0] for n in formats if n.startswith("model.layers.")})
     if method == "gptq":

@@ -30,10 +30,17 @@ class Thresholds:
     max_ppl_ratio: float | None = None
 
 
-def model_identity(model_dir: str | Path, quantization: str | None) -> dict:
+def model_identity(
+    model_dir: str | Path, quantization: str | None, method: str = "rtn", calib: str | None = None
+) -> dict:
+    """What determines the model's weights: the files, the scheme applied at load and, for a
+    calibrated method at load, the method and the calibration text's hash."""
     from kvserve.quant.convert import artifact_sha256
+    from kvserve.server.manifest import sha256_file
 
     identity = {"artifact_sha256": artifact_sha256(model_dir), "quantization": quantization}
+    if method != "rtn":
+        identity |= {"method": method, "calibration_sha256": sha256_file(Path(calib))}
     identity["sha256"] = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return identity
 
@@ -66,6 +73,8 @@ def compare(
     *,
     ref_quantization: str | None = None,
     cand_quantization: str | None = None,
+    cand_method: str = "rtn",
+    cand_calib: str | None = None,
     window: int = 256,
     max_tokens: int | None = None,
     num_prompts: int = 8,
@@ -79,7 +88,13 @@ def compare(
 
     options = dict(max_num_seqs=num_prompts, num_blocks=None)
     ref = LLM(str(ref_dir), quantization=ref_quantization, **options)
-    cand = LLM(str(cand_dir), quantization=cand_quantization, **options)
+    cand = LLM(
+        str(cand_dir),
+        quantization=cand_quantization,
+        quantization_method=cand_method,
+        calib=cand_calib,
+        **options,
+    )
     if ref.tokenizer is None:
         raise ValueError(f"{ref_dir} has no tokenizer")
     ids = token_stream(ref.tokenizer, read_documents(data))[:max_tokens]
@@ -97,7 +112,10 @@ def compare(
     firsts = [first_difference(list(a), list(b)) for a, b in zip(ref_out, cand_out, strict=True)]
     report = {
         "reference": {"dir": str(ref_dir), **model_identity(ref_dir, ref_quantization)},
-        "candidate": {"dir": str(cand_dir), **model_identity(cand_dir, cand_quantization)},
+        "candidate": {
+            "dir": str(cand_dir),
+            **model_identity(cand_dir, cand_quantization, cand_method, cand_calib),
+        },
         "data": str(data),
         "window": len(windows[0]) if windows else window,
         "num_windows": len(windows),

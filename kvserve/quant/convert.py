@@ -149,17 +149,18 @@ def check_artifact_scheme(scheme: WeightScheme) -> None:
 
 
 def quantized_formats(
-    checkpoint: dict[str, torch.Tensor], scheme: WeightScheme
+    checkpoint: dict[str, torch.Tensor], scheme: WeightScheme, whole_groups: bool = True
 ) -> dict[str, TensorScheme]:
     """HF weight name -> its format, for the tensors `scheme` quantises. compressed-tensors (and
-    vLLM) need whole groups: a row length that is not a multiple of the group size is an error."""
+    vLLM) need whole groups: for an artifact (`whole_groups`) a row length that is not a multiple
+    of the group size is an error; quantised at load, its row ends with a short group."""
     out = {}
     for name, tensor in checkpoint.items():
         cls = tensor_class(name)
         fmt = scheme.for_class(cls) if cls else None
         if fmt is None:
             continue
-        if fmt.granularity == "group" and tensor.shape[1] % fmt.group_size:
+        if whole_groups and fmt.granularity == "group" and tensor.shape[1] % fmt.group_size:
             raise QuantizationError(
                 f"{name} has {tensor.shape[1]} inputs, not a multiple of {fmt.name}'s group of "
                 f"{fmt.group_size}: compressed-tensors cannot store a short group. Use a group "

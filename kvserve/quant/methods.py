@@ -21,6 +21,7 @@ METHODS = {
     "smoothquant": "w8a8 formats",
 }
 MIN_CALIB_TOKENS = 64
+CALIB_TOKENS = 4096  # calibration tokens taken by default (kvserve quantize --calib-tokens)
 
 
 def check_method(scheme: WeightScheme, method: str) -> None:
@@ -76,7 +77,7 @@ def quantize_checkpoint(
     weights: str,
     method: str = "rtn",
     calib: str | None = None,
-    calib_tokens: int = 4096,
+    calib_tokens: int = CALIB_TOKENS,
     alpha: float = 0.5,
 ) -> dict:
     """Quantise the float checkpoint in `model_dir` and write it to `out_dir`; returns the report."""

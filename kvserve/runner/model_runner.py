@@ -125,6 +125,8 @@ class ModelRunner:
             dtype=config.dtype,
             device=config.device,
             quantization=config.quantization,
+            quantization_method=config.quantization_method,
+            calib=config.calib,
         )
 
     def _forward(

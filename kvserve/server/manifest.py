@@ -53,7 +53,12 @@ def build_manifest(
             hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None
         ),
         "dtype": dtype,
-        "quantization": quantization_manifest(model_dir, engine_options.get("quantization")),
+        "quantization": quantization_manifest(
+            model_dir,
+            engine_options.get("quantization"),
+            engine_options.get("quantization_method") or "rtn",
+            engine_options.get("calib"),
+        ),
         "kv_cache_dtype": (
             dtype
             if engine_options.get("kv_cache_dtype", "auto") == "auto"
@@ -71,9 +76,12 @@ def fingerprint(manifest_sha256: str) -> str:
     return "fp_" + manifest_sha256[:16]
 
 
-def quantization_manifest(model_dir: Path, at_load: str | None) -> dict | None:
+def quantization_manifest(
+    model_dir: Path, at_load: str | None, at_load_method: str = "rtn", calib: str | None = None
+) -> dict | None:
     """The served quantisation scheme: the artifact's (config.json quantization_config) or the one
-    applied at load, the kernels' instruction set, and the recorded evaluation of these files."""
+    applied at load (with its method, and the calibration file's hash for a calibrated one), the
+    kernels' instruction set, and the recorded evaluation of these files."""
     config_path = model_dir / "config.json"
     qconfig = (
         json.loads(config_path.read_text()).get("quantization_config")
@@ -88,15 +96,18 @@ def quantization_manifest(model_dir: Path, at_load: str | None) -> dict | None:
 
     ours = (qconfig or {}).get("kvserve", {})
     if at_load:
-        scheme, method = at_load, "rtn"
+        scheme, method = at_load, at_load_method
     elif qconfig.get("quant_method") in METHODS:  # a GPTQ or AWQ checkpoint
         scheme, method = describe(qconfig), qconfig["quant_method"]
     else:
         scheme, method = ours.get("scheme") or qconfig.get("format"), ours.get("method")
-    return {
+    out = {
         "scheme": scheme,
-        "source": "rtn at load" if at_load else "checkpoint",
+        "source": f"{method} at load" if at_load else "checkpoint",
         "method": method,
         "kernel_isa": served_kernel_isa(),  # "scalar" or "unavailable": a slower stand-in runs
         "evaluation": recorded_evaluation(model_dir),
     }
+    if at_load and calib is not None:  # the codes depend on this text: it is part of the model
+        out["calibration_sha256"] = sha256_file(Path(calib)) if Path(calib).is_file() else None
+    return out
