@@ -19,7 +19,7 @@ from kvserve.model.qlinear import QuantLinear, kernel_summary
 from kvserve.model.registry import get_arch
 from kvserve.quant.convert import artifact_tensors, concat_rows
 from kvserve.quant.rtn import QuantizedTensor
-from kvserve.quant.scheme import QuantizationError, WeightScheme, parse_weight_scheme
+from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
 
 # Our fused parameter <- the checkpoint's tensors, concatenated along the output dimension.
 _FUSED = {
@@ -108,6 +108,8 @@ def load_model(
     scheme = parse_weight_scheme(quantization) if quantization is not None else None
     if scheme is not None and quantization_method != "rtn":
         # the block linears' codes, and the checkpoint with AWQ / SmoothQuant's scales folded
+        from kvserve.quant.methods import calibrated_at_load
+
         artifact, checkpoint = calibrated_at_load(
             model_dir, checkpoint, scheme, quantization_method, calib
         )
@@ -195,32 +197,6 @@ def load_model(
             ", ".join(unused[:5]),
         )
     return model.eval()
-
-
-def calibrated_at_load(
-    model_dir: Path,
-    checkpoint: dict[str, torch.Tensor],
-    scheme: WeightScheme,
-    method: str,
-    calib: str | None,
-) -> tuple[dict[str, QuantizedTensor], dict[str, torch.Tensor]]:
-    """The block linears of `scheme` quantised by `method` on the calibration text (the first
-    CALIB_TOKENS tokens of `calib`, as `kvserve quantize` takes them): ({HF weight name: codes},
-    the float checkpoint, rescaled where the method folds scales into the preceding norm)."""
-    from kvserve.engine.args import load_tokenizer
-    from kvserve.quant.calibrated import calibrated_quantize
-    from kvserve.quant.methods import CALIB_TOKENS, check_method, read_calibration
-
-    check_method(scheme, method)
-    ids = read_calibration(calib, method, load_tokenizer(model_dir), CALIB_TOKENS)
-    blocks = replace(scheme, embed=None, head=None)
-    quantized, checkpoint, _ = calibrated_quantize(
-        model_dir, checkpoint, blocks, method, ids, whole_groups=False
-    )
-    logger.info(
-        "quantization %s: %s on %d calibration tokens at load", scheme.name, method, len(ids)
-    )
-    return quantized, checkpoint
 
 
 def _copied_by_cpu_layout(model: DecoderLM, name: str) -> bool:

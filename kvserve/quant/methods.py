@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 from kvserve.core.errors import ModelLoadError
@@ -20,6 +22,8 @@ METHODS = {
     "awq": "weight-only integer formats",
     "smoothquant": "w8a8 formats",
 }
+logger = logging.getLogger(__name__)
+
 MIN_CALIB_TOKENS = 64
 CALIB_TOKENS = 4096  # calibration tokens taken by default (kvserve quantize --calib-tokens)
 
@@ -111,3 +115,31 @@ def quantize_checkpoint(
         )
         extra["calibration"] = {"file": str(calib), "num_tokens": len(ids)}
     return write_artifact(model_dir, out_dir, scheme, method, quantized, checkpoint, extra)
+
+
+def calibrated_at_load(
+    model_dir: Path,
+    checkpoint: dict,
+    scheme: WeightScheme,
+    method: str,
+    calib: str | None,
+) -> tuple[dict, dict]:
+    """For the loader (`--quantization FMT --quantization-method M --calib FILE`): the block
+    linears of `scheme` quantised by `method` on the first CALIB_TOKENS tokens of `calib`, as
+    `kvserve quantize` takes them, a row's last scale group short where the group does not divide
+    it. Returns ({HF weight name: QuantizedTensor}, the float checkpoint, rescaled where the
+    method folds scales into the preceding norm); the head and the table are left to the loader's
+    round to nearest."""
+    from kvserve.engine.args import load_tokenizer
+    from kvserve.quant.calibrated import calibrated_quantize
+
+    check_method(scheme, method)
+    ids = read_calibration(calib, method, load_tokenizer(model_dir), CALIB_TOKENS)
+    blocks = replace(scheme, embed=None, head=None)
+    quantized, checkpoint, _ = calibrated_quantize(
+        model_dir, checkpoint, blocks, method, ids, whole_groups=False
+    )
+    logger.info(
+        "quantization %s: %s on %d calibration tokens at load", scheme.name, method, len(ids)
+    )
+    return quantized, checkpoint
