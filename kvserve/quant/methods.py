@@ -16,14 +16,14 @@ from pathlib import Path
 from kvserve.core.errors import ModelLoadError
 from kvserve.quant.scheme import ACT_NONE, QuantizationError, WeightScheme, parse_weight_scheme
 
+logger = logging.getLogger(__name__)
+
 METHODS = {
     "rtn": "every format",
     "gptq": "weight-only integer formats",
     "awq": "weight-only integer formats",
     "smoothquant": "w8a8 formats",
 }
-logger = logging.getLogger(__name__)
-
 MIN_CALIB_TOKENS = 64
 CALIB_TOKENS = 4096  # calibration tokens taken by default (kvserve quantize --calib-tokens)
 
