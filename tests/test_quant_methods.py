@@ -259,7 +259,8 @@ def test_calibrated_method_at_load_refuses_a_missing_calibration_file(model, tmp
 
 
 def test_manifest_names_the_method_and_calibration_at_load(model, tmp_path):
-    from kvserve.server.manifest import quantization_manifest, sha256_file
+    from kvserve.paths import sha256_file
+    from kvserve.server.manifest import quantization_manifest
 
     path, _, _ = model
     calib = tmp_path / "calib.txt"

@@ -35,8 +35,8 @@ def model_identity(
 ) -> dict:
     """What determines the model's weights: the files, the scheme applied at load and, for a
     calibrated method at load, the method and the calibration text's hash."""
+    from kvserve.paths import sha256_file
     from kvserve.quant.convert import artifact_sha256
-    from kvserve.server.manifest import sha256_file
 
     identity = {"artifact_sha256": artifact_sha256(model_dir), "quantization": quantization}
     if method != "rtn":

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from kvserve import __version__
+from kvserve.paths import sha256_file
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -17,14 +18,6 @@ _TOKENIZER_FILES = (
     "generation_config.json",
     "config.json",
 )
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def build_manifest(
