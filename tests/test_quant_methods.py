@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from kvserve.engine.llm import LLM
+from kvserve.quant import calibrated
 from kvserve.quant.calibrated import (
     _GROUPS,
     _SEQUENTIAL,
     Stats,
     awq_clip,
     awq_scales,
+    calibrated_quantize,
     collect_stats,
     fold,
     gptq,
@@ -25,7 +27,7 @@ from kvserve.quant.calibrated import (
 from kvserve.quant.convert import REPORT_NAME
 from kvserve.quant.methods import quantize_checkpoint
 from kvserve.quant.rtn import quantize
-from kvserve.quant.scheme import QuantizationError, parse_tensor_scheme
+from kvserve.quant.scheme import QuantizationError, parse_tensor_scheme, parse_weight_scheme
 from tests.checkpoints import build_gpt2_tokenized_checkpoint
 
 CALIB = "The quick brown fox jumps over the lazy dog. " * 40 + "def f(x):\n    return x * 2\n" * 20
@@ -119,6 +121,73 @@ def test_awq_clipping_lowers_the_error_of_weights_with_a_heavy_tail(name):
     assert after.sum() < 0.97 * before.sum()
     rtn = layer_error(x, w, quantize(w, scheme).dequantize())
     assert layer_error(x, w, quantize(clipped, scheme).dequantize()) < rtn
+
+
+@pytest.mark.parametrize("num_cols, block", [(64, 32), (80, 32), (96, 96), (40, 64)])
+def test_block_hessian_is_the_whole_hessians_diagonal(num_cols, block):
+    """Stats(hessian=g) keeps X^T X's g x g diagonal blocks (a short last one padded), as the whole
+    matrix has them; awq_clip gives the same weights from either."""
+    gen = torch.Generator().manual_seed(2)
+    whole, blocks = Stats(num_cols), Stats(num_cols, hessian=block, keep_rows=False)
+    for _ in range(3):
+        x = torch.randn(1, 50, num_cols, generator=gen)
+        whole.add(x)
+        blocks.add(x)
+    assert blocks.rows == [] and whole.sample.shape == (150, num_cols)
+    if block >= num_cols:
+        assert blocks.hessian.shape == (num_cols, num_cols)
+    for c0 in range(0, num_cols, block):
+        c1 = min(c0 + block, num_cols)
+        torch.testing.assert_close(
+            calibrated.hessian_block(blocks.hessian, c0, c1), whole.hessian[c0:c1, c0:c1]
+        )
+    s = torch.rand(num_cols, generator=gen) + 0.5
+    for c0 in range(0, num_cols, block):
+        c1 = min(c0 + block, num_cols)
+        torch.testing.assert_close(
+            calibrated.hessian_block(calibrated.divided_by_scales(blocks.hessian, s), c0, c1),
+            calibrated.divided_by_scales(whole.hessian, s)[c0:c1, c0:c1],
+        )
+    w = torch.randn(24, num_cols, generator=gen)
+    w[torch.rand(24, num_cols, generator=gen) < 0.05] *= 6
+    scheme = parse_tensor_scheme(f"int4-g{block}" if block < num_cols else "int4")
+    assert torch.equal(awq_clip(w, blocks.hessian, scheme), awq_clip(w, whole.hessian, scheme))
+    with pytest.raises(ValueError, match="no input rows"):
+        _ = blocks.sample
+
+
+@pytest.mark.parametrize("method", ["awq", "smoothquant"])
+def test_one_float_pass_keeps_only_what_the_method_reads(model, method, monkeypatch):
+    """AWQ keeps its scale groups' Hessian blocks for the linears it clips and input rows for each
+    input group's first linear; SmoothQuant only the channel maxima. The codes equal those made
+    from every statistic in full (a 7B Llama's whole Hessians would take ~57 GB)."""
+    path, hf, ids = model
+    checkpoint = {k: v.clone() for k, v in hf.state_dict().items()}
+    scheme = parse_weight_scheme("linear=int4-g32" if method == "awq" else "w8a8")
+    kept = {}
+    real = calibrated.collect_stats
+
+    def spy(*args, **kwargs):
+        kept.update(real(*args, **kwargs))
+        return kept
+
+    monkeypatch.setattr(calibrated, "collect_stats", spy)
+    lean, _, _ = calibrated_quantize(path, checkpoint, scheme, method, ids)
+    sizes = {name.split(".", 3)[3]: (st.hessian.shape, bool(st.rows)) for name, st in kept.items()}
+    if method == "awq":  # hidden 64, intermediate 128
+        assert sizes["self_attn.q_proj"] == ((0,), True)
+        assert sizes["self_attn.k_proj"] == ((0,), False)
+        assert sizes["self_attn.v_proj"] == ((2, 32, 32), False)
+        assert sizes["mlp.gate_proj"] == ((2, 32, 32), True)
+        assert sizes["mlp.down_proj"] == ((4, 32, 32), True)
+    else:
+        assert all(shape == (0,) and not rows for shape, rows in sizes.values())
+    monkeypatch.setattr(calibrated, "_stats_needed", lambda *a, **k: (0, True))
+    full, _, _ = calibrated_quantize(path, checkpoint, scheme, method, ids)
+    assert lean.keys() == full.keys()
+    for name in full:
+        assert torch.equal(lean[name].codes, full[name].codes), name
+        assert torch.equal(lean[name].scales, full[name].scales), name
 
 
 def test_gptq_calibrates_each_linear_on_the_quantised_linears_before_it(model, monkeypatch):

@@ -19,6 +19,8 @@ into the preceding RMSNorm for q/k/v and gate/up, into up_proj's rows for down_p
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,8 +38,22 @@ _GROUPS = {
 
 
 class Stats:
-    def __init__(self, num_cols: int) -> None:
-        self.hessian = torch.zeros(num_cols, num_cols, dtype=torch.float64)
+    """Input statistics of one linear over the calibration tokens. `hessian`: 0 keeps the whole
+    X^T X (GPTQ); g > 0 only its g x g blocks on the diagonal, one per scale group of g inputs
+    (AWQ's clipping search reads no other entry); None none (SmoothQuant, the outlier report).
+    `keep_rows`: keep a sample of input rows (AWQ's scale search). A 7B Llama's whole Hessians
+    take ~57 GB of float64, its g128 blocks ~0.9 GB."""
+
+    def __init__(self, num_cols: int, hessian: int | None = 0, keep_rows: bool = True) -> None:
+        if hessian is not None and hessian < 0:
+            raise ValueError(f"hessian must be None, 0 (whole) or a block size > 0, got {hessian}")
+        self.num_cols, self.block, self.keep_rows = num_cols, hessian, keep_rows
+        shape: tuple[int, ...] = (0,)
+        if hessian is not None and (hessian == 0 or hessian >= num_cols):
+            self.block, shape = 0, (num_cols, num_cols)
+        elif hessian is not None:
+            shape = (-(-num_cols // hessian), hessian, hessian)  # a short last block zero-padded
+        self.hessian = torch.zeros(shape, dtype=torch.float64)
         self.absmax = torch.zeros(num_cols)
         self.abssum = torch.zeros(num_cols, dtype=torch.float64)
         self.rows: list[torch.Tensor] = []
@@ -45,21 +61,35 @@ class Stats:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()  # [T, K]
-        self.hessian += x.double().t() @ x.double()
+        if self.block == 0:
+            self.hessian += x.double().t() @ x.double()
+        elif self.block is not None:
+            blocks, g = self.hessian.shape[0], self.block
+            xb = torch.nn.functional.pad(x.double(), (0, blocks * g - self.num_cols))
+            xb = xb.view(-1, blocks, g).transpose(0, 1)  # [blocks, T, g]
+            self.hessian += xb.transpose(1, 2) @ xb
         self.absmax = torch.maximum(self.absmax, x.abs().amax(0))
         self.abssum += x.abs().sum(0).double()
         self.count += x.shape[0]
         kept = sum(r.shape[0] for r in self.rows)
-        if kept < _SAMPLE_ROWS:
+        if self.keep_rows and kept < _SAMPLE_ROWS:
             self.rows.append(x[: _SAMPLE_ROWS - kept].clone())
 
     @property
     def sample(self) -> torch.Tensor:
+        if not self.rows:
+            raise ValueError("these statistics kept no input rows (keep_rows=False)")
         return torch.cat(self.rows)
 
 
-def collect_stats(model_dir: Path, token_ids: list[int], chunk: int = 256) -> dict[str, Stats]:
-    """Input statistics of every block linear (HF module name -> Stats) over the calibration ids."""
+def collect_stats(
+    model_dir: Path,
+    token_ids: list[int],
+    chunk: int = 256,
+    needs: Callable[[str, int], tuple[int | None, bool]] | None = None,
+) -> dict[str, Stats]:
+    """Input statistics of every block linear (HF module name -> Stats) over the calibration ids.
+    `needs(name, in_features)` gives each one's (`hessian`, `keep_rows`) (Stats); default all."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -67,7 +97,8 @@ def collect_stats(model_dir: Path, token_ids: list[int], chunk: int = 256) -> di
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and ".layers." in name:
-            stats[name] = Stats(module.in_features)
+            hessian, keep_rows = needs(name, module.in_features) if needs else (0, True)
+            stats[name] = Stats(module.in_features, hessian, keep_rows)
             hooks.append(module.register_forward_hook(lambda m, a, o, n=name: stats[n].add(a[0])))
     from kvserve.progress import progress
 
@@ -147,7 +178,7 @@ def sequential_gptq(
                 if not names:
                     continue
                 first = layer.get_submodule(names[0])
-                stats = Stats(first.in_features)
+                stats = Stats(first.in_features, hessian=0, keep_rows=False)
                 hook = first.register_forward_hook(lambda m, a, o, s=stats: s.add(a[0]))
                 run(layer)
                 hook.remove()
@@ -267,7 +298,8 @@ def awq_clip(
     to +-r max|w| for r on a grid from 1 down to 1 - max_shrink, keeping the r whose rounding error
     e (weights - their dequantised codes) gives the least e H e^T, H the block of the input Hessian
     X^T X (all calibration tokens) over the group's inputs. r = 1 is plain rounding, so no group's
-    error grows. `weight` [N, K]; returns the clamped weights (a tensor-wide scale: unchanged)."""
+    error grows. `weight` [N, K]; `hessian` [K, K], or its diagonal blocks [groups, g, g] (Stats with
+    hessian=g); returns the clamped weights (a tensor-wide scale: unchanged)."""
     if scheme.granularity == "tensor":
         return weight
     num_rows, num_cols = weight.shape
@@ -285,12 +317,33 @@ def awq_clip(
         err = w - quantize(clipped.float(), scheme).dequantize().double()  # [N, K]
         for g, c0 in enumerate(range(0, num_cols, glen)):
             e = err[:, c0 : c0 + glen]
-            h = hessian[c0 : c0 + glen, c0 : c0 + glen].double()
+            h = hessian_block(hessian, c0, min(c0 + glen, num_cols)).double()
             group_err = ((e @ h) * e).sum(1)  # [N]
             better = group_err < best_err[:, g]
             best_err[:, g] = torch.where(better, group_err, best_err[:, g])
             best_w[better, c0 : c0 + glen] = clipped[better, c0 : c0 + glen]
     return best_w.to(weight.dtype)
+
+
+def hessian_block(hessian: torch.Tensor, c0: int, c1: int) -> torch.Tensor:
+    """Rows and columns [c0, c1) of X^T X from the whole matrix [K, K] or from its diagonal blocks
+    [groups, g, g] (a range inside one block)."""
+    if hessian.dim() == 2:
+        return hessian[c0:c1, c0:c1]
+    g = hessian.shape[1]
+    if c0 % g or c1 - c0 > g:
+        raise ValueError(f"columns [{c0}, {c1}) are not inside one {g}-column block")
+    return hessian[c0 // g, : c1 - c0, : c1 - c0]
+
+
+def divided_by_scales(hessian: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """X^T X of the input x / s: H / (s s^T), for the whole matrix or its diagonal blocks."""
+    sd = s.double()
+    if hessian.dim() == 2:
+        return hessian / (sd[:, None] * sd[None, :])
+    groups, g, _ = hessian.shape
+    sd = torch.nn.functional.pad(sd, (0, groups * g - sd.numel()), value=1.0).view(groups, g)
+    return hessian / (sd[:, :, None] * sd[:, None, :])
 
 
 def smooth_scales(weights: list[torch.Tensor], stats: Stats, alpha: float) -> torch.Tensor:
@@ -309,6 +362,32 @@ def fold(checkpoint: dict[str, torch.Tensor], layer: str, group: str, s: torch.T
     key = f"{layer}.{before}.weight"
     t = checkpoint[key]
     checkpoint[key] = t / s if t.dim() == 1 else t / s[:, None]  # norm vector, or up_proj rows
+
+
+# the linears AWQ clips (not q/k, whose errors meet in the attention scores, as in AutoAWQ)
+_AWQ_CLIPPED = (
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+
+
+def _stats_needed(
+    name: str, in_features: int, method: str, formats: dict[str, TensorScheme]
+) -> tuple[int | None, bool]:
+    """What one float pass keeps of a block linear's input (Stats' hessian, keep_rows): AWQ's
+    clipping reads the g x g diagonal blocks of its scale groups, its scale search a sample of the
+    rows of each input group's first linear; SmoothQuant and the outlier report read only the
+    per-channel maxima."""
+    if method != "awq":
+        return None, False
+    lin = name.split(".layers.", 1)[1].split(".", 1)[1]  # e.g. self_attn.v_proj
+    fmt = formats.get(f"{name}.weight")
+    clipped = lin in _AWQ_CLIPPED and fmt is not None and fmt.granularity != "tensor"
+    first = any(lin == linears[0] for linears, _ in _GROUPS.values())
+    return (fmt.group_len(in_features) if clipped else None), first
 
 
 def calibrated_quantize(
@@ -339,7 +418,8 @@ def calibrated_quantize(
         # inputs as the quantised model's earlier linears produce them
         extra: dict = {"outliers": outlier_report(stats), "calibration_order": "layer by layer"}
     else:
-        quantized, stats = {}, collect_stats(Path(model_dir), token_ids)
+        needs = functools.partial(_stats_needed, method=method, formats=formats)
+        quantized, stats = {}, collect_stats(Path(model_dir), token_ids, needs=needs)
         extra = {"outliers": outlier_report(stats), "calibration_order": "one float pass"}
     if method in ("smoothquant", "awq"):
         chosen = {}
@@ -358,15 +438,13 @@ def calibrated_quantize(
                 if method == "smoothquant":
                     st.absmax = st.absmax / s  # the smoothed input's range, for the report
             if method == "awq":  # clip once every fold of the layer is in (down's moves up_proj)
-                for lin in ("self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                            "mlp.down_proj"):  # fmt: skip
+                for lin in _AWQ_CLIPPED:
                     key = f"{layer}.{lin}.weight"
                     if key not in formats:
                         continue
                     h = stats[f"{layer}.{lin}"].hessian
-                    if lin in input_scales:  # the input is x / s: H / (s s^T)
-                        sd = input_scales[lin].double()
-                        h = h / (sd[:, None] * sd[None, :])
+                    if lin in input_scales:  # the input is x / s
+                        h = divided_by_scales(h, input_scales[lin])
                     checkpoint[key] = awq_clip(checkpoint[key], h, formats[key])
         if method == "awq":
             extra["awq_alpha"] = chosen
