@@ -11,7 +11,10 @@ which no cost model can predict. So each rate reports, beside the a priori and r
   mean over the noise seeds: the simulator's error once the machine's speed at the time is known (every latency still comes out of the
   simulated scheduler, queueing and step noise; nothing else is taken from the run);
 - `seed_band`: min and max of each metric over `--noise-seeds` replays at run speed that differ
-  only in the noise seed: how much one run of this many requests moves a p99 by chance.
+  only in the noise seed: how much one run of this many requests moves a p99 by chance;
+- `measured_interval`: the same question asked of the measurement, a bootstrap over the run's
+  requests (`measured_intervals`), and `verdict_at_run_speed` per metric: within 10%, within the
+  run's own spread, or a miss.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def seed_band(summaries: list[dict], metrics, dig) -> dict:
 
 def print_table(results: list[dict], metrics) -> None:
     print(f"{'rate':>5} {'metric':>20} {'measured':>10} {'a priori':>8} {'replay':>8} "
-          f"{'@speed':>8} {'seed band @speed':>18}")  # fmt: skip
+          f"{'@speed':>8} {'seed band @speed':>18} {'measured 90%':>14}  verdict @speed")  # fmt: skip
 
     def pct(x):
         return "-" if x is None else f"{x:+.0%}"
@@ -70,7 +73,70 @@ def print_table(results: list[dict], metrics) -> None:
                 if not band or not m
                 else f"{band['min'] / m - 1:+.0%}..{band['max'] / m - 1:+.0%}"
             )
+            iv = r.get("measured_interval", {}).get(name)
+            spread = "-" if not iv else f"{iv['lo']:+.0%}..{iv['hi']:+.0%}"
             print(
                 f"{r['rate']:>5g} {name:>20} {m:>10.4g} {pct(a['relative_error']):>8} "
-                f"{pct(b['relative_error']):>8} {pct(c['relative_error']):>8} {rel:>18}"
+                f"{pct(b['relative_error']):>8} {pct(c['relative_error']):>8} {rel:>18} "
+                f"{spread:>14}  {r.get('verdict_at_run_speed', {}).get(name, '-')}"
             )
+
+
+# The latency metrics a measured run's own sampling spread is computed for: (name, pooled sample
+# kind of kvserve.bench.metrics.pooled_samples, percentile)
+INTERVAL_METRICS = (
+    ("ttft_p50_s", "ttft", 50),
+    ("ttft_p99_s", "ttft", 99),
+    ("itl_p50_s", "itl", 50),
+    ("itl_p99_s", "itl", 99),
+)
+
+
+def measured_intervals(records, level: float = 0.90, num_boot: int = 2000, seed: int = 0) -> dict:
+    """How far each latency percentile of one measured run moves by chance: a bootstrap over its
+    completed measured requests (a request is resampled whole, with all its inter-token gaps, since
+    gaps of one stream are correlated), the `level` interval of each metric relative to the run's
+    own estimate, {name: {"estimate", "lo", "hi"}} (lo, hi as estimate x (1 + lo), (1 + hi)).
+    With 60 requests a p99 rests on its one or two largest samples, so this interval is wide:
+    a prediction inside it cannot be told apart from the measurement by this run."""
+    import numpy as np
+
+    from kvserve.bench.metrics import PERCENTILE_METHOD, pooled_samples, request_metrics
+
+    done = [m for r in records if r.phase == "measured" and (m := request_metrics(r)) is not None]
+    if not done:
+        return {}
+    rng = np.random.default_rng(seed)
+    pooled = pooled_samples(done)
+    estimates = {
+        name: float(np.percentile(pooled[kind], q, method=PERCENTILE_METHOD))
+        for name, kind, q in INTERVAL_METRICS
+        if pooled[kind]
+    }
+    boots: dict[str, list[float]] = {name: [] for name in estimates}
+    for _ in range(num_boot):
+        pick = [done[i] for i in rng.integers(0, len(done), len(done))]
+        sample = pooled_samples(pick)
+        for name, kind, q in INTERVAL_METRICS:
+            if name in estimates and sample[kind]:
+                boots[name].append(float(np.percentile(sample[kind], q, method=PERCENTILE_METHOD)))
+    tail = (1 - level) / 2 * 100
+    out = {}
+    for name, est in estimates.items():
+        lo, hi = np.percentile(boots[name], [tail, 100 - tail])
+        out[name] = {"estimate": est, "lo": float(lo / est - 1), "hi": float(hi / est - 1)}
+    return out
+
+
+def verdict(relative_error: float | None, interval: dict | None, bound: float = 0.10) -> str:
+    """`within 10%`, `within the run's spread` (the prediction lies inside the measured metric's
+    bootstrap interval though off by more than the bound), or `miss`."""
+    if relative_error is None:
+        return "-"
+    if abs(relative_error) <= bound:
+        return f"within {bound:.0%}"
+    if interval is not None:
+        predicted = 1 + relative_error  # relative to the estimate
+        if 1 + interval["lo"] <= predicted <= 1 + interval["hi"]:
+            return "within the run's spread"
+    return "miss"

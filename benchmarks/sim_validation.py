@@ -39,10 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._simval_speed import (  # noqa: E402
+    measured_intervals,
     print_table,
     seed_band,
     seed_mean,
     speed_corrected,
+    verdict,
 )
 from tests.server_utils import free_port  # noqa: E402
 
@@ -358,6 +360,10 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
     replay = simulate(
         profile, ["--trace", str(run_dir / "requests.jsonl")], out / f"sim_replay_{rate}.json"
     )
+    from kvserve.bench.records import read_jsonl
+
+    at_speed_cmp = compare(seed_mean(runs, METRICS, dig), measured)
+    interval = measured_intervals(read_jsonl(run_dir / "requests.jsonl"))
     return {
         "rate": float(rate),
         "measured_realised_rate_rps": dig(measured, ("arrivals", "realised_rate_rps")),
@@ -365,8 +371,13 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
         "a_priori": compare(a_priori, measured),
         "replay": compare(replay, measured),
         "speed": speed,
-        "replay_at_run_speed": compare(seed_mean(runs, METRICS, dig), measured),
+        "replay_at_run_speed": at_speed_cmp,
         "seed_band": seed_band(runs, METRICS, dig),
+        "measured_interval": interval,
+        "verdict_at_run_speed": {
+            name: verdict(at_speed_cmp[name]["relative_error"], interval.get(name))
+            for name, _ in METRICS
+        },
         "measured_counts": measured.get("counts"),
         "means": {
             "measured_client": means(measured),
