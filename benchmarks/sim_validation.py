@@ -363,6 +363,7 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
     from kvserve.bench.records import read_jsonl
 
     at_speed_cmp = compare(seed_mean(runs, METRICS, dig), measured)
+    band = seed_band(runs, METRICS, dig)
     interval = measured_intervals(read_jsonl(run_dir / "requests.jsonl"))
     return {
         "rate": float(rate),
@@ -372,10 +373,15 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
         "replay": compare(replay, measured),
         "speed": speed,
         "replay_at_run_speed": at_speed_cmp,
-        "seed_band": seed_band(runs, METRICS, dig),
+        "seed_band": band,
         "measured_interval": interval,
         "verdict_at_run_speed": {
-            name: verdict(at_speed_cmp[name]["relative_error"], interval.get(name))
+            name: verdict(
+                at_speed_cmp[name]["relative_error"],
+                interval.get(name),
+                band[name],
+                at_speed_cmp[name]["measured"],
+            )
             for name, _ in METRICS
         },
         "measured_counts": measured.get("counts"),
