@@ -17,6 +17,7 @@ from kvserve.sim.server_steps import (
     loads_and_costs,
     machine_speed,
     request_overhead_s,
+    timed_intake_s,
 )
 from kvserve.sim.workload import SimError
 
@@ -67,6 +68,19 @@ def test_the_server_fit_recovers_the_intake_term_and_keeps_the_engine_limits():
     assert profile.request_overhead_s == 0.012
     with pytest.raises(SimError, match="load it first"):
         fit_server_profile({"steps": []})
+
+
+def test_the_profile_keeps_the_servers_own_intake_time_beside_the_fitted_term():
+    """The fitted per-new-request cost and the intake the loop timed are reported side by side:
+    here the log's commands take a tenth of each step, while the fit recovers the 5 ms truth."""
+    doc = synthetic_log()
+    rows = [r for r in doc["steps"] if any(c[1] == 0 for c in r["chunks"])]
+    assert len(rows) == 67  # every third step takes one new request
+    expected = sum(r["commands_s"] for r in rows) / len(rows)
+    assert timed_intake_s(doc["steps"]) == pytest.approx(expected)
+    profile = fit_server_profile(doc)
+    assert profile.meta["intake_timed_s_per_request"] == pytest.approx(expected)
+    assert timed_intake_s([{"chunks": [[1, 40]], "commands_s": 0.1}]) is None
 
 
 def slowed(doc: dict, factor: float) -> dict:

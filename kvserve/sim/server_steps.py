@@ -46,6 +46,21 @@ def loads_and_costs(steps: Iterable[dict]) -> tuple[list[StepLoad], list[float]]
     return loads, costs
 
 
+def timed_intake_s(steps: Iterable[dict]) -> float | None:
+    """The server's own intake time per new request: the time its loop spent applying queued
+    commands (`commands_s`) in steps that took new requests, over those requests; None without
+    any. The fitted `num_new_requests` cost is meant to be this; the fit cannot tell it from a
+    fixed cost per prompt (on a calibration where most prompt steps take one new request the two
+    are collinear), so the profile keeps both and the calibration prints them side by side."""
+    total_s, count = 0.0, 0
+    for row in steps:
+        new = sum(1 for c in row.get("chunks", []) if int(c[1]) == 0)
+        if new:
+            total_s += float(row["commands_s"])
+            count += new
+    return total_s / count if count else None
+
+
 def request_overhead_s(records: Iterable[RequestRecord]) -> float | None:
     """Median of client TTFT - server TTFT over a bench run's completed requests: the time a
     request spends outside the engine loop (HTTP in, SSE out, the client), None if unknown."""
@@ -71,6 +86,7 @@ def fit_server_profile(
         "engine": doc.get("engine", {}),
         "source": "server /debug/steps (commands + step + deliver per iteration)",
         "request_overhead_s": overhead_s or 0.0,
+        "intake_timed_s_per_request": timed_intake_s(doc.get("steps", [])),
     } | ({"delivery_jitter": delivery} if delivery else {})
     return fit_profile(loads, costs, features, meta=meta)
 
@@ -155,6 +171,19 @@ def calibrate_server_main(args: Any) -> str:
         f"overhead {profile.request_overhead_s * 1e3:.1f} ms; seconds per unit: {coef}",
         file=out,
     )
+    timed = profile.meta.get("intake_timed_s_per_request")
+    if timed is not None and "num_new_requests" in profile.features:
+        fitted = profile.coef_s[profile.features.index("num_new_requests")]
+        print(
+            f"per new request: fitted {fitted * 1e3:.2f} ms, of which the server timed "
+            f"{timed * 1e3:.2f} ms as intake"
+            + (
+                " (the rest is prompt work the fit could not tell from a per-request cost)"
+                if fitted > 2 * timed + 1e-4
+                else ""
+            ),
+            file=out,
+        )
     if delivery:
         q = delivery["quantiles"]
         print(
