@@ -58,6 +58,8 @@ def main() -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/long_context.json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     LLM = kvserve_llm()  # before torch: kvserve's thread defaults apply as they do for users
     import torch
@@ -76,8 +78,9 @@ def main() -> None:
     prompts = {c: torch.randint(3, vocab, (c,), generator=gen).tolist() for c in contexts}
     samples: dict[int, list[float]] = {c: [] for c in contexts}  # ms per decode step, per round
     for r in range(args.rounds):
-        # alternate the order so that a drift of the machine's speed biases no context; after
-        # the first round the prompt's blocks are cached (the decode step reads the same KV)
+        # alternate the order so that a drift of the machine's speed biases no context; the first
+        # round computes every prompt cold, later rounds keep what the prefix cache holds (the
+        # decode step reads the same KV either way)
         for context in contexts if r % 2 == 0 else contexts[::-1]:
             step_s = decode_step_s(llm, prompts[context], args.new_tokens, reset=r == 0)
             samples[context].append(step_s * 1e3)

@@ -156,14 +156,17 @@ def test_block_hessian_is_the_whole_hessians_diagonal(num_cols, block):
         _ = blocks.sample
 
 
-@pytest.mark.parametrize("method", ["awq", "smoothquant"])
-def test_one_float_pass_keeps_only_what_the_method_reads(model, method, monkeypatch):
+@pytest.mark.parametrize(
+    "method, weights",
+    [("awq", "linear=int4-g32"), ("awq", "linear=int4-pt"), ("smoothquant", "w8a8")],
+)
+def test_one_float_pass_keeps_only_what_the_method_reads(model, method, weights, monkeypatch):
     """AWQ keeps its scale groups' Hessian blocks for the linears it clips and input rows for each
     input group's first linear; SmoothQuant only the channel maxima. The codes equal those made
     from every statistic in full (a 7B Llama's whole Hessians would take ~57 GB)."""
     path, hf, ids = model
     checkpoint = {k: v.clone() for k, v in hf.state_dict().items()}
-    scheme = parse_weight_scheme("linear=int4-g32" if method == "awq" else "w8a8")
+    scheme = parse_weight_scheme(weights)
     kept = {}
     real = calibrated.collect_stats
 
@@ -174,7 +177,10 @@ def test_one_float_pass_keeps_only_what_the_method_reads(model, method, monkeypa
     monkeypatch.setattr(calibrated, "collect_stats", spy)
     lean, _, _ = calibrated_quantize(path, checkpoint, scheme, method, ids)
     sizes = {name.split(".", 3)[3]: (st.hessian.shape, bool(st.rows)) for name, st in kept.items()}
-    if method == "awq":  # hidden 64, intermediate 128
+    if weights == "linear=int4-pt":  # one scale per tensor: nothing to clip, rows for the scales
+        assert all(shape == (0,) for shape, _ in sizes.values())
+        assert sizes["mlp.gate_proj"][1] and not sizes["mlp.up_proj"][1]
+    elif method == "awq":  # hidden 64, intermediate 128
         assert sizes["self_attn.q_proj"] == ((0,), True)
         assert sizes["self_attn.k_proj"] == ((0,), False)
         assert sizes["self_attn.v_proj"] == ((2, 32, 32), False)
@@ -185,6 +191,27 @@ def test_one_float_pass_keeps_only_what_the_method_reads(model, method, monkeypa
     monkeypatch.setattr(calibrated, "_stats_needed", lambda *a, **k: (0, True))
     full, _, _ = calibrated_quantize(path, checkpoint, scheme, method, ids)
     assert lean.keys() == full.keys()
+    for name in full:
+        assert torch.equal(lean[name].codes, full[name].codes), name
+        assert torch.equal(lean[name].scales, full[name].scales), name
+
+
+def test_awq_with_a_short_last_group_equals_full_statistics(tmp_path, monkeypatch):
+    """At load a row may end in a short group (192 inputs at g128: 128 + 64): its Hessian block is
+    the padded last one, and its input scales are padded too; the codes equal those from the whole
+    Hessians."""
+    path = tmp_path / "m"
+    hf = build_gpt2_tokenized_checkpoint(path, hidden_size=64, intermediate_size=192)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(path)).encode(CALIB)
+    checkpoint = {k: v.clone() for k, v in hf.state_dict().items()}
+    scheme = parse_weight_scheme("linear=int4-g128")
+    lean, _, _ = calibrated_quantize(path, checkpoint, scheme, "awq", ids, whole_groups=False)
+    monkeypatch.setattr(calibrated, "_stats_needed", lambda *a, **k: (0, True))
+    full, _, _ = calibrated_quantize(path, checkpoint, scheme, "awq", ids, whole_groups=False)
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert full[down].scales.shape[1] == 2  # 128 + 64
     for name in full:
         assert torch.equal(lean[name].codes, full[name].codes), name
         assert torch.equal(lean[name].scales, full[name].scales), name

@@ -2,7 +2,9 @@
 
 Calibration statistics come from the float model (transformers, the reference implementation) run
 over the calibration tokens, with hooks on the block linears' inputs: the Hessian X^T X (GPTQ),
-per-channel max |x| (SmoothQuant, outliers), mean |x| and a sample of rows (AWQ).
+per-channel max |x| (SmoothQuant, outliers), mean |x|, a sample of rows and the Hessian's diagonal
+blocks of each scale group (AWQ). One float pass keeps only what the method reads (`Stats`,
+`_stats_needed`).
 - SmoothQuant and AWQ: one pass of the float model (AutoAWQ also searches each layer on the float
   layer before it). AWQ searches each group's input scales, then each weight group's clipping range
   (`awq_clip`, every block linear but q/k, whose errors meet in the attention scores, as in AutoAWQ).
@@ -10,7 +12,7 @@ per-channel max |x| (SmoothQuant, outliers), mean |x| and a sample of rows (AWQ)
   from the inputs it sees once every linear before it (earlier layers, and earlier projections of its
   own layer: q/k/v, then o, then gate/up, then down) holds its quantised weights. On the demo target
   it measured the same as one float pass (int4-g32 KL 0.00143 both); it holds one group's Hessian at
-  a time, where one pass holds every linear's (~57 GB of float64 for a 7B Llama).
+  a time (every linear's whole Hessian would be ~57 GB of float64 for a 7B Llama).
 
 Scales that move range between a linear's input and its weight are folded where that is exact:
 into the preceding RMSNorm for q/k/v and gate/up, into up_proj's rows for down_proj
@@ -42,7 +44,7 @@ class Stats:
     X^T X (GPTQ); g > 0 only its g x g blocks on the diagonal, one per scale group of g inputs
     (AWQ's clipping search reads no other entry); None none (SmoothQuant, the outlier report).
     `keep_rows`: keep a sample of input rows (AWQ's scale search). A 7B Llama's whole Hessians
-    take ~57 GB of float64, its g128 blocks ~0.9 GB."""
+    take ~57 GB of float64; AWQ at g128 keeps ~0.9 GB of blocks and ~1.3 GB of fp32 rows."""
 
     def __init__(self, num_cols: int, hessian: int | None = 0, keep_rows: bool = True) -> None:
         if hessian is not None and hessian < 0:
@@ -383,7 +385,7 @@ def _stats_needed(
     per-channel maxima."""
     if method != "awq":
         return None, False
-    lin = name.split(".layers.", 1)[1].split(".", 1)[1]  # e.g. self_attn.v_proj
+    lin = name.partition(".layers.")[2].partition(".")[2]  # e.g. self_attn.v_proj
     fmt = formats.get(f"{name}.weight")
     clipped = lin in _AWQ_CLIPPED and fmt is not None and fmt.granularity != "tensor"
     first = any(lin == linears[0] for linears, _ in _GROUPS.values())
@@ -440,8 +442,8 @@ def calibrated_quantize(
             if method == "awq":  # clip once every fold of the layer is in (down's moves up_proj)
                 for lin in _AWQ_CLIPPED:
                     key = f"{layer}.{lin}.weight"
-                    if key not in formats:
-                        continue
+                    if key not in formats or formats[key].granularity == "tensor":
+                        continue  # one scale for the whole tensor: nothing to clip per group
                     h = stats[f"{layer}.{lin}"].hessian
                     if lin in input_scales:  # the input is x / s
                         h = divided_by_scales(h, input_scales[lin])

@@ -51,7 +51,9 @@ def timed_intake_s(steps: Iterable[dict]) -> float | None:
     commands (`commands_s`) in steps that took new requests, over those requests; None without
     any. The fitted `num_new_requests` cost is meant to be this; the fit cannot tell it from a
     fixed cost per prompt (on a calibration where most prompt steps take one new request the two
-    are collinear), so the profile keeps both and the calibration prints them side by side."""
+    are collinear), so the profile keeps both and the calibration prints them side by side. A
+    diagnostic: a step's commands other than new requests count too, and a request counts in the
+    step that first schedules it."""
     total_s, count = 0.0, 0
     for row in steps:
         new = sum(1 for c in row.get("chunks", []) if int(c[1]) == 0)
@@ -175,10 +177,10 @@ def calibrate_server_main(args: Any) -> str:
     if timed is not None and "num_new_requests" in profile.features:
         fitted = profile.coef_s[profile.features.index("num_new_requests")]
         print(
-            f"per new request: fitted {fitted * 1e3:.2f} ms, of which the server timed "
-            f"{timed * 1e3:.2f} ms as intake"
+            f"per new request: fitted {fitted * 1e3:.2f} ms; server-timed intake "
+            f"{timed * 1e3:.2f} ms"
             + (
-                " (the rest is prompt work the fit could not tell from a per-request cost)"
+                " (the fit could not tell prompt work from a per-request cost)"
                 if fitted > 2 * timed + 1e-4
                 else ""
             ),
