@@ -12,7 +12,7 @@ Definitions, the same on both sides:
                   `S_TG`; kvserve: per request (n - 1) / (last token - first token), summed over the batch)
 
     .venv/bin/python benchmarks/peer_llamacpp.py --hf-dir DIR --gguf FILE \
-        --llama-bench BIN --llama-batched-bench BIN [--threads 2] [--out FILE]
+        --llama-bench BIN --llama-batched-bench BIN [--threads 2] [--rounds 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -101,6 +101,36 @@ def llama_batched_bench(
     raise RuntimeError(f"could not read llama-batched-bench output:\n{stdout}")
 
 
+def paired(ours, theirs, point, round_index: int) -> dict:
+    """One round of one point: both engines, kvserve first in even rounds, llama.cpp first in odd
+    ones (a drift of the machine's speed then favours neither side over the rounds)."""
+    first, second = (("kvserve", ours), ("llama.cpp", theirs))[:: 1 if round_index % 2 == 0 else -1]
+    out = {"round": round_index, "first": first[0]}
+    for name, measure in (first, second):
+        out[name] = measure(point)
+    return out
+
+
+def median_round(rounds: list[dict], key: str) -> dict:
+    """The round whose `key` ratio is the median (the lower middle one for an even count)."""
+    return sorted(rounds, key=lambda r: r[key])[(len(rounds) - 1) // 2]
+
+
+def ratio_summary(rounds: list[dict], keys: tuple[str, ...]) -> dict:
+    """Per ratio: the median round's value under `key`, and `key`_min_max over the rounds."""
+    out = {}
+    for key in keys:
+        values = sorted(r[key] for r in rounds)
+        out[key] = values[(len(values) - 1) // 2]
+        out[f"{key}_min_max"] = [values[0], values[-1]]
+    return out
+
+
+def spread(row: dict, key: str) -> str:
+    low, high = row[f"{key}_min_max"]
+    return "" if low == high else f", rounds {low:.2f}-{high:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hf-dir", required=True)
@@ -115,8 +145,17 @@ def main() -> None:
         "--long-prompt", type=int, default=3000, help="cold prefill point (0: skip)"
     )
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every point this many times, kvserve and llama.cpp in alternating order "
+        "(kvserve first in even rounds); each round's ratio pairs the two runs of that round",
+    )
     parser.add_argument("--out", default="benchmarks/results/peer_llamacpp.json")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     LLM = kvserve_llm()  # before torch: kvserve's thread defaults apply as they do for users
     import torch
@@ -125,39 +164,67 @@ def main() -> None:
 
     options = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
     llm = LLM(args.hf_dir, max_num_seqs=64, kv_cache_memory_bytes=512 * 1024**2, **options)
-    rows = []
-    for batch in [int(b) for b in args.batches.split(",")]:
-        ours = kvserve_point(llm, batch, args.prompt_len, args.new_tokens)
+
+    def ours_point(batch: int) -> dict:
+        return kvserve_point(llm, batch, args.prompt_len, args.new_tokens)
+
+    def theirs_point(batch: int) -> dict:
         if batch == 1:
-            theirs = llama_bench(
+            return llama_bench(
                 args.llama_bench, args.gguf, args.threads, args.prompt_len, args.new_tokens
             )
-        else:
-            theirs = llama_batched_bench(args.llama_batched_bench, args.gguf, args.threads, batch,
-                                         args.prompt_len, args.new_tokens)  # fmt: skip
-        row = {"batch": batch, "kvserve": ours, "llama.cpp": theirs,
-               "decode_ratio": ours["decode_tok_s"] / theirs["decode_tok_s"]}  # fmt: skip
+        return llama_batched_bench(args.llama_batched_bench, args.gguf, args.threads, batch,
+                                   args.prompt_len, args.new_tokens)  # fmt: skip
+
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        rounds = [paired(ours_point, theirs_point, batch, r) for r in range(args.rounds)]
+        for r in rounds:
+            r["decode_ratio"] = r["kvserve"]["decode_tok_s"] / r["llama.cpp"]["decode_tok_s"]
+            r["prefill_ratio"] = r["kvserve"]["prefill_tok_s"] / r["llama.cpp"]["prefill_tok_s"]
+        mid = median_round(rounds, "decode_ratio")
+        row = {"batch": batch, "kvserve": mid["kvserve"], "llama.cpp": mid["llama.cpp"],
+               **ratio_summary(rounds, ("decode_ratio", "prefill_ratio")),
+               "rounds": rounds}  # fmt: skip
         rows.append(row)
+        ours, theirs = mid["kvserve"], mid["llama.cpp"]
         print(
             f"batch {batch:2d}: decode kvserve {ours['decode_tok_s']:8.1f} tok/s, llama.cpp "
-            f"{theirs['decode_tok_s']:8.1f} tok/s (x{row['decode_ratio']:.2f}); prefill kvserve "
-            f"{ours['prefill_tok_s']:8.1f}, llama.cpp {theirs['prefill_tok_s']:8.1f} tok/s"
+            f"{theirs['decode_tok_s']:8.1f} tok/s (x{row['decode_ratio']:.2f}"
+            f"{spread(row, 'decode_ratio')}); prefill kvserve {ours['prefill_tok_s']:8.1f}, "
+            f"llama.cpp {theirs['prefill_tok_s']:8.1f} tok/s (x{row['prefill_ratio']:.2f}"
+            f"{spread(row, 'prefill_ratio')})"
         )
     long_prefill = None
     if args.long_prompt:
-        ours = kvserve_long_prefill(llm, args.long_prompt)
-        theirs = llama_bench(args.llama_bench, args.gguf, args.threads, args.long_prompt, 0, 1)
-        long_prefill = {"prompt_len": args.long_prompt, "kvserve_tok_s": ours,
-                        "llama.cpp_tok_s": theirs["prefill_tok_s"], "ratio": ours / theirs["prefill_tok_s"],
-                        "llama.cpp_command": theirs["command"]}  # fmt: skip
-        print(f"pp{args.long_prompt}: kvserve {ours:8.1f} tok/s, llama.cpp "
-              f"{theirs['prefill_tok_s']:8.1f} tok/s (x{long_prefill['ratio']:.2f})")  # fmt: skip
+        rounds = [
+            paired(
+                lambda n: {"prefill_tok_s": kvserve_long_prefill(llm, n)},
+                lambda n: llama_bench(args.llama_bench, args.gguf, args.threads, n, 0, 1),
+                args.long_prompt,
+                r,
+            )
+            for r in range(args.rounds)
+        ]  # fmt: skip
+        for r in rounds:
+            r["ratio"] = r["kvserve"]["prefill_tok_s"] / r["llama.cpp"]["prefill_tok_s"]
+        mid = median_round(rounds, "ratio")
+        long_prefill = {"prompt_len": args.long_prompt,
+                        "kvserve_tok_s": mid["kvserve"]["prefill_tok_s"],
+                        "llama.cpp_tok_s": mid["llama.cpp"]["prefill_tok_s"],
+                        **ratio_summary(rounds, ("ratio",)),
+                        "llama.cpp_command": mid["llama.cpp"]["command"],
+                        "rounds": rounds}  # fmt: skip
+        print(f"pp{args.long_prompt}: kvserve {long_prefill['kvserve_tok_s']:8.1f} tok/s, llama.cpp "
+              f"{long_prefill['llama.cpp_tok_s']:8.1f} tok/s (x{long_prefill['ratio']:.2f}"
+              f"{spread(long_prefill, 'ratio')})")  # fmt: skip
     report = {
         "benchmark": "peer_llamacpp", "hf_dir": args.hf_dir, "gguf": args.gguf,
         "dtype": "float32 weights both sides; KV fp32 (llama-bench: f16)", "threads": args.threads,
         "kvserve_threads": threads_used(),
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-        "kv_cache_dtype": args.kv_cache_dtype, "rows": rows, "long_prefill": long_prefill,
+        "kv_cache_dtype": args.kv_cache_dtype, "rounds": args.rounds, "rows": rows,
+        "long_prefill": long_prefill,
     }  # fmt: skip
     write_report(args.out, report)
 
