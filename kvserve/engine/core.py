@@ -41,7 +41,6 @@ from kvserve.engine.wire import (
     UtilityResult,
     failure_of,
 )
-from kvserve.model import hugepages
 from kvserve.threads import describe_threads
 
 logger = logging.getLogger(__name__)
@@ -78,7 +77,6 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         tokenizer=None if tok is None else str(getattr(tok, "name_or_path", "") or c.model_dir),
         eos_token_ids=tuple(engine.eos_token_ids),
         threads=describe_threads(torch.get_num_threads()),
-        weight_pages=hugepages.describe() if torch.device(c.device).type == "cpu" else "",
     )
 
 

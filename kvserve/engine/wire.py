@@ -57,7 +57,6 @@ class EngineInfo(msgspec.Struct, frozen=True):
     tokenizer: str | None  # the tokenizer's identity (name_or_path), None: the model has none
     eos_token_ids: tuple[int, ...] = ()
     threads: str = ""  # the core's OpenMP threads and variables (kvserve.threads.describe_threads)
-    weight_pages: str = ""  # CPU: where the kernels' weight layouts live (model/hugepages.describe)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

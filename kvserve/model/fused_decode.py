@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from kvserve.model import cpu_kernels, hugepages
+from kvserve.model import cpu_kernels
 
 _PTR, _INT, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _LIN_F32, _LIN_Q8, _LIN_Q4, _LIN_BF16 = 0, 1, 2, 3
@@ -153,7 +153,7 @@ def f32_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     n, k = weight.shape
     padded = torch.zeros(-(-n // FPANEL) * FPANEL, k, dtype=dtype)
     padded[:n] = weight.detach()
-    return hugepages.to_huge_pages(padded.view(-1, FPANEL, k).transpose(1, 2))  # [P, K, 16]
+    return padded.view(-1, FPANEL, k).transpose(1, 2).contiguous()  # [P, K, 16]
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

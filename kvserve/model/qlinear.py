@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model import fused_decode, hugepages
+from kvserve.model import fused_decode
 from kvserve.quant.kernels import kernel_isa, kernels_available
 from kvserve.quant.rtn import QuantizedTensor
 from kvserve.quant.scheme import ACT_TENSOR, ACT_TOKEN, KERNEL_BLOCK, TensorScheme
@@ -101,22 +101,20 @@ def pack_panels(qt: QuantizedTensor) -> dict[str, torch.Tensor | int | None]:
         blocks_per_group = scheme.group_size // KERNEL_BLOCK
     else:
         blocks_per_group = num_blocks  # one scale per row
-    scales = hugepages.to_huge_pages(_panel_rows(qt.scales.expand(num_rows, -1), padded_rows))
+    scales = _panel_rows(qt.scales.expand(num_rows, -1), padded_rows)
     codes = F.pad(qt.codes, (0, padded_cols - num_cols, 0, padded_rows - num_rows))  # [Np, Kp]
     layout = {"scales": scales, "zeros": None, "bpg": blocks_per_group, "w_min": False}
     if scheme.bits == 8:
         w = codes.reshape(num_panels, PANEL, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)
-        w_min = bool((codes == -128).any())
-        return layout | {"w": hugepages.to_huge_pages(w), "w_min": w_min}
+        return layout | {"w": w.contiguous(), "w_min": bool((codes == -128).any())}
     if qt.zeros is None:
         unsigned = (codes.to(torch.int16) + 8).to(torch.uint8)  # symmetric int4 as zero-point 8
     else:
         unsigned = codes.to(torch.uint8)
-        zeros = _panel_rows(qt.zeros.expand(num_rows, -1), padded_rows)
-        layout["zeros"] = hugepages.to_huge_pages(zeros)
+        layout["zeros"] = _panel_rows(qt.zeros.expand(num_rows, -1), padded_rows)
     halves = unsigned.reshape(num_panels, PANEL, num_blocks, 2, 4, 4)  # [P, c, nb, half, j, t]
     nibbles = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [P, c, nb, j, t]
-    return layout | {"w": hugepages.to_huge_pages(nibbles.permute(0, 2, 3, 1, 4))}
+    return layout | {"w": nibbles.permute(0, 2, 3, 1, 4).contiguous()}
 
 
 class QuantLinear(nn.Module):

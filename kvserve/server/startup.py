@@ -26,7 +26,6 @@ def startup_summary(info, served_model_name: str, url: str, num_cores: int = 1) 
         f"length at once (max running sequences {info.max_num_seqs})",
         f"  speculative {info.speculative}",
         f"  threads    {info.threads}",
-        *([f"  weights    {info.weight_pages}"] if info.weight_pages else []),
         f"  URL        {url}  (playground {url}/, dashboard {url}/dashboard, API {url}/v1, "
         f"docs {url}/docs)",
     ]
