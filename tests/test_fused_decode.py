@@ -320,6 +320,33 @@ def _team_then_forked(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.
     return team, forked
 
 
+@needs_kernel
+@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
+def test_guided_panels_give_the_bits_of_fixed_shares(llama_dir, isa, quantization):
+    """The team step's linears, their panels claimed in shrinking chunks (decode_step.c
+    linear_guided, the default) or split in fixed halves, give the same bits at 1 and 16 rows."""
+    if quantization and not kernels_available():
+        pytest.skip("the quantised GEMM extension did not build")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        llm = LLM(
+            str(llama_dir), num_blocks=128, max_num_seqs=16, enable_prefix_caching=False,
+            quantization=quantization, thread_policy="fixed",
+        )  # fmt: skip
+        before = fused_decode.team_steps()
+        guided = llm.engine.score(PROMPT, chunk_size=1), _batch_logprobs(llm, 16)
+        fused_decode.set_guided(False)
+        try:
+            fixed = llm.engine.score(PROMPT, chunk_size=1), _batch_logprobs(llm, 16)
+        finally:
+            fused_decode.set_guided(True)
+        assert fused_decode.team_steps() - before >= 2 * (len(PROMPT) + 7)  # all as one region
+        assert torch.equal(guided[0], fixed[0]) and guided[1] == fixed[1]
+    finally:
+        torch.set_num_threads(threads)
+
+
 LONG_PROMPT = [(i * 53 + 7) % 250 + 3 for i in range(400)]  # 2 attention splits of 256 positions
 
 

@@ -101,6 +101,7 @@ def load_kernel() -> ctypes.CDLL | None:
         "decode_cpu_isa": ([], _INT),
         "decode_set_max_isa": ([_INT], None),
         "decode_set_team_step": ([_INT], None),
+        "decode_set_guided": ([_INT], None),
         "decode_team_steps": ([], ctypes.c_int64),
         "decode_max_rows": ([], _INT),
         "decode_set_f32_max_rows": ([_INT], None),

@@ -110,6 +110,12 @@ def set_team_step(enabled: bool) -> None:
     cpu_kernels.load_kernel().decode_set_team_step(int(enabled))
 
 
+def set_guided(enabled: bool) -> None:
+    """In the one-region step, hand each linear's panels to the threads in shrinking chunks (the
+    default) or give each thread a fixed share (the same bits; tests compare the two)."""
+    cpu_kernels.load_kernel().decode_set_guided(int(enabled))
+
+
 def team_steps() -> int:
     """Steps run as one region so far in this process (tests check it is taken)."""
     return int(cpu_kernels.load_kernel().decode_team_steps())

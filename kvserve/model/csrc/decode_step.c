@@ -442,7 +442,10 @@ int small_linear(const Linear *L, const float *x, int M, float *y, int num_threa
  * layer, 7 when a context is longer than one attention split (the splits' merge). The attention's items
  * (paged_attention.h: row, kv head, q-head chunk, context split) are cut over the team the way the
  * forking call cuts them over its threads; a q head's numbers do not depend on the cut, so both steps
- * give the same bits at any context length. */
+ * give the same bits at any context length. A linear's panels are claimed in shrinking chunks
+ * (linear_guided), not split in fixed halves: the two threads do not stream memory at the same speed,
+ * and with fixed halves the faster one waited at every linear's barrier (docs/performance.md, "The
+ * fused decode step": ~1.5 thread-ms of a batch-1 step on a Zen 3). */
 
 #define BARRIER_SPINS 4000 /* pause iterations before sleeping (~50-100 us) */
 
@@ -495,6 +498,36 @@ static void linear_share(const Linear *L, const float *x, int M, float *y, Acts 
     q_linear_panels(L, acts, M, y, isa, p0, p1);
 }
 
+static int g_guided = 1; /* 0: each thread takes a fixed half of every linear's panels */
+void decode_set_guided(int enabled) { g_guided = enabled; }
+#define GUIDED_MIN_PANELS 2
+
+/* The team's share of y = x W^T + b, handed out in shrinking chunks (guided scheduling) from `next`, a
+ * counter over the step's panels, linear after linear: this linear owns [*base, *base + panels). Every
+ * thread calls it for the same linears in the same order, so `base` is the same on each; the barrier
+ * after a linear makes sure every panel of it was claimed before any thread claims the next one's.
+ * Each panel is still computed by one thread in one order: the bits do not depend on who takes it. */
+static void linear_guided(const Linear *L, const float *x, int M, float *y, Acts *acts, int isa,
+                          int nt, atomic_llong *next, int64_t *base) {
+    const int width = LIN_IS_FLOAT(L->kind) ? FPANEL : QPANEL;
+    const int64_t panels = (L->n + width - 1) / width, begin = *base, end = begin + panels;
+    *base = end;
+    if (!LIN_IS_FLOAT(L->kind)) quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
+    long long c = atomic_load_explicit(next, memory_order_relaxed);
+    while (c < end) {
+        long long k = (end - c) / (2 * nt);
+        k = k < GUIDED_MIN_PANELS ? GUIDED_MIN_PANELS : k;
+        k = k > end - c ? end - c : k;
+        if (!atomic_compare_exchange_weak_explicit(next, &c, c + k, memory_order_relaxed,
+                                                   memory_order_relaxed))
+            continue; /* c now holds the counter's value */
+        const int p0 = (int)(c - begin), p1 = (int)(c + k - begin);
+        if (LIN_IS_FLOAT(L->kind)) f32_panels(L, x, M, y, isa, p0, p1);
+        else q_linear_panels(L, acts, M, y, isa, p0, p1);
+        c = atomic_load_explicit(next, memory_order_relaxed);
+    }
+}
+
 static int max_kp_of(const Model *mdl) {
     int max_kp = QBLOCK;
     for (int l = 0; l < mdl->num_layers; l++) {
@@ -540,17 +573,25 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
             goto done;
         }
     atomic_llong next_item = 0; /* the attention's next unclaimed item (reset every layer) */
+    atomic_llong next_panel = 0; /* the GEMVs' next unclaimed panel, over the step (linear_guided) */
+    const int guided = g_guided;
 #pragma omp parallel num_threads(num_threads)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         float *residual = own + per_thread * tid, *normed = residual + M * D, *act = normed + M * D;
         Acts *own_acts = &acts[tid];
+        int64_t panel_base = 0;
+#define LINEAR(lin, xin, yout)                                                                       \
+    do {                                                                                           \
+        if (guided) linear_guided(lin, xin, M, yout, own_acts, isa, nt, &next_panel, &panel_base);  \
+        else linear_share(lin, xin, M, yout, own_acts, isa, tid, nt);                              \
+    } while (0)
         memcpy(residual, hidden, sizeof(float) * M * D); /* the stream starts as x */
         for (int l = 0; l < mdl->num_layers; l++) {
             const Layer *L = &mdl->layers[l];
             add_rms_norm(hidden, l == 0 ? NULL : residual, L->input_norm, normed, residual, M, D,
                          mdl->eps, 1);
-            linear_share(&L->qkv, normed, M, qkv, own_acts, isa, tid, nt);
+            LINEAR(&L->qkv, normed, qkv);
             step_barrier(&bar, nt);
             if (tid == 0) {
                 rotary(qkv, qkv_width, cos_rows, sin_rows, M, H + KVH, Dh, 1);
@@ -572,13 +613,13 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
                 attention_merge(&w, parts, heads * tid / nt, heads * (tid + 1) / nt);
             }
             step_barrier(&bar, nt);
-            linear_share(&L->o, attn, M, hidden, own_acts, isa, tid, nt);
+            LINEAR(&L->o, attn, hidden);
             step_barrier(&bar, nt);
             add_rms_norm(hidden, residual, L->post_norm, normed, residual, M, D, mdl->eps, 1);
-            linear_share(&L->gate_up, normed, M, gate_up, own_acts, isa, tid, nt);
+            LINEAR(&L->gate_up, normed, gate_up);
             step_barrier(&bar, nt);
             silu_mul(gate_up, act, M, I, 1);
-            linear_share(&L->down, act, M, hidden, own_acts, isa, tid, nt);
+            LINEAR(&L->down, act, hidden);
             step_barrier(&bar, nt);
         }
         if (tid == 0) {
@@ -586,6 +627,7 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
             memcpy(hidden, normed, sizeof(float) * M * D);
         }
     }
+#undef LINEAR
     atomic_fetch_add(&g_team_steps, 1);
 done:
     if (acts)
