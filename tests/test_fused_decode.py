@@ -347,6 +347,31 @@ def test_guided_panels_give_the_bits_of_fixed_shares(llama_dir, isa, quantizatio
         torch.set_num_threads(threads)
 
 
+@needs_kernel
+def test_guided_panels_in_a_lone_linear_give_the_bits_of_fixed_shares(isa):
+    """A linear outside the fused step (the head, prefill: csrc/decode_step.c f32_linear) with its
+    panels claimed in chunks or split in fixed ranges, on 2 threads: the same bits at any row count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        linear = PackedLinear(
+            torch.randn(1000, 96, generator=gen), torch.randn(1000, generator=gen)
+        )
+        assert linear.panels is not None
+        for rows in (1, 5, 37):
+            x = torch.randn(rows, 96, generator=gen)
+            guided = linear(x)
+            fused_decode.set_guided(False)
+            try:
+                fixed = linear(x)
+            finally:
+                fused_decode.set_guided(True)
+            assert torch.equal(guided, fixed), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
 LONG_PROMPT = [(i * 53 + 7) % 250 + 3 for i in range(400)]  # 2 attention splits of 256 positions
 
 

@@ -402,14 +402,43 @@ static void f32_panels(const Linear *L, const float *x, int M, float *y, int isa
     }
 }
 
-/* y [M, N] = x [M, K] W^T + b on the fp32 panel layout, any M; panels split over the threads in
- * contiguous ranges (each thread streams its part of the weight once). */
+static int g_guided = 1; /* 0: each thread takes a fixed contiguous share of a linear's panels */
+void decode_set_guided(int enabled) { g_guided = enabled; }
+#define GUIDED_MIN_PANELS 2
+
+/* Guided scheduling of panels: the next chunk of [*next, end), (what is left) / (2 nt) panels and at
+ * least GUIDED_MIN_PANELS, claimed from the shared counter `next` into [*first, *first + *count);
+ * 0 when none is left. Threads do not stream memory at the same speed, so the faster one takes more
+ * (with fixed shares it waited for the other at the end of every linear). */
+static int claim_panels(atomic_llong *next, long long end, int nt, long long *first, long long *count) {
+    long long c = atomic_load_explicit(next, memory_order_relaxed);
+    while (c < end) {
+        long long k = (end - c) / (2 * nt);
+        k = k < GUIDED_MIN_PANELS ? GUIDED_MIN_PANELS : k;
+        k = k > end - c ? end - c : k;
+        if (atomic_compare_exchange_weak_explicit(next, &c, c + k, memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *first = c, *count = k;
+            return 1;
+        } /* else c holds the counter's value now */
+    }
+    return 0;
+}
+
+/* y [M, N] = x [M, K] W^T + b on the fp32 panel layout, any M; the panels claimed by the threads in
+ * chunks (claim_panels; each chunk one contiguous stream), or split in fixed contiguous ranges
+ * (decode_set_guided(0)). Each panel is computed by one thread either way: the same bits. */
 static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
-    const int num_panels = (L->n + FPANEL - 1) / FPANEL;
+    const int num_panels = (L->n + FPANEL - 1) / FPANEL, guided = g_guided;
+    atomic_llong next = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-        f32_panels(L, x, M, y, isa, num_panels * tid / nt, num_panels * (tid + 1) / nt);
+        if (guided && nt > 1)
+            for (long long c, k; claim_panels(&next, num_panels, nt, &c, &k);)
+                f32_panels(L, x, M, y, isa, (int)c, (int)(c + k));
+        else
+            f32_panels(L, x, M, y, isa, num_panels * tid / nt, num_panels * (tid + 1) / nt);
     }
 }
 
@@ -498,10 +527,6 @@ static void linear_share(const Linear *L, const float *x, int M, float *y, Acts 
     q_linear_panels(L, acts, M, y, isa, p0, p1);
 }
 
-static int g_guided = 1; /* 0: each thread takes a fixed half of every linear's panels */
-void decode_set_guided(int enabled) { g_guided = enabled; }
-#define GUIDED_MIN_PANELS 2
-
 /* The team's share of y = x W^T + b, handed out in shrinking chunks (guided scheduling) from `next`, a
  * counter over the step's panels, linear after linear: this linear owns [*base, *base + panels). Every
  * thread calls it for the same linears in the same order, so `base` is the same on each; the barrier
@@ -513,18 +538,10 @@ static void linear_guided(const Linear *L, const float *x, int M, float *y, Acts
     const int64_t panels = (L->n + width - 1) / width, begin = *base, end = begin + panels;
     *base = end;
     if (!LIN_IS_FLOAT(L->kind)) quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
-    long long c = atomic_load_explicit(next, memory_order_relaxed);
-    while (c < end) {
-        long long k = (end - c) / (2 * nt);
-        k = k < GUIDED_MIN_PANELS ? GUIDED_MIN_PANELS : k;
-        k = k > end - c ? end - c : k;
-        if (!atomic_compare_exchange_weak_explicit(next, &c, c + k, memory_order_relaxed,
-                                                   memory_order_relaxed))
-            continue; /* c now holds the counter's value */
+    for (long long c, k; claim_panels(next, end, nt, &c, &k);) {
         const int p0 = (int)(c - begin), p1 = (int)(c + k - begin);
         if (LIN_IS_FLOAT(L->kind)) f32_panels(L, x, M, y, isa, p0, p1);
         else q_linear_panels(L, acts, M, y, isa, p0, p1);
-        c = atomic_load_explicit(next, memory_order_relaxed);
     }
 }
 
