@@ -349,25 +349,29 @@ def test_guided_panels_give_the_bits_of_fixed_shares(llama_dir, isa, quantizatio
 
 @needs_kernel
 def test_guided_panels_in_a_lone_linear_give_the_bits_of_fixed_shares(isa):
-    """A linear outside the fused step (the head, prefill: csrc/decode_step.c f32_linear) with its
-    panels claimed in chunks or split in fixed ranges, on 2 threads: the same bits at any row count."""
+    """A linear outside the fused step (the head, prefill: csrc/decode_step.c f32_linear, qgemv.c
+    q_linear_x), fp32 or quantised, with its panels claimed in chunks or split in fixed ranges, on 2
+    threads: the same bits at any row count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         gen = torch.Generator().manual_seed(3)
-        linear = PackedLinear(
-            torch.randn(1000, 96, generator=gen), torch.randn(1000, generator=gen)
-        )
-        assert linear.panels is not None
-        for rows in (1, 5, 37):
-            x = torch.randn(rows, 96, generator=gen)
-            guided = linear(x)
-            fused_decode.set_guided(False)
-            try:
-                fixed = linear(x)
-            finally:
-                fused_decode.set_guided(True)
-            assert torch.equal(guided, fixed), rows
+        weight, bias = torch.randn(1000, 96, generator=gen), torch.randn(1000, generator=gen)
+        linears = [PackedLinear(weight, bias)]
+        assert linears[0].panels is not None
+        for name in ("int8", "int4-g32", "w8a8"):
+            linears.append(QuantLinear(quantize(weight, parse_tensor_scheme(name)), bias))
+            assert linears[-1].layout == "panel"
+        for linear in linears:
+            for rows in (1, 5, 37, 70):  # 70: q_linear_x rounds the rows split over the threads
+                x = torch.randn(rows, 96, generator=gen)
+                guided = linear(x)
+                fused_decode.set_guided(False)
+                try:
+                    fixed = linear(x)
+                finally:
+                    fused_decode.set_guided(True)
+                assert torch.equal(guided, fixed), (linear, rows)
     finally:
         torch.set_num_threads(threads)
 

@@ -410,7 +410,8 @@ void decode_set_guided(int enabled) { g_guided = enabled; }
  * least GUIDED_MIN_PANELS, claimed from the shared counter `next` into [*first, *first + *count);
  * 0 when none is left. Threads do not stream memory at the same speed, so the faster one takes more
  * (with fixed shares it waited for the other at the end of every linear). */
-static int claim_panels(atomic_llong *next, long long end, int nt, long long *first, long long *count) {
+int decode_guided(void) { return g_guided; }
+int decode_claim_panels(atomic_llong *next, long long end, int nt, long long *first, long long *count) {
     long long c = atomic_load_explicit(next, memory_order_relaxed);
     while (c < end) {
         long long k = (end - c) / (2 * nt);
@@ -426,7 +427,7 @@ static int claim_panels(atomic_llong *next, long long end, int nt, long long *fi
 }
 
 /* y [M, N] = x [M, K] W^T + b on the fp32 panel layout, any M; the panels claimed by the threads in
- * chunks (claim_panels; each chunk one contiguous stream), or split in fixed contiguous ranges
+ * chunks (decode_claim_panels; each chunk one contiguous stream), or split in fixed contiguous ranges
  * (decode_set_guided(0)). Each panel is computed by one thread either way: the same bits. */
 static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
     const int num_panels = (L->n + FPANEL - 1) / FPANEL, guided = g_guided;
@@ -435,7 +436,7 @@ static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         if (guided && nt > 1)
-            for (long long c, k; claim_panels(&next, num_panels, nt, &c, &k);)
+            for (long long c, k; decode_claim_panels(&next, num_panels, nt, &c, &k);)
                 f32_panels(L, x, M, y, isa, (int)c, (int)(c + k));
         else
             f32_panels(L, x, M, y, isa, num_panels * tid / nt, num_panels * (tid + 1) / nt);
@@ -538,7 +539,7 @@ static void linear_guided(const Linear *L, const float *x, int M, float *y, Acts
     const int64_t panels = (L->n + width - 1) / width, begin = *base, end = begin + panels;
     *base = end;
     if (!LIN_IS_FLOAT(L->kind)) quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
-    for (long long c, k; claim_panels(next, end, nt, &c, &k);) {
+    for (long long c, k; decode_claim_panels(next, end, nt, &c, &k);) {
         const int p0 = (int)(c - begin), p1 = (int)(c + k - begin);
         if (LIN_IS_FLOAT(L->kind)) f32_panels(L, x, M, y, isa, p0, p1);
         else q_linear_panels(L, acts, M, y, isa, p0, p1);

@@ -2,6 +2,7 @@
  * See docs/performance.md, "The fused decode step". */
 #ifndef KVSERVE_DECODE_STEP_H
 #define KVSERVE_DECODE_STEP_H
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define DECODE_MAX_ROWS 4
@@ -53,5 +54,9 @@ void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int 
 int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads);
 /* panels [p0, p1) of the same, on the calling thread (the fused step's one-region mode) */
 void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1);
+/* decode_step.c: whether linears hand their panels out in chunks (decode_set_guided), and the next
+ * chunk of a shared counter's [*next, end) for one of `nt` threads; 0 when none is left */
+int decode_guided(void);
+int decode_claim_panels(atomic_llong *next, long long end, int nt, long long *first, long long *count);
 
 #endif

@@ -675,7 +675,8 @@ int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int nu
         if (!alloc_acts(&acts[t], M, L->kp)) status = -2;
     if (status == 0) {
         const float tensor_max = L->act_mode == 2 ? tensor_abs_max(x, M, L->k, isa) : 0.f;
-        const int num_panels = (L->n + QPANEL - 1) / QPANEL;
+        const int num_panels = (L->n + QPANEL - 1) / QPANEL, guided = decode_guided();
+        atomic_llong next = 0; /* guided: the next unclaimed panel (decode_claim_panels) */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
         {
             const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
@@ -687,8 +688,14 @@ int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int nu
                               L->k, L->kp, L->act_mode, tensor_max, a, isa);
 #pragma omp barrier
             }
-            const int64_t p0 = (int64_t)num_panels * tid / nt, p1 = (int64_t)num_panels * (tid + 1) / nt;
-            panels_range(L, a, M, y, isa, (int)p0, (int)p1);
+            if (guided && nt > 1) {
+                for (long long c, k; decode_claim_panels(&next, num_panels, nt, &c, &k);)
+                    panels_range(L, a, M, y, isa, (int)c, (int)(c + k));
+            } else {
+                const int64_t p0 = (int64_t)num_panels * tid / nt;
+                const int64_t p1 = (int64_t)num_panels * (tid + 1) / nt;
+                panels_range(L, a, M, y, isa, (int)p0, (int)p1);
+            }
         }
     }
     for (int t = 0; acts && t < copies; t++) free_acts(&acts[t]);
