@@ -404,13 +404,13 @@ static void f32_panels(const Linear *L, const float *x, int M, float *y, int isa
 
 static int g_guided = 1; /* 0: each thread takes a fixed contiguous share of a linear's panels */
 void decode_set_guided(int enabled) { g_guided = enabled; }
+int decode_guided(void) { return g_guided; }
 #define GUIDED_MIN_PANELS 2
 
 /* Guided scheduling of panels: the next chunk of [*next, end), (what is left) / (2 nt) panels and at
  * least GUIDED_MIN_PANELS, claimed from the shared counter `next` into [*first, *first + *count);
  * 0 when none is left. Threads do not stream memory at the same speed, so the faster one takes more
  * (with fixed shares it waited for the other at the end of every linear). */
-int decode_guided(void) { return g_guided; }
 int decode_claim_panels(atomic_llong *next, long long end, int nt, long long *first, long long *count) {
     long long c = atomic_load_explicit(next, memory_order_relaxed);
     while (c < end) {
