@@ -351,7 +351,8 @@ def test_guided_panels_give_the_bits_of_fixed_shares(llama_dir, isa, quantizatio
 def test_guided_panels_in_a_lone_linear_give_the_bits_of_fixed_shares(isa):
     """A linear outside the fused step (the head, prefill: csrc/decode_step.c f32_linear, qgemv.c
     q_linear_x), fp32 or quantised, with its panels claimed in chunks or split in fixed ranges, on 2
-    threads: the same bits at any row count."""
+    threads: the same bits at any row count. (On the scalar level fp32 inputs above 4 rows go to
+    oneDNN, on both sides; the quantised panels take every row count on every level.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
