@@ -11,11 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 
 def free_port() -> int:
@@ -86,6 +88,28 @@ def running_server(
                 process.wait()
         if log_path:
             log.close()
+
+
+class NotifyingServer(uvicorn.Server):
+    """uvicorn's server that sets `listening` once its sockets accept connections, so a test that runs
+    it in a thread waits on that event instead of polling the port."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = threading.Event()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.should_exit:  # a failed bind sets should_exit (or exits the thread)
+            self.listening.set()
+
+    def start_in_thread(self, timeout_s: float = 10.0, **run_kwargs) -> threading.Thread:
+        """server.run(**run_kwargs) in a daemon thread, returned once it listens (else an error)."""
+        thread = threading.Thread(target=self.run, kwargs=run_kwargs, daemon=True)
+        thread.start()
+        if not self.listening.wait(timeout_s):
+            raise RuntimeError(f"server did not start listening within {timeout_s} s")
+        return thread
 
 
 def wait_until(predicate, timeout_s: float = 10.0, interval_s: float = 0.05):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.llm_engine import LLMEngine
-from tests.server_utils import free_port, running_server, wait_until
+from tests.server_utils import NotifyingServer, free_port, running_server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -134,18 +133,17 @@ def test_ready_is_503_while_loading(gpt2_model_dir):
 
     app = build_app(slow_factory, ServingOptions(served_model_name="m"))
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    server = NotifyingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = server.start_in_thread()
     url = f"http://127.0.0.1:{port}"
     try:
-        assert wait_until(lambda: _status(f"{url}/health") == 200)
+        assert httpx.get(f"{url}/health").status_code == 200
         loading = httpx.get(f"{url}/ready")
         assert loading.status_code == 503 and loading.json()["status"] == "loading"
         busy = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
         assert busy.status_code == 503 and busy.json()["error"]["type"] == "service_unavailable"
         release.set()
-        assert wait_until(lambda: _status(f"{url}/ready") == 200, timeout_s=60)
+        assert wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, timeout_s=60)
         ready = httpx.get(f"{url}/ready").json()
         assert ready["model"] == "m" and len(ready["manifest_sha256"]) == 64
         assert ready["kv_free_blocks"] == ready["kv_total_blocks"] == 64
@@ -156,11 +154,3 @@ def test_ready_is_503_while_loading(gpt2_model_dir):
         release.set()
         server.should_exit = True
         thread.join(30)
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=2).status_code
-    except httpx.HTTPError:
-        time.sleep(0.1)
-        return None
