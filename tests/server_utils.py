@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -42,8 +43,9 @@ def running_server(
     log_path: Path | None = None,
     env: dict[str, str] | None = None,
 ):
-    """Yields (base_url, process). Stops it with SIGTERM, then SIGKILL if it lingers. `env`: the
-    server's whole environment (default: this process's)."""
+    """Yields (base_url, process) once the server says it is ready (`--ready-fd`). Stops it with
+    SIGTERM, then SIGKILL if it lingers. `env`: the server's whole environment (default: this
+    process's)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -62,32 +64,75 @@ def running_server(
     ]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
     env = {**(os.environ if env is None else env), "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
+    with ReadyPipe() as ready:
+        cmd += ["--ready-fd", str(ready.write_fd)]
+        process = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, pass_fds=(ready.write_fd,)
+        )
+        ready.handed_over()
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            line = ready.line(timeout_s)
+            if line != f"ready {base_url}":
+                detail = f"{process.returncode}" if process.poll() is not None else "running"
+                raise RuntimeError(
+                    f"server not ready ({line!r}, process {detail}): {' '.join(cmd)}"
+                )
+            yield base_url, process
+        finally:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+            if log_path:
+                log.close()
+
+
+class ReadyPipe:
+    """A pipe for `kvserve serve --ready-fd`: pass `write_fd` to the server (`pass_fds`), then call
+    `handed_over()` to close this process's copy, so that the server holds the only write end and its
+    exit reads as end of file; `line(timeout_s)` is the line it writes. Each end is closed exactly once:
+    a number closed twice may by then belong to another thread (an in-thread server's event loop)."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        self._open = {self.read_fd, self.write_fd}
+
+    def _close(self, fd: int) -> None:
+        if fd in self._open:
+            self._open.discard(fd)
+            os.close(fd)
+
+    def handed_over(self) -> None:
+        self._close(self.write_fd)
+
+    def line(self, timeout_s: float) -> str:
+        """`ready URL` or `failed: REASON`; "" when the server exited first (end of file). Blocks in
+        select() until data, end of file or the deadline (then a TimeoutError)."""
+        data = b""
         deadline = time.monotonic() + timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}: {' '.join(cmd)}")
-            try:
-                if httpx.get(f"{base_url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
+        while not data.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.read_fd], [], [], left)[0]:
                 raise TimeoutError(f"server not ready after {timeout_s} s")
-            time.sleep(0.2)
-        yield base_url, process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if log_path:
-            log.close()
+            chunk = os.read(self.read_fd, 4096)
+            if not chunk:
+                break  # end of file: the server exited (or closed it) without a line
+            data += chunk
+        return data.decode().strip()
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            self._close(fd)
+
+    def __enter__(self) -> ReadyPipe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class NotifyingServer(uvicorn.Server):

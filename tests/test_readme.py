@@ -16,14 +16,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server_utils import free_port
+from tests.server_utils import ReadyPipe, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -120,34 +119,43 @@ def env(workdir) -> dict[str, str]:
 
 
 class Server:
+    """The README's serve command, as written, with a port and `--ready-fd` appended: `wait_ready`
+    blocks on the line the server writes there once it listens with its model warmed up."""
+
     def __init__(self, block: Block, env: dict[str, str], cwd: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = cwd / f"server-{self.port}.log"
-        command = f"{block.code.strip()} --port {self.port} --log-level warning"
-        with open(self.log, "w") as log:
-            self.process = subprocess.Popen(
-                ["bash", "-c", f"exec {command}"],
-                cwd=cwd,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.ready = ReadyPipe()
+        command = (
+            f"{block.code.strip()} --port {self.port} --log-level warning "
+            f"--ready-fd {self.ready.write_fd}"
+        )
+        try:
+            with open(self.log, "w") as log:
+                self.process = subprocess.Popen(
+                    ["bash", "-c", f"exec {command}"],
+                    cwd=cwd,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    pass_fds=(self.ready.write_fd,),
+                )
+        finally:
+            self.ready.handed_over()  # the server holds the only write end
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"not ready after {timeout_s} s: {self.log.read_text()[-3000:]}")
+        try:
+            line = self.ready.line(timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"not ready after {timeout_s} s: {self.log.read_text()[-3000:]}"
+            ) from None
+        assert line == f"ready {self.url}", f"{line!r}: {self.log.read_text()[-3000:]}"
 
     def stop(self) -> None:
+        self.ready.close()
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import threading
 from pathlib import Path
 
 from kvserve.engine.args import MODEL_HELP, EngineArgs
@@ -112,6 +114,15 @@ def register(subparsers) -> None:
         help="on SIGTERM, seconds to let in-flight requests finish; then each gets an error",
     )
     parser.add_argument(
+        "--ready-fd",
+        type=int,
+        default=None,
+        metavar="FD",
+        help="once the server listens and its model is loaded and warmed up, write one line `ready "
+        "URL` to this inherited file descriptor (`failed: REASON` if the load failed) and close it: "
+        "a supervisor or script waits on it instead of polling /ready",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -157,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    notice = ReadyNotice(args.ready_fd, args.host)  # a bad descriptor fails before any work
     if args.model and args.model_option and args.model != args.model_option:
         raise InvalidRequestError(
             f"two models given: {args.model!r} and --model {args.model_option!r}", "model"
@@ -215,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
         api_keys=parse_api_keys(args.api_key),
         engine_options=options,
         on_fatal=lambda: holder["server"].request_exit(),
+        on_loaded=notice.loaded,
     )
     state = app.state.kvserve
     server = _Server(
@@ -227,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         ),
         state,
         args.grace_period,
+        notice,
     )
     holder["server"] = server
     server.run()
@@ -240,10 +254,15 @@ class _Server:
     open requests may finish; at its end each is cut with an error), and the signal is not re-raised at
     exit, so a clean drain exits 0."""
 
-    def __new__(cls, config, state, grace_period_s: float):
+    def __new__(cls, config, state, grace_period_s: float, notice: ReadyNotice):
         import uvicorn
 
         class Server(uvicorn.Server):
+            async def startup(self, sockets=None) -> None:
+                await super().startup(sockets=sockets)
+                if not self.should_exit:  # a failed bind exits instead
+                    notice.listening(self.servers[0].sockets[0].getsockname()[1])
+
             def handle_exit(self, sig, frame) -> None:
                 if self.should_exit and sig == signal.SIGINT:
                     self.force_exit = True  # a second Ctrl-C: stop now
@@ -256,3 +275,56 @@ class _Server:
                 self.should_exit = True
 
         return Server(config)
+
+
+class ReadyNotice:
+    """`--ready-fd FD`, a readiness notification (as s6's): one line to the inherited descriptor FD once
+    both have happened, the server listens and its model is loaded and warmed up (`ready URL`, with the
+    port it bound), or at once if the load failed (`failed: REASON`; the process stays up for
+    inspection, as /ready says), then FD is closed. If the process dies first, the reader sees end of
+    file. A waiting program blocks on one read instead of polling /ready."""
+
+    def __init__(self, fd: int | None, host: str) -> None:
+        from kvserve.core.errors import InvalidRequestError
+
+        if fd is not None:
+            try:
+                os.fstat(fd)
+            except OSError as exc:
+                raise InvalidRequestError(
+                    f"--ready-fd {fd} is not an open file descriptor ({exc.strerror})", "ready_fd"
+                ) from None
+            os.set_inheritable(fd, False)  # engine-core children must not hold it open
+        self.fd, self.host = fd, host
+        self.port: int | None = None
+        self.load: tuple[str | None] | None = None  # (error or None,) once the load ended
+        self.lock = threading.Lock()
+
+    def listening(self, port: int) -> None:
+        with self.lock:
+            self.port = port
+            self._send()
+
+    def loaded(self, error: str | None) -> None:
+        with self.lock:
+            self.load = (error,)
+            self._send()
+
+    def _send(self) -> None:
+        if self.fd is None or self.load is None:
+            return
+        (error,) = self.load
+        if error is not None:
+            line = "failed: " + " ".join(error.split())  # one line
+        elif self.port is not None:
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            line = f"ready http://{host}:{self.port}"
+        else:
+            return  # loaded, not yet listening
+        fd, self.fd = self.fd, None
+        try:
+            os.write(fd, (line + "\n").encode())
+        except OSError:  # the reader went away: nobody to tell
+            pass
+        finally:
+            os.close(fd)

@@ -66,6 +66,8 @@ class ServerState:
     metering: Metering | None = None
     loop: asyncio.AbstractEventLoop | None = None
     on_fatal: Callable[[], None] | None = None
+    # called once from the loader thread: None when the model is loaded and warmed up, else the error
+    on_loaded: Callable[[str | None], None] | None = None
     num_cut_at_shutdown: int = 0
 
     @property
@@ -131,6 +133,8 @@ def _load(state: ServerState, client_factory: Callable[[], EngineClient]) -> Non
         state.engine = client
         if client.dead:  # died while we were wiring it up
             on_dead(client.dead_reason)
+            if state.on_loaded is not None:
+                state.on_loaded(f"engine died: {client.dead_reason}")
             return
         client.warm_up()  # one tiny request through the real path on every core
         state.serving = OpenAIServing(
@@ -146,6 +150,8 @@ def _load(state: ServerState, client_factory: Callable[[], EngineClient]) -> Non
     except Exception as exc:  # reported by /ready; the process stays up for inspection
         logger.exception("model load failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
+    if state.on_loaded is not None:
+        state.on_loaded(state.load_error)
 
 
 def build_app(
@@ -155,12 +161,19 @@ def build_app(
     engine_options: dict | None = None,
     *,
     on_fatal: Callable[[], None] | None = None,
+    on_loaded: Callable[[str | None], None] | None = None,
 ) -> FastAPI:
-    """The app over the engine client `client_factory()` builds (in a background thread, at start)."""
+    """The app over the engine client `client_factory()` builds (in a background thread, at start).
+    `on_loaded(None)` is called from that thread once the model is loaded and warmed up (/ready turns
+    200), `on_loaded(error)` if the load failed."""
     keys = tuple(k for k in api_keys if isinstance(k, ApiKey))
     keys += parse_api_keys([k for k in api_keys if not isinstance(k, ApiKey)])
     state = ServerState(
-        options=options, keys=KeyRing(keys), engine_options=engine_options or {}, on_fatal=on_fatal
+        options=options,
+        keys=KeyRing(keys),
+        engine_options=engine_options or {},
+        on_fatal=on_fatal,
+        on_loaded=on_loaded,
     )
     state.metrics = ServerMetrics(
         lambda: state.engine.stats if state.engine else None,
