@@ -27,14 +27,9 @@ from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c")
-)
-_HEADERS = tuple(
-    Path(__file__).parent / "csrc" / name
-    for name in ("decode_step.h", "paged_attention.h", "vexp.h", "half.h")
-)
+SOURCE_DIR = Path(__file__).parent / "csrc"
+_SOURCES = ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c")
+_HEADERS = ("decode_step.h", "paged_attention.h", "vexp.h", "half.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
 
@@ -61,13 +56,23 @@ def _cache_dir() -> Path:
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None when it cannot be built here (reason logged)."""
+    return build_kernel(SOURCE_DIR)
+
+
+def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
+    """The library built from the C files in `source_dir` (the package's csrc/, or a modified copy
+    with the same file names and the same structs: benchmarks/ab_switch.py loads two builds side by
+    side to compare a change in one process), cached by the sources' hash; None when it cannot be
+    built here (reason logged). A library is loaded with RTLD_LOCAL, so two builds' functions do not
+    interpose each other."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning(
             "no C compiler found: CPU decode attention uses the torch backend (gathers KV)"
         )
         return None
-    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    sources = tuple(source_dir / name for name in _SOURCES)
+    source = b"".join(p.read_bytes() for p in sources + tuple(source_dir / h for h in _HEADERS))
     key = source + " ".join((compiler, *_FLAGS)).encode() + _cpu_identity()
     digest = hashlib.sha256(key).hexdigest()[:16]
     path = _cache_dir() / f"kvserve_cpu-{digest}.so"
@@ -76,7 +81,7 @@ def load_kernel() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
             result = subprocess.run(
-                [compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"],
+                [compiler, *_FLAGS, "-o", str(built), *map(str, sources), "-lm"],
                 capture_output=True,
                 text=True,
             )
