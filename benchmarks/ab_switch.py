@@ -10,7 +10,8 @@ Switches (A / B):
   team                 the step forks and joins per linear / one parallel region for the whole step
   isa:LEVEL,LEVEL      the kernels capped at an ISA level (scalar, avx2, avx512), e.g. isa:avx2,avx512
   sources:DIR          the package's C sources / the C files in DIR, a modified copy of
-                       kvserve/model/csrc with the same structs (both builds loaded side by side)
+                       kvserve/model/csrc with the same structs (both builds loaded side by side);
+                       sources:DIR_A,DIR_B compares two such copies
 
 Targets:
   step    the fused decode step, on inputs captured from a real batch (`--batch` rows at `--context`)
@@ -81,16 +82,24 @@ class Switch:
             self.labels = tuple(levels)
             self._restore = fused_decode.reset_isa
         elif name == "sources":
-            other = cpu_kernels.build_kernel(Path(arg))
-            if other is None:
-                raise SystemExit(f"the C files in {arg} did not build (see the log above)")
+            dirs = arg.split(",")
+            if len(dirs) == 1:
+                dirs.insert(0, "")  # A: the package's own build
+            libs = []
+            for d in dirs:
+                lib = self.lib if not d else cpu_kernels.build_kernel(Path(d))
+                if lib is None:
+                    raise SystemExit(f"the C files in {d} did not build (see the log above)")
+                libs.append(lib)
             # every caller looks the library up through cpu_kernels.load_kernel at call time
-            self.sides = {"a": lambda: setattr(cpu_kernels, "load_kernel", self.loader),
-                          "b": lambda: setattr(cpu_kernels, "load_kernel", lambda: other)}  # fmt: skip
-            self.labels = ("package sources", f"sources in {arg}")
-            self._restore = self.sides["a"]
+            self.sides = {side: (lambda lib=lib: setattr(cpu_kernels, "load_kernel", lambda: lib))
+                          for side, lib in zip("ab", libs, strict=True)}  # fmt: skip
+            self.labels = tuple(f"sources in {d}" if d else "package sources" for d in dirs)
+            self._restore = lambda: setattr(cpu_kernels, "load_kernel", self.loader)
         else:
-            raise SystemExit(f"unknown switch {spec!r} (guided, team, isa:A,B, sources:DIR)")
+            raise SystemExit(
+                f"unknown switch {spec!r} (guided, team, isa:A,B, sources:[DIR_A,]DIR_B)"
+            )
 
     def apply(self, side: str) -> None:
         self.sides[side]()
@@ -135,7 +144,9 @@ def capture(llm, prompts, params) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="checkpoint directory")
-    parser.add_argument("--switch", required=True, help="guided, team, isa:A,B or sources:DIR")
+    parser.add_argument(
+        "--switch", required=True, help="guided, team, isa:A,B or sources:[DIR_A,]DIR_B"
+    )
     parser.add_argument("--target", choices=["step", "head", "decode"], default="step")
     parser.add_argument("--batch", type=int, default=1, help="rows (requests) in the step")
     parser.add_argument("--context", type=int, default=32, help="prompt tokens per row")

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from itertools import product
 from pathlib import Path
 
 import pytest
@@ -87,27 +88,38 @@ def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
     """The fp32 panel GEMV / GEMM (csrc/decode_step.c) against an fp64 product within the bound of
     recursive summation, for N not a multiple of the 16-column panel (1, 37, 50) and odd K (1, 77,
     129), 1-4 rows (one tile) and 5, 7, 16, 40 rows (row tiles of 6 and their remainders), 13 panels
-    (200: the AVX-512 tiles of 4, 2 and 1 panels side by side); and the scalar path gives the same
-    bits as the vector ones (one fmaf per input, in order, then the bias)."""
+    (200: the AVX-512 tiles of 4, 2 and 1 panels side by side) and 63 (1000, a partial last panel:
+    the AVX2 few-row tiles' groups of 4 and pairs, on one thread and on two); and the scalar path
+    gives the same bits as the vector ones (one fmaf per input, in order, then the bias)."""
     gen = torch.Generator().manual_seed(5)
-    for n, k in [(1, 1), (37, 77), (50, 129), (64, 576), (200, 33)]:
-        w = torch.randn(n, k, generator=gen)
-        b = torch.randn(n, generator=gen) if bias else None
-        linear = PackedLinear(w, b)
-        assert linear.panels.shape == (-(-n // 16), k, 16)
-        for m in [*range(1, fused_decode.max_rows() + 1), 5, 7, 16, 40]:
-            x = torch.randn(m, k, generator=gen)
-            expected = x.double() @ w.double().T + (0 if b is None else b.double())
-            got = fused_decode.small_linear(linear._desc, x)
-            if isa != "scalar" or m <= fused_decode.max_rows():  # beyond: oneDNN on the scalar ISA
-                assert torch.equal(linear(x), got)  # the module runs this GEMM at any row count
-            # recursive summation: |error| <= K u sum |x w| (+ the bias add's rounding), u = 2^-24
-            bound = (k + 1) * 2.0**-24 * (x.double().abs() @ w.double().abs().T + expected.abs())
-            assert ((got.double() - expected).abs() <= bound + 1e-12).all(), f"{n}x{k}, {m} rows"
-            fused_decode.set_max_isa("scalar")
-            scalar = fused_decode.small_linear(linear._desc, x)
-            fused_decode.set_max_isa(isa)
-            assert torch.equal(got, scalar), f"{n}x{k}, {m} rows: {isa} and scalar differ"
+    threads = torch.get_num_threads()
+    try:
+        for (n, k), num_threads in product(
+            [(1, 1), (37, 77), (50, 129), (64, 576), (200, 33), (1000, 65)], [1, threads]
+        ):
+            torch.set_num_threads(num_threads)
+            w = torch.randn(n, k, generator=gen)
+            b = torch.randn(n, generator=gen) if bias else None
+            linear = PackedLinear(w, b)
+            assert linear.panels.shape == (-(-n // 16), k, 16)
+            for m in [*range(1, fused_decode.max_rows() + 1), 5, 7, 16, 40]:
+                x = torch.randn(m, k, generator=gen)
+                expected = x.double() @ w.double().T + (0 if b is None else b.double())
+                got = fused_decode.small_linear(linear._desc, x)
+                # beyond max_rows on the scalar ISA the module runs oneDNN
+                if isa != "scalar" or m <= fused_decode.max_rows():
+                    assert torch.equal(linear(x), got)  # the module runs this GEMM at any row count
+                # recursive summation: |error| <= K u sum |x w| (+ the bias add's rounding), u = 2^-24
+                sum_abs = x.double().abs() @ w.double().abs().T + expected.abs()
+                bound = (k + 1) * 2.0**-24 * sum_abs
+                error = (got.double() - expected).abs()
+                assert (error <= bound + 1e-12).all(), f"{n}x{k}, {m} rows"
+                fused_decode.set_max_isa("scalar")
+                scalar = fused_decode.small_linear(linear._desc, x)
+                fused_decode.set_max_isa(isa)
+                assert torch.equal(got, scalar), f"{n}x{k}, {m} rows: {isa} and scalar differ"
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel
