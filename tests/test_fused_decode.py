@@ -88,14 +88,15 @@ def test_fp32_panels_equal_fp64_product_and_scalar_bits(isa, bias):
     """The fp32 panel GEMV / GEMM (csrc/decode_step.c) against an fp64 product within the bound of
     recursive summation, for N not a multiple of the 16-column panel (1, 37, 50) and odd K (1, 77,
     129), 1-4 rows (one tile) and 5, 7, 16, 40 rows (row tiles of 6 and their remainders), 13 panels
-    (200: the AVX-512 tiles of 4, 2 and 1 panels side by side) and 63 (1000, a partial last panel:
-    the AVX2 few-row tiles' groups of 4 and pairs, on one thread and on two); and the scalar path
-    gives the same bits as the vector ones (one fmaf per input, in order, then the bias)."""
+    (200: the AVX-512 tiles of 4, 2 and 1 panels side by side) and 64 (1016: the AVX2 few-row
+    tiles' groups of 4 and pairs, the partial last panel inside the last group on one thread; on two
+    threads, inside whichever chunk claims it); and the scalar path gives the same bits as the vector
+    ones (one fmaf per input, in order, then the bias)."""
     gen = torch.Generator().manual_seed(5)
     threads = torch.get_num_threads()
     try:
         for (n, k), num_threads in product(
-            [(1, 1), (37, 77), (50, 129), (64, 576), (200, 33), (1000, 65)], [1, threads]
+            [(1, 1), (37, 77), (50, 129), (64, 576), (200, 33), (1016, 65)], [1, 2]
         ):
             torch.set_num_threads(num_threads)
             w = torch.randn(n, k, generator=gen)
@@ -601,7 +602,8 @@ def test_bf16_exact_weights_take_bf16_panels_with_the_fp32_bits(isa, monkeypatch
     half the bytes; every row count gives the bits the fp32 panels of the same values give (the
     kernels widen each weight exactly); any other weight keeps fp32 panels."""
     gen = torch.Generator().manual_seed(11)
-    for n, k in [(37, 77), (200, 33), (64, 576)]:
+    # 120: 8 panels, the partial last one inside the AVX2 one-row group of 4
+    for n, k in [(37, 77), (200, 33), (64, 576), (120, 33)]:
         w = torch.randn(n, k, generator=gen).bfloat16().float()
         b = torch.randn(n, generator=gen)
         linear = PackedLinear(w, b)

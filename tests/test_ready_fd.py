@@ -87,3 +87,12 @@ def test_a_descriptor_that_is_not_open_is_refused(gpt2_model_dir):
     )  # fmt: skip
     assert result.returncode == 2
     assert f"--ready-fd {fd} is not an open file descriptor" in result.stderr
+
+
+def test_a_standard_stream_is_refused(gpt2_model_dir):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", str(gpt2_model_dir), "--ready-fd", "1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--ready-fd 1 is a standard stream" in result.stderr

@@ -279,15 +279,21 @@ class _Server:
 
 class ReadyNotice:
     """`--ready-fd FD`, a readiness notification (as s6's): one line to the inherited descriptor FD once
-    both have happened, the server listens and its model is loaded and warmed up (`ready URL`, with the
-    port it bound), or at once if the load failed (`failed: REASON`; the process stays up for
-    inspection, as /ready says), then FD is closed. If the process dies first, the reader sees end of
-    file. A waiting program blocks on one read instead of polling /ready."""
+    the server listens and its model load has ended: `ready URL` (the address it bound, with its
+    port) when the model is loaded and warmed up, `failed: REASON` when the load failed (the process
+    stays up for inspection, as /ready says; an engine that died exits). Then FD is closed. If the
+    process exits first, the reader sees end of file. A waiting program blocks on one read instead of
+    polling /ready."""
 
     def __init__(self, fd: int | None, host: str) -> None:
         from kvserve.core.errors import InvalidRequestError
 
         if fd is not None:
+            if fd < 3:  # closing stdin / stdout / stderr would hand its number to the next socket
+                raise InvalidRequestError(
+                    f"--ready-fd {fd} is a standard stream; pass a descriptor of 3 or more",
+                    "ready_fd",
+                )
             try:
                 os.fstat(fd)
             except OSError as exc:
@@ -311,16 +317,14 @@ class ReadyNotice:
             self._send()
 
     def _send(self) -> None:
-        if self.fd is None or self.load is None:
-            return
+        if self.fd is None or self.load is None or self.port is None:
+            return  # both must have happened: a reader may probe /ready at once
         (error,) = self.load
         if error is not None:
-            line = "failed: " + " ".join(error.split())  # one line
-        elif self.port is not None:
+            line = "failed: " + " ".join(error.split())[:1000]  # one line, short
+        else:
             host = f"[{self.host}]" if ":" in self.host else self.host
             line = f"ready http://{host}:{self.port}"
-        else:
-            return  # loaded, not yet listening
         fd, self.fd = self.fd, None
         try:
             os.write(fd, (line + "\n").encode())

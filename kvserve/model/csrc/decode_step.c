@@ -248,9 +248,11 @@ static void f32_panel_avx2(const Linear *L, const float *x, int M, float *y, int
  * per thread: the core keeps too few lines in flight. NP panels side by side are NP streams, each
  * prefetched 16 lines ahead. Tiles of R rows (1-3) x NP panels (2 or 4), R x NP <= 6 (two
  * accumulators per panel and row, 12 at most); each column's sum still runs over k in order from 0,
- * so the bits are those of one panel at a time. Measured on a Zen 3 (benchmarks/ab_switch.py, 30
- * alternations, batch-1 fp32 step): 2 panels 1.058x, 4 panels 1.137x (29 of 30), 6 panels 0.96x of 4.
- * At 4 rows, pairs in tiles of 3 + 1 rows were 1.06x; at 6 rows one 6-row tile of one panel wins. */
+ * so the bits are those of one panel at a time. Measured on a Zen 3 against one panel at a time
+ * (benchmarks/ab_switch.py, 30 alternations, batch-1 fp32 step; docs/performance.md "The fp32 panel
+ * GEMM"): 2 panels 1.058x, 4 panels 1.137x (29 of 30), 6 panels 0.96x of 4. At 4 rows pairs in tiles
+ * of 3 + 1 rows were 1.01-1.06x (not significant: kept, they lose nothing); at 6 rows one 6-row tile
+ * of one panel wins (pairs 0.91x). */
 #define F32_FEW_ROWS 4
 INL void f32_multi_tile(const Linear *L, const float *x, float *y, int p, const int NP, int m0,
                         const int R, int prefetch, const int bf16) {
@@ -265,37 +267,34 @@ INL void f32_multi_tile(const Linear *L, const float *x, float *y, int p, const 
     c10 = c11 = c12 = c13 = c20 = c21 = c22 = c23 = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
         const int64_t wk = wbase + (int64_t)k * FPANEL;
-        __m256 w0, w1, w2 = _mm256_setzero_ps(), w3 = w2, w4 = w2, w5 = w2, w6 = w2, w7 = w2;
-#define F32_PF(q) \
-    if (prefetch) _mm_prefetch(wbytes + (wk + (q) * pstride + F32_PREFETCH_LINES * FPANEL) * wsize, _MM_HINT_T0)
-        F32_PF(0);
-        F32_PF(1);
-        w0 = load_w8(L->w, wk, bf16), w1 = load_w8(L->w, wk + 8, bf16);
-        w2 = load_w8(L->w, wk + pstride, bf16), w3 = load_w8(L->w, wk + pstride + 8, bf16);
-        if (NP > 2) {
-            F32_PF(2);
-            F32_PF(3);
-            w4 = load_w8(L->w, wk + 2 * pstride, bf16), w5 = load_w8(L->w, wk + 2 * pstride + 8, bf16);
-            w6 = load_w8(L->w, wk + 3 * pstride, bf16), w7 = load_w8(L->w, wk + 3 * pstride + 8, bf16);
-        }
-#undef F32_PF
-        {
+        for (int q = 0; q < NP; q++)
+            if (prefetch)
+                _mm_prefetch(wbytes + (wk + q * pstride + F32_PREFETCH_LINES * FPANEL) * wsize,
+                             _MM_HINT_T0);
+        /* panel by panel: its two vectors (widened, for bf16) are used by every row at once, so at
+         * most two weight vectors are live beside the 8-12 accumulators (16 registers in all) */
+        if (NP > 2) { /* one row, four panels */
             const __m256 xb = _mm256_broadcast_ss(xr + k);
-            c00 = _mm256_fmadd_ps(xb, w0, c00), c01 = _mm256_fmadd_ps(xb, w1, c01);
-            c02 = _mm256_fmadd_ps(xb, w2, c02), c03 = _mm256_fmadd_ps(xb, w3, c03);
-            if (NP > 2) {
-                c04 = _mm256_fmadd_ps(xb, w4, c04), c05 = _mm256_fmadd_ps(xb, w5, c05);
-                c06 = _mm256_fmadd_ps(xb, w6, c06), c07 = _mm256_fmadd_ps(xb, w7, c07);
-            }
+            c00 = _mm256_fmadd_ps(xb, load_w8(L->w, wk, bf16), c00);
+            c01 = _mm256_fmadd_ps(xb, load_w8(L->w, wk + 8, bf16), c01);
+            c02 = _mm256_fmadd_ps(xb, load_w8(L->w, wk + pstride, bf16), c02);
+            c03 = _mm256_fmadd_ps(xb, load_w8(L->w, wk + pstride + 8, bf16), c03);
+            c04 = _mm256_fmadd_ps(xb, load_w8(L->w, wk + 2 * pstride, bf16), c04);
+            c05 = _mm256_fmadd_ps(xb, load_w8(L->w, wk + 2 * pstride + 8, bf16), c05);
+            c06 = _mm256_fmadd_ps(xb, load_w8(L->w, wk + 3 * pstride, bf16), c06);
+            c07 = _mm256_fmadd_ps(xb, load_w8(L->w, wk + 3 * pstride + 8, bf16), c07);
+            continue;
         }
-#define F32_MULTI_ROW(r)                                                                        \
-    if (NP == 2 && R > r) {                                                                     \
+#define F32_PAIR_ROW(r, a, b)                                                                   \
+    if (R > r) {                                                                                \
         const __m256 xb = _mm256_broadcast_ss(xr + (int64_t)(r) * K + k);                       \
-        c##r##0 = _mm256_fmadd_ps(xb, w0, c##r##0), c##r##1 = _mm256_fmadd_ps(xb, w1, c##r##1); \
-        c##r##2 = _mm256_fmadd_ps(xb, w2, c##r##2), c##r##3 = _mm256_fmadd_ps(xb, w3, c##r##3); \
+        c##r##a = _mm256_fmadd_ps(xb, w0, c##r##a), c##r##b = _mm256_fmadd_ps(xb, w1, c##r##b); \
     }
-        F32_MULTI_ROW(1) F32_MULTI_ROW(2)
-#undef F32_MULTI_ROW
+        __m256 w0 = load_w8(L->w, wk, bf16), w1 = load_w8(L->w, wk + 8, bf16);
+        F32_PAIR_ROW(0, 0, 1) F32_PAIR_ROW(1, 0, 1) F32_PAIR_ROW(2, 0, 1)
+        w0 = load_w8(L->w, wk + pstride, bf16), w1 = load_w8(L->w, wk + pstride + 8, bf16);
+        F32_PAIR_ROW(0, 2, 3) F32_PAIR_ROW(1, 2, 3) F32_PAIR_ROW(2, 2, 3)
+#undef F32_PAIR_ROW
     }
     const int n0 = p * FPANEL;
 #define F32_MULTI_OUT(r, q, a, b)                                                               \
