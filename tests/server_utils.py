@@ -35,6 +35,12 @@ def engine_core_args() -> tuple[str, ...]:
     return ("--engine-core", engine_core_mode())
 
 
+def serve_command(model_dir: str | Path, port: int, *args: str) -> list[str]:
+    """`kvserve serve MODEL` on 127.0.0.1:`port` through this interpreter, then `args`."""
+    return [sys.executable, "-m", "kvserve.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), *args]  # fmt: skip
+
+
 @contextlib.contextmanager
 def running_server(
     model_dir: str | Path,
@@ -47,21 +53,7 @@ def running_server(
     SIGTERM, then SIGKILL if it lingers. `env`: the server's whole environment (default: this
     process's)."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvserve.cli",
-        "serve",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        *engine_core_args(),
-        *args,
-    ]
+    cmd = serve_command(model_dir, port, "--log-level", "warning", *engine_core_args(), *args)
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
     env = {**(os.environ if env is None else env), "TOKENIZERS_PARALLELISM": "false"}
     with ReadyPipe() as ready:

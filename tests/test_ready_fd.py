@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from tests.server_utils import ReadyPipe, free_port, running_server
+from tests.server_utils import ReadyPipe, free_port, running_server, serve_command
 
 pytestmark = pytest.mark.slow
 
@@ -22,9 +22,8 @@ SMALL = ("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--engine-core"
 
 def _serve(model_dir, ready: ReadyPipe, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "kvserve.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warning", "--ready-fd", str(ready.write_fd),
-           *args]  # fmt: skip
+    cmd = serve_command(model_dir, port, "--log-level", "warning", "--ready-fd", str(ready.write_fd),
+                        *args)  # fmt: skip
     process = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(ready.write_fd,), text=True
     )

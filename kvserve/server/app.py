@@ -108,6 +108,7 @@ class ServerState:
 
 
 def _load(state: ServerState, client_factory: Callable[[], EngineClient]) -> None:
+    outcome = "the load did not finish"  # for state.on_loaded: None once ready, else why not
     try:
         client = client_factory()
         info = client.info
@@ -133,8 +134,7 @@ def _load(state: ServerState, client_factory: Callable[[], EngineClient]) -> Non
         state.engine = client
         if client.dead:  # died while we were wiring it up
             on_dead(client.dead_reason)
-            if state.on_loaded is not None:
-                state.on_loaded(f"engine died: {client.dead_reason}")
+            outcome = f"engine died: {client.dead_reason}"
             return
         client.warm_up()  # one tiny request through the real path on every core
         state.serving = OpenAIServing(
@@ -147,11 +147,13 @@ def _load(state: ServerState, client_factory: Callable[[], EngineClient]) -> Non
         logger.info(
             "ready: %s (manifest %s)", state.options.served_model_name, state.manifest_sha256
         )
+        outcome = None
     except Exception as exc:  # reported by /ready; the process stays up for inspection
         logger.exception("model load failed")
-        state.load_error = f"{type(exc).__name__}: {exc}"
-    if state.on_loaded is not None:
-        state.on_loaded(state.load_error)
+        state.load_error = outcome = f"{type(exc).__name__}: {exc}"
+    finally:
+        if state.on_loaded is not None:
+            state.on_loaded(outcome)
 
 
 def build_app(
