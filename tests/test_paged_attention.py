@@ -120,6 +120,55 @@ def test_the_cut_into_items_does_not_change_the_bits(isa, kind):
     )
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8, 12])
+def test_every_q_heads_per_kv_head_against_float64(isa, group):
+    """The AVX2 scores take a position's row once for all q heads of each kv head, with code built for
+    1-8 q heads per kv head (more: a q head at a time). Each group size, head dims 8 and 72, a tail
+    group of positions and several splits, against a float64 SDPA; and the bits do not depend on the
+    cut into items (1, 2 and 8 threads: whole rows of kv heads, one kv head, q-head chunks)."""
+    if isa not in fused_decode.available_isas():
+        pytest.skip(f"this CPU (or build) has no {isa}")
+    kv_heads, block_size, contexts = 2, 16, [13, 517]
+    for head_dim in (8, 72):
+        gen = torch.Generator().manual_seed(10 * group + head_dim)
+        num_blocks = sum(-(-c // block_size) for c in contexts) + 2
+        _, (cache,) = allocate_layers(1, num_blocks, block_size, kv_heads, head_dim, torch.float32,
+                                      "auto", torch.device("cpu"))  # fmt: skip
+        blocks = torch.randperm(num_blocks, generator=gen).tolist()
+        chunks, keys, values = [], [], []
+        for context in contexts:
+            ids, blocks = blocks[: -(-context // block_size)], blocks[-(-context // block_size) :]
+            meta = build_attention_metadata([(0, context, ids)], block_size, torch.device("cpu"))
+            k, v = torch.randn(2, context, kv_heads, head_dim, generator=gen)
+            cache.write(k, v, meta.slot_mapping)
+            keys.append(k)
+            values.append(v)
+            chunks.append((context - 1, 1, ids))
+        meta = build_attention_metadata(chunks, block_size, torch.device("cpu"))
+        q = torch.randn(len(contexts), kv_heads * group, head_dim, generator=gen)
+        expected = torch.stack([
+            torch.nn.functional.scaled_dot_product_attention(
+                q[b : b + 1, :, None].double(), keys[b].double().transpose(0, 1)[None],
+                values[b].double().transpose(0, 1)[None], scale=head_dim**-0.5, enable_gqa=True,
+            )[0, :, 0]
+            for b in range(len(contexts))
+        ])  # fmt: skip
+        threads = torch.get_num_threads()
+        fused_decode.set_max_isa(isa)
+        try:
+            outs = []
+            for num_threads in (1, 2, 8):
+                torch.set_num_threads(num_threads)
+                outs.append(cpu_attention(q, cache, meta, head_dim**-0.5))
+        finally:
+            torch.set_num_threads(threads)
+            fused_decode.reset_isa()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        torch.testing.assert_close(outs[0].double(), expected, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["auto", "int8"])
 def test_prompt_chunks_equal_the_masked_torch_backend(kind):
     """The cpu backend's prompt chunks (causal over the chunk, the cached prefix merged by logsumexp)

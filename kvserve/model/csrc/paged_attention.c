@@ -177,11 +177,31 @@ static float *row_scratch(int64_t floats) {
     return tl_rows;
 }
 
-/* The same item on AVX2 (fp32 cache, or an 8-bit one dequantised first; D % 8 == 0). Scores: 8 positions at a time per q head, 8 dot
- * products accumulated in registers and reduced together (a tail group repeats its last position; its
- * extra lanes are masked); the item's rows are prefetched ahead, V into L2 while the scores run.
- * Softmax on 8 scores at a time. Values: tiles of V_TILE positions, every q head of the item
- * accumulating CHUNK values in registers over the tile while its V rows are in L1. */
+/* One K row against NQ q heads of its kv head (q + h * D): the lane sums of the NQ dot products, stored at
+ * out + 8 * h (reduced later, 8 positions at once). Each K vector is loaded once for all NQ heads. */
+INL void k_dots(const int NQ, const float *q, const float *k, int D, float *out) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int h = 0; h < NQ; h++) acc[h] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        const __m256 kv = _mm256_loadu_ps(k + d);
+#pragma GCC unroll 8
+        for (int h = 0; h < NQ; h++)
+            acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (int64_t)h * D + d), kv, acc[h]);
+    }
+#pragma GCC unroll 8
+    for (int h = 0; h < NQ; h++) _mm256_store_ps(out + 8 * h, acc[h]);
+}
+
+/* The same item on AVX2 (fp32 cache, or an 8-bit one dequantised first; D % 8 == 0). Scores, 8 positions
+ * at a time: each position's row read once, in memory order (its kv heads in turn, each K vector serving
+ * the kv head's q heads), the lane sums of every (position, q head) kept, then each q head's 8 reduced
+ * together (a tail group repeats its last position; its extra lanes are masked). Reading the rows in
+ * order streams ~1.15x faster from memory than a q head at a time over 8 rows 768 bytes apart (same bits:
+ * each dot product is the same fma chain and the same reduction). More than 8 q heads per kv head: a q
+ * head at a time. The item's rows are prefetched ahead, V into L2 while the scores run. Softmax on 8
+ * scores at a time. Values: tiles of V_TILE positions, every q head of the item accumulating CHUNK values
+ * in registers over the tile while its V rows are in L1. */
 static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int t1, float *m_out,
                         float *l_out, float *acc_out) {
     const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, n = t1 - t0, bs = a->block_size;
@@ -213,11 +233,43 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
     for (int i = 0; i < n && i < PREFETCH_AHEAD; i++)
         prefetch_row(kc + rows[i] + span_off, span, _MM_HINT_T0);
     const __m256 scale = _mm256_set1_ps(a->scale);
+    const int g_item = hq1 - hq0 < G ? hq1 - hq0 : G; /* q heads of each kv head in the item */
+    const int64_t ps = (int64_t)(hq1 - hq0) * 8;        /* floats per position in lanes */
+    float lanes[8 * MAX_GROUP * 8] __attribute__((aligned(32))); /* [position][q head][lane] */
     for (int i = 0; i < n; i += 8) {
         for (int j = i + PREFETCH_AHEAD; j < i + 8 + PREFETCH_AHEAD && j < n; j++)
             prefetch_row(kc + rows[j] + span_off, span, _MM_HINT_T0);
         for (int j = i; j < i + 8 && j < n; j++) prefetch_row(vc + rows[j] + span_off, span, _MM_HINT_T1);
-        for (int hq = hq0; hq < hq1; hq++) {
+        if (g_item <= 8) {
+            for (int j = 0; j < 8; j++) {
+                const float *row = kc + rows[i + j];
+                for (int kh = hq0 / G; kh * G < hq1; kh++) {
+                    const int h0 = kh * G > hq0 ? kh * G : hq0;
+                    const float *qh = q + (int64_t)h0 * D, *k = row + (int64_t)kh * D;
+                    float *o = lanes + j * ps + (h0 - hq0) * 8;
+                    switch (g_item) { /* the count a compile-time constant: accumulators in registers */
+                    case 1: k_dots(1, qh, k, D, o); break;
+                    case 2: k_dots(2, qh, k, D, o); break;
+                    case 3: k_dots(3, qh, k, D, o); break;
+                    case 4: k_dots(4, qh, k, D, o); break;
+                    case 5: k_dots(5, qh, k, D, o); break;
+                    case 6: k_dots(6, qh, k, D, o); break;
+                    case 7: k_dots(7, qh, k, D, o); break;
+                    default: k_dots(8, qh, k, D, o); break;
+                    }
+                }
+            }
+            for (int h = 0; h < hq1 - hq0; h++) {
+                const float *l = lanes + h * 8;
+                const __m256 dots =
+                    reduce8(_mm256_load_ps(l), _mm256_load_ps(l + ps), _mm256_load_ps(l + 2 * ps),
+                            _mm256_load_ps(l + 3 * ps), _mm256_load_ps(l + 4 * ps),
+                            _mm256_load_ps(l + 5 * ps), _mm256_load_ps(l + 6 * ps), _mm256_load_ps(l + 7 * ps));
+                _mm256_store_ps(scores[h] + i, _mm256_mul_ps(dots, scale));
+            }
+            continue;
+        }
+        for (int hq = hq0; hq < hq1; hq++) { /* a q head at a time, 8 positions' dot products at once */
             const float *qh = q + hq * D, *kh = kc + (int64_t)(hq / G) * D;
             const float *k0 = kh + rows[i], *k1 = kh + rows[i + 1], *k2 = kh + rows[i + 2],
                         *k3 = kh + rows[i + 3], *k4 = kh + rows[i + 4], *k5 = kh + rows[i + 5],
