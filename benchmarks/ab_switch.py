@@ -108,8 +108,22 @@ class Switch:
         self._restore()
 
 
-def capture(llm, prompts, params) -> dict:
-    """The inputs of the last fused step and of the last LM head call of one generate (a decode step)."""
+def capture(llm, prompts, greedy) -> dict:
+    """The inputs of the last fused step and of the last LM head call of one generate that had a row for
+    every prompt: a decode step of the whole batch (a prompt's tokens run as rows of one request share a
+    block table, so a step of distinct block tables is one of distinct requests). Prompts longer than a
+    step's token budget end in different steps, and each row decodes from then on: the generate asks
+    for enough tokens that the first row still decodes when the last one's prompt ends."""
+    rows = len(prompts)
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
+    params = greedy.with_updates(max_tokens=3 + -(-sum(map(len, prompts)) // budget))
+    llm.engine.kv_manager.pool.reset_prefix_cache()  # every prompt computed, as in the first generate
+
+    def whole_batch(block_table) -> bool:
+        return (
+            block_table.shape[0] == rows and len({tuple(r) for r in block_table.tolist()}) == rows
+        )
+
     model = llm.engine.runner.model
     seen: dict = {}
     fused_cls = type(model.fused) if model.fused is not None else None
@@ -119,7 +133,8 @@ def capture(llm, prompts, params) -> dict:
         originals["fused"] = fused_cls.__call__
 
         def fused_call(self, *args):
-            seen["step"] = (self, [a.clone() for a in args])
+            if whole_batch(args[4]):
+                seen["step"] = (self, [a.clone() for a in args])
             return originals["fused"](self, *args)
 
         fused_cls.__call__ = fused_call
@@ -127,7 +142,8 @@ def capture(llm, prompts, params) -> dict:
         originals["head"] = head.forward
 
         def head_call(x):
-            seen["head"] = (head, [x.clone()])
+            if x.shape[0] == rows:
+                seen["head"] = (head, [x.clone()])
             return originals["head"](x)
 
         head.forward = head_call
@@ -162,11 +178,15 @@ def main() -> None:
     from kvserve import SamplingParams
 
     torch.set_num_threads(args.threads)
+    max_model_len = max(512, args.context + args.block + 8)
     llm = llm_cls(
         args.model,
         quantization=args.quantization,
         max_num_seqs=max(4, args.batch),
-        max_model_len=max(512, args.context + args.block + 8),
+        max_model_len=max_model_len,
+        # every row's whole context at once: a smaller cache would run the last step with fewer rows
+        block_size=16,
+        num_blocks=max(4, args.batch) * -(-max_model_len // 16) + 8,
     )
     switch = Switch(args.switch)
     gen = torch.Generator().manual_seed(0)
@@ -188,11 +208,14 @@ def main() -> None:
 
     else:
         llm.generate(prompts, greedy.with_updates(max_tokens=3))  # builds the fused step
-        pool.reset_prefix_cache()
-        seen = capture(llm, prompts, greedy.with_updates(max_tokens=3))
+        seen = capture(llm, prompts, greedy)
         if args.target not in seen:
             raise SystemExit(f"this model has no native {args.target} here (no C kernels?)")
         fn, inputs = seen[args.target]
+        if inputs[0].shape[0] != args.batch:
+            raise SystemExit(
+                f"the captured {args.target} has {inputs[0].shape[0]} rows, not {args.batch}"
+            )
 
         def run_block() -> tuple[float, object]:
             start = time.perf_counter()

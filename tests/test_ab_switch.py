@@ -1,6 +1,7 @@
 """benchmarks/ab_switch.py: two kernel settings in one process. Its sign test against exact binomial
 tails, and the harness on a tiny checkpoint: a switch that keeps the bits says equal, and a second build
-of the C sources with one deliberate change (sources:DIR) is really the one that runs (its bits differ)."""
+of the C sources with one deliberate change (sources:DIR) is really the one that runs (its bits differ);
+the captured step is a decode step of the whole batch when the prompts end in different steps."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from kvserve.model.cpu_kernels import SOURCE_DIR, kernel_available
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ab_switch import sign_test_p  # noqa: E402
+from ab_switch import capture, sign_test_p  # noqa: E402
 
 
 def test_sign_test_is_the_two_sided_binomial_tail():
@@ -60,3 +61,22 @@ def test_a_second_build_of_the_sources_is_the_one_that_runs(gpt2_model_dir, tmp_
     layer_ops.write_text(text.replace(line, "float inv = 1.001f / sqrtf(sum / dim + eps);"))
     report = _run(gpt2_model_dir, tmp_path, f"sources:{changed}")
     assert report["bits_equal"] is False  # the changed RMSNorm ran under B
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the C kernels did not build")
+def test_the_captured_step_has_every_row_when_prompts_end_in_different_steps(gpt2_model_dir):
+    """Three 40-token prompts under a 32-token budget end in different steps. The last fused step of a
+    3-token generate is then one row (the others finished): it timed a 1-row step as a 3-row one."""
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(str(gpt2_model_dir), max_num_batched_tokens=32, max_num_seqs=4)
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(40)] for i in range(3)]
+    greedy = SamplingParams(temperature=0, ignore_eos=True)
+    llm.generate(prompts, greedy.with_updates(max_tokens=3))  # builds the fused step
+    seen = capture(llm, prompts, greedy)
+    _, inputs = seen["step"]
+    block_table, context_lens = inputs[4], inputs[5]
+    assert block_table.shape[0] == 3 and len({tuple(r) for r in block_table.tolist()}) == 3
+    assert all(c > 40 for c in context_lens.tolist())  # decode rows, past each prompt
+    _, (head_rows,) = seen["head"]
+    assert head_rows.shape[0] == 3
