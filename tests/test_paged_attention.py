@@ -127,12 +127,14 @@ def test_every_q_heads_per_kv_head_against_float64(isa, group):
     """The AVX2 scores take a position's row once for all q heads of each kv head, with code built for
     1-8 q heads per kv head (more: a q head at a time). Each group size, head dims 8 and 72, a tail
     group of positions and several splits, against a float64 SDPA; and the bits do not depend on the
-    cut into items (1, 2 and 8 threads: whole rows of kv heads, one kv head, q-head chunks)."""
+    cut into items. 2 kv heads: 1, 4 and 8 threads cut whole rows (read in row order), one kv head,
+    and q-head chunks of one kv head (a q head at a time). 1 kv head: every item is whole rows, the
+    chunks starting past the first q head."""
     if isa not in fused_decode.available_isas():
         pytest.skip(f"this CPU (or build) has no {isa}")
-    kv_heads, block_size, contexts = 2, 16, [13, 517]
-    for head_dim in (8, 72):
-        gen = torch.Generator().manual_seed(10 * group + head_dim)
+    block_size, contexts = 16, [13, 517]
+    for kv_heads, head_dim in ((2, 8), (2, 72), (1, 72)):
+        gen = torch.Generator().manual_seed(100 * group + 10 * kv_heads + head_dim)
         num_blocks = sum(-(-c // block_size) for c in contexts) + 2
         _, (cache,) = allocate_layers(1, num_blocks, block_size, kv_heads, head_dim, torch.float32,
                                       "auto", torch.device("cpu"))  # fmt: skip
@@ -159,7 +161,7 @@ def test_every_q_heads_per_kv_head_against_float64(isa, group):
         fused_decode.set_max_isa(isa)
         try:
             outs = []
-            for num_threads in (1, 2, 8):
+            for num_threads in (1, 4, 8):
                 torch.set_num_threads(num_threads)
                 outs.append(cpu_attention(q, cache, meta, head_dim**-0.5))
         finally:

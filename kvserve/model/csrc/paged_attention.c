@@ -239,8 +239,8 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
      * read whatever the order, and there a q head at a time does less work: 1.2x faster at 128
      * positions) */
     const int by_rows = g_item <= 8 && a->lut == NULL && span == slot_stride;
-    const int64_t ps = (int64_t)(hq1 - hq0) * 8;        /* floats per position in lanes */
-    float lanes[8 * MAX_GROUP * 8] __attribute__((aligned(32))); /* [position][q head][lane] */
+    const int64_t ps = (int64_t)(hq1 - hq0) * 8;        /* floats per position in sums */
+    float sums[8 * MAX_GROUP * 8] __attribute__((aligned(32))); /* [position][q head][lane] */
     for (int i = 0; i < n; i += 8) {
         for (int j = i + PREFETCH_AHEAD; j < i + 8 + PREFETCH_AHEAD && j < n; j++)
             prefetch_row(kc + rows[j] + span_off, span, _MM_HINT_T0);
@@ -251,7 +251,7 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
                 for (int kh = hq0 / G; kh * G < hq1; kh++) {
                     const int h0 = kh * G > hq0 ? kh * G : hq0;
                     const float *qh = q + (int64_t)h0 * D, *k = row + (int64_t)kh * D;
-                    float *o = lanes + j * ps + (h0 - hq0) * 8;
+                    float *o = sums + j * ps + (h0 - hq0) * 8;
                     switch (g_item) { /* the count a compile-time constant: accumulators in registers */
                     case 1: k_dots(1, qh, k, D, o); break;
                     case 2: k_dots(2, qh, k, D, o); break;
@@ -265,7 +265,7 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
                 }
             }
             for (int h = 0; h < hq1 - hq0; h++) {
-                const float *l = lanes + h * 8;
+                const float *l = sums + h * 8;
                 const __m256 dots =
                     reduce8(_mm256_load_ps(l), _mm256_load_ps(l + ps), _mm256_load_ps(l + 2 * ps),
                             _mm256_load_ps(l + 3 * ps), _mm256_load_ps(l + 4 * ps),
