@@ -27,11 +27,11 @@ PROMPT = [(i * 37 + 11) % 250 + 3 for i in range(53)]
 KV_TOL = {"int8": (0.1, 0.012), "fp8": (0.4, 0.05)}  # (max, mean) |logit difference|
 
 
-def _filled_cache(kind: str, contexts: list[int], block_size: int = 16):
+def _filled_cache(kind: str, contexts: list[int], block_size: int = 16, kv_heads: int = 3,
+                  head_dim: int = 64, num_blocks: int = 200, seed: int = 0, written=None):  # fmt: skip
     """A cache with random K/V for requests of `contexts` tokens on shuffled blocks, and the decode
-    metadata of each request's last token."""
-    gen = torch.Generator().manual_seed(0)
-    num_blocks, kv_heads, head_dim = 200, 3, 64
+    metadata of each request's last token. `written`, a list: each request's (k, v) appended."""
+    gen = torch.Generator().manual_seed(seed)
     _, layers = allocate_layers(1, num_blocks, block_size, kv_heads, head_dim, torch.float32, kind,
                                 torch.device("cpu"))  # fmt: skip
     cache = layers[0]
@@ -42,6 +42,8 @@ def _filled_cache(kind: str, contexts: list[int], block_size: int = 16):
         meta = build_attention_metadata([(0, context, ids)], block_size, torch.device("cpu"))
         k, v = torch.randn(2, context, kv_heads, head_dim, generator=gen)
         cache.write(k, v, meta.slot_mapping)
+        if written is not None:
+            written.append((k, v))
         chunks.append((context - 1, 1, ids))
     return cache, build_attention_metadata(chunks, block_size, torch.device("cpu"))
 
@@ -132,30 +134,20 @@ def test_every_q_heads_per_kv_head_against_float64(isa, group):
     chunks starting past the first q head."""
     if isa not in fused_decode.available_isas():
         pytest.skip(f"this CPU (or build) has no {isa}")
-    block_size, contexts = 16, [13, 517]
+    contexts = [13, 517]
     for kv_heads, head_dim in ((2, 8), (2, 72), (1, 72)):
-        gen = torch.Generator().manual_seed(100 * group + 10 * kv_heads + head_dim)
-        num_blocks = sum(-(-c // block_size) for c in contexts) + 2
-        _, (cache,) = allocate_layers(1, num_blocks, block_size, kv_heads, head_dim, torch.float32,
-                                      "auto", torch.device("cpu"))  # fmt: skip
-        blocks = torch.randperm(num_blocks, generator=gen).tolist()
-        chunks, keys, values = [], [], []
-        for context in contexts:
-            ids, blocks = blocks[: -(-context // block_size)], blocks[-(-context // block_size) :]
-            meta = build_attention_metadata([(0, context, ids)], block_size, torch.device("cpu"))
-            k, v = torch.randn(2, context, kv_heads, head_dim, generator=gen)
-            cache.write(k, v, meta.slot_mapping)
-            keys.append(k)
-            values.append(v)
-            chunks.append((context - 1, 1, ids))
-        meta = build_attention_metadata(chunks, block_size, torch.device("cpu"))
+        written: list = []
+        cache, meta = _filled_cache("auto", contexts, kv_heads=kv_heads, head_dim=head_dim,
+                                    num_blocks=37, seed=100 * group + 10 * kv_heads + head_dim,
+                                    written=written)  # fmt: skip
+        gen = torch.Generator().manual_seed(group)
         q = torch.randn(len(contexts), kv_heads * group, head_dim, generator=gen)
         expected = torch.stack([
             torch.nn.functional.scaled_dot_product_attention(
-                q[b : b + 1, :, None].double(), keys[b].double().transpose(0, 1)[None],
-                values[b].double().transpose(0, 1)[None], scale=head_dim**-0.5, enable_gqa=True,
+                q[b : b + 1, :, None].double(), k.double().transpose(0, 1)[None],
+                v.double().transpose(0, 1)[None], scale=head_dim**-0.5, enable_gqa=True,
             )[0, :, 0]
-            for b in range(len(contexts))
+            for b, (k, v) in enumerate(written)
         ])  # fmt: skip
         threads = torch.get_num_threads()
         fused_decode.set_max_isa(isa)
