@@ -56,8 +56,6 @@ class Switch:
     def __init__(self, spec: str) -> None:
         from kvserve.model import cpu_kernels, fused_decode
 
-        self.spec = spec
-        self.cpu_kernels = cpu_kernels
         self.lib = cpu_kernels.load_kernel()
         if self.lib is None:
             raise SystemExit("the C kernels are not built here: nothing to switch")
@@ -184,7 +182,7 @@ def main() -> None:
     from kvserve import SamplingParams
 
     torch.set_num_threads(args.threads)
-    budget = 2048
+    budget, block_size = 2048, 16
     tokens = capture_tokens(args.batch, args.batch * args.context, budget)
     max_model_len = max(512, args.context + max(args.block, tokens) + 8)
     llm = llm_cls(
@@ -194,8 +192,8 @@ def main() -> None:
         max_model_len=max_model_len,
         max_num_batched_tokens=budget,
         # every row's whole context at once: a smaller cache would run the last step with fewer rows
-        block_size=16,
-        num_blocks=max(4, args.batch) * -(-max_model_len // 16) + 8,
+        block_size=block_size,
+        num_blocks=max(4, args.batch) * -(-max_model_len // block_size) + 8,
     )
     switch = Switch(args.switch)
     gen = torch.Generator().manual_seed(0)

@@ -141,8 +141,8 @@ int decode_f32_max_rows(void) { return g_f32_max_rows; }
 /* ---- fp32 GEMV / GEMM on the panel layout (decode_step.h): panel p = columns 16p .. 16p + 15 ---------
  * w[p][k][c]: one 64-byte line per input k holds the panel's 16 columns, so a panel is one sequential
  * stream (a few rows read several panels side by side: f32_multi_tile). Each column's sum runs over k
- * in order, one fused multiply-add per input, from 0; the bias is added last. The scalar path does the same operations in the same order (fmaf), so both
- * paths give the same bits. */
+ * in order, one fused multiply-add per input, from 0; the bias is added last. The scalar path does the
+ * same operations in the same order (fmaf), so both paths give the same bits. */
 
 /* weight i of a float panel layout as fp32 (bf16: its bits in the high half, exact) */
 static inline float panel_weight(const Linear *L, int64_t i) {

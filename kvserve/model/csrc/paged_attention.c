@@ -197,8 +197,8 @@ INL void k_dots(const int NQ, const float *q, const float *k, int D, float *out)
  * at a time (a tail group repeats its last position; its extra lanes are masked). An fp32 item of every
  * kv head reads each position's row once, in memory order (its kv heads in turn, each K vector serving
  * the kv head's 1-8 q heads), keeps the lane sums of every (position, q head), then reduces each q
- * head's 8 together: from memory this streams ~1.15x faster than a q head at a time over 8 rows 768
- * bytes apart. Other items take a q head at a time, 8 positions' dot products accumulated together. Both
+ * head's 8 together: from memory this streams ~1.15x faster than a q head at a time over 8 rows
+ * (SmolLM2-135M's 768-byte rows, Zen 3). Other items take a q head at a time, 8 positions' dot products accumulated together. Both
  * give the same bits: each dot product is the same fma chain and the same reduction. The item's rows
  * are prefetched ahead, V into L2 while the scores run. Softmax on 8 scores at a time. Values: tiles of
  * V_TILE positions, every q head of the item accumulating CHUNK values in registers over the tile while
