@@ -4,6 +4,7 @@ through the torch backend; that the fast path is taken; the scalar fallback; no 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -388,6 +389,46 @@ def test_guided_panels_in_a_lone_linear_give_the_bits_of_fixed_shares(isa):
                 assert torch.equal(guided, fixed), (linear, rows)
     finally:
         torch.set_num_threads(threads)
+
+
+def _claims(lib, end: int, min_k: int) -> list[tuple[int, int]]:
+    """Every chunk one thread claims from a fresh counter over [0, end), as (first, count)."""
+    next_panel, first, count = ctypes.c_longlong(0), ctypes.c_longlong(), ctypes.c_longlong()
+    chunks = []
+    while lib.decode_claim_panels(
+        ctypes.byref(next_panel), end, 2, min_k, ctypes.byref(first), ctypes.byref(count)
+    ):
+        chunks.append((first.value, count.value))
+    return chunks
+
+
+@needs_kernel
+def test_panel_claims_of_a_few_rows_hold_at_least_64_kb_of_weights():
+    """csrc/decode_step.c: at up to 4 rows a thread claims at least 64 KB of a linear's weights at a
+    time (a claim starts a new memory stream), at more rows at least 2 panels; the claims shrink,
+    cover every panel once, in order, and only the last may be shorter than the minimum."""
+    lib = cpu_kernels.load_kernel()
+    lib.decode_claim_min_panels.restype = ctypes.c_longlong
+    lib.decode_claim_min_panels.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.decode_claim_panels.argtypes = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                                        ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+
+    def min_panels(kind: int, k: int, kp: int, rows: int) -> int:
+        desc = fused_decode._Linear(kind=kind, n=576, k=k, kp=kp)
+        return lib.decode_claim_min_panels(ctypes.byref(desc), rows)
+
+    f32, q8, bf16, q4 = 0, 1, 3, 2  # csrc/decode_step.h LIN_*
+    # panel bytes: fp32 16 x 576 x 4 = 36,864; bf16 half; int8 8 x 576; int4 half of that
+    assert [min_panels(kind, 576, 576, 1) for kind in (f32, bf16, q8, q4)] == [2, 4, 15, 29]
+    assert min_panels(q8, 1536, 1536, 4) == 6 and min_panels(f32, 4096, 4096, 1) == 2
+    assert [min_panels(kind, 576, 576, 5) for kind in (f32, bf16, q8, q4)] == [2, 2, 2, 2]
+    for end, min_k in ((72, 15), (72, 2), (6144, 15), (10, 29), (1, 2)):
+        chunks = _claims(lib, end, min_k)
+        assert [c for c, _ in chunks] == [sum(k for _, k in chunks[:i]) for i in range(len(chunks))]
+        assert sum(k for _, k in chunks) == end
+        assert all(k >= min_k for _, k in chunks[:-1]) and chunks[-1][1] >= 1
+        assert all(a >= b for (_, a), (_, b) in zip(chunks, chunks[1:], strict=False))
+    assert len(_claims(lib, 72, 15)) < len(_claims(lib, 72, 2))
 
 
 LONG_PROMPT = [(i * 53 + 7) % 250 + 3 for i in range(400)]  # 2 attention splits of 256 positions

@@ -504,16 +504,36 @@ static int g_guided = 1; /* 0: each thread takes a fixed contiguous share of a l
 void decode_set_guided(int enabled) { g_guided = enabled; }
 int decode_guided(void) { return g_guided; }
 #define GUIDED_MIN_PANELS 2
+#define CLAIM_MIN_BYTES (64 << 10) /* a claim of a few rows' panels: at least this many weight bytes */
+#define CLAIM_FEW_ROWS 4            /* rows up to which CLAIM_MIN_BYTES applies (as F32_FEW_ROWS) */
+
+/* The smallest chunk of L's panels a thread claims at M rows. Each claim starts a new memory stream
+ * (the software prefetch runs ahead within a chunk, not into the next one), so at up to
+ * CLAIM_FEW_ROWS rows, where the GEMV is bound by memory, a chunk holds at least CLAIM_MIN_BYTES of
+ * weights: 2 fp32 panels, 15 int8 or 29 int4 panels at 576 inputs. Quantised panels are small (8
+ * columns, 2.3 KB of int4 at 576 inputs) and the tail of the guided schedule claimed them 2 at a
+ * time. Batch-1 int4-g32 step, Zen 3 (benchmarks/ab_switch.py, 40 alternations): 1.039x faster
+ * (29 of 40), as fast as fixed shares; 32 KB 0.98x of 64 KB, 128 KB even. At more rows the panels
+ * carry more arithmetic and the finer tail balances better (batch 16 int4: 0.988x with 64 KB). */
+long long decode_claim_min_panels(const Linear *L, int M) {
+    if (M > CLAIM_FEW_ROWS) return GUIDED_MIN_PANELS;
+    const long long panel_bytes =
+        LIN_IS_FLOAT(L->kind) ? (long long)L->k * FPANEL * (L->kind == LIN_BF16 ? 2 : 4)
+                              : (long long)L->kp * QPANEL / (L->kind == LIN_Q4 ? 2 : 1);
+    const long long k = (CLAIM_MIN_BYTES + panel_bytes - 1) / panel_bytes;
+    return k < GUIDED_MIN_PANELS ? GUIDED_MIN_PANELS : k;
+}
 
 /* Guided scheduling of panels: the next chunk of [*next, end), (what is left) / (2 nt) panels and at
- * least GUIDED_MIN_PANELS, claimed from the shared counter `next` into [*first, *first + *count);
- * 0 when none is left. Threads do not stream memory at the same speed, so the faster one takes more
- * (with fixed shares it waited for the other at the end of every linear). */
-int decode_claim_panels(atomic_llong *next, long long end, int nt, long long *first, long long *count) {
+ * least min_k (decode_claim_min_panels), claimed from the shared counter `next` into
+ * [*first, *first + *count); 0 when none is left. Threads do not stream memory at the same speed, so
+ * the faster one takes more (with fixed shares it waited for the other at the end of every linear). */
+int decode_claim_panels(atomic_llong *next, long long end, int nt, long long min_k, long long *first,
+                        long long *count) {
     long long c = atomic_load_explicit(next, memory_order_relaxed);
     while (c < end) {
         long long k = (end - c) / (2 * nt);
-        k = k < GUIDED_MIN_PANELS ? GUIDED_MIN_PANELS : k;
+        k = k < min_k ? min_k : k;
         k = k > end - c ? end - c : k;
         if (atomic_compare_exchange_weak_explicit(next, &c, c + k, memory_order_relaxed,
                                                   memory_order_relaxed)) {
@@ -529,12 +549,13 @@ int decode_claim_panels(atomic_llong *next, long long end, int nt, long long *fi
  * (decode_set_guided(0)). Each panel is computed by one thread either way: the same bits. */
 static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
     const int num_panels = (L->n + FPANEL - 1) / FPANEL, guided = g_guided;
+    const long long min_k = decode_claim_min_panels(L, M);
     atomic_llong next = 0;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
     {
         const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         if (guided && nt > 1)
-            for (long long c, k; decode_claim_panels(&next, num_panels, nt, &c, &k);)
+            for (long long c, k; decode_claim_panels(&next, num_panels, nt, min_k, &c, &k);)
                 f32_panels(L, x, M, y, isa, (int)c, (int)(c + k));
         else
             f32_panels(L, x, M, y, isa, num_panels * tid / nt, num_panels * (tid + 1) / nt);
@@ -637,7 +658,8 @@ static void linear_guided(const Linear *L, const float *x, int M, float *y, Acts
     const int64_t panels = (L->n + width - 1) / width, begin = *base, end = begin + panels;
     *base = end;
     if (!LIN_IS_FLOAT(L->kind)) quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
-    for (long long c, k; decode_claim_panels(next, end, nt, &c, &k);) {
+    const long long min_k = decode_claim_min_panels(L, M);
+    for (long long c, k; decode_claim_panels(next, end, nt, min_k, &c, &k);) {
         const int p0 = (int)(c - begin), p1 = (int)(c + k - begin);
         if (LIN_IS_FLOAT(L->kind)) f32_panels(L, x, M, y, isa, p0, p1);
         else q_linear_panels(L, acts, M, y, isa, p0, p1);

@@ -55,8 +55,12 @@ int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int nu
 /* panels [p0, p1) of the same, on the calling thread (the fused step's one-region mode) */
 void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1);
 /* decode_step.c: whether linears hand their panels out in chunks (decode_set_guided), and the next
- * chunk of a shared counter's [*next, end) for one of `nt` threads; 0 when none is left */
+ * chunk (at least min_k panels) of a shared counter's [*next, end) for one of `nt` threads; 0 when
+ * none is left */
 int decode_guided(void);
-int decode_claim_panels(atomic_llong *next, long long end, int nt, long long *first, long long *count);
+int decode_claim_panels(atomic_llong *next, long long end, int nt, long long min_k, long long *first,
+                        long long *count);
+/* the smallest chunk of L's panels worth one claim at M rows (decode_step.c) */
+long long decode_claim_min_panels(const Linear *L, int M);
 
 #endif

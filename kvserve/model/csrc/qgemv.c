@@ -676,6 +676,7 @@ int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int nu
     if (status == 0) {
         const float tensor_max = L->act_mode == 2 ? tensor_abs_max(x, M, L->k, isa) : 0.f;
         const int num_panels = (L->n + QPANEL - 1) / QPANEL, guided = decode_guided();
+        const long long min_k = decode_claim_min_panels(L, M);
         atomic_llong next = 0; /* guided: the next unclaimed panel (decode_claim_panels) */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
         {
@@ -689,7 +690,7 @@ int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int nu
 #pragma omp barrier
             }
             if (guided && nt > 1) {
-                for (long long c, k; decode_claim_panels(&next, num_panels, nt, &c, &k);)
+                for (long long c, k; decode_claim_panels(&next, num_panels, nt, min_k, &c, &k);)
                     panels_range(L, a, M, y, isa, (int)c, (int)(c + k));
             } else {
                 const int64_t p0 = (int64_t)num_panels * tid / nt;
