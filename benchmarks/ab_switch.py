@@ -128,6 +128,8 @@ def capture(llm, prompts, greedy) -> dict:
             block_table.shape[0] == rows and len({tuple(r) for r in block_table.tolist()}) == rows
         )
 
+    import torch
+
     model = llm.engine.runner.model
     seen: dict = {}
     fused_cls = type(model.fused) if model.fused is not None else None
@@ -138,7 +140,8 @@ def capture(llm, prompts, greedy) -> dict:
 
         def fused_call(self, *args):
             if whole_batch(args[4]):
-                seen["step"] = (self, [a.clone() for a in args])
+                # the tensors copied; the embedding module (an argument since 1203f) as it is
+                seen["step"] = (self, [a.clone() if torch.is_tensor(a) else a for a in args])
             return originals["fused"](self, *args)
 
         fused_cls.__call__ = fused_call

@@ -25,14 +25,20 @@ def llm(llama_dir):
 def shifted_rope(llm: LLM, shift: int, from_position: int):
     """A deliberate bug: tokens at or after `from_position` (the decode path) are rotated `shift` positions
     too far, while the keys cached before them are right. (A uniform shift of every position would be
-    invisible: RoPE attention depends only on position differences.)"""
-    rotary = llm.engine.runner.model.rotary
-    original = rotary.forward
-    rotary.forward = lambda positions: original(positions + shift * (positions >= from_position))
+    invisible: RoPE attention depends only on position differences.) The model's forward uses its
+    positions for RoPE only (both the per-op path and the fused step, which looks the rows up in C),
+    so the shift goes in there."""
+    model = llm.engine.runner.model
+    original = model.forward
+
+    def shifted(input_ids, positions, *args):
+        return original(input_ids, positions + shift * (positions >= from_position), *args)
+
+    model.forward = shifted
     try:
         yield
     finally:
-        rotary.forward = original
+        del model.forward  # the class's method again
 
 
 def test_cached_decode_path_equals_full_recompute(llm):

@@ -236,7 +236,9 @@ def _fused_and_per_op(model_dir: Path, **options) -> tuple[torch.Tensor, torch.T
 
 
 @needs_kernel
-@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32", "linear=int8,head=int8"])
+@pytest.mark.parametrize(
+    "quantization", [None, "int8", "int4-g32", "linear=int8,head=int8", "linear=int8,embed=int8"]
+)
 def test_fused_step_is_taken_and_equals_the_per_op_path(llama_dir, isa, quantization):
     if quantization and not kernels_available():
         pytest.skip("the quantised GEMM extension did not build")
@@ -244,6 +246,48 @@ def test_fused_step_is_taken_and_equals_the_per_op_path(llama_dir, isa, quantiza
     assert steps == len(PROMPT)
     # the same C functions in the same order (the per-op path's linears run the same GEMVs)
     assert torch.equal(fused, per_op)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "arch, quantization, kind",
+    [("llama_tied", None, 2), ("llama", None, 1), ("llama_tied", "linear=int8,head=int8", 1),
+     ("llama", "linear=int8,embed=int8", 0)],
+)  # fmt: skip
+def test_the_fused_step_looks_up_its_embedding_and_rope_rows_in_c(
+    checkpoints, arch, quantization, kind
+):
+    """The fused step takes token ids and positions (csrc/decode_step.c decode_step_tokens): the rows
+    of a tied head's fp32 panels (kind 2) or of an fp32 table (kind 1) are read in C, a quantised
+    table (kind 0) looks its rows up itself; each gives the per-op path's logits bit for bit. An id
+    outside the table or a position outside the RoPE table is an IndexError before any layer runs."""
+    if quantization and not kernels_available():
+        pytest.skip("the quantised GEMM extension did not build")
+    fused_logits, per_op, steps = _fused_and_per_op(checkpoints[arch][0], quantization=quantization)
+    assert steps == len(PROMPT) and torch.equal(fused_logits, per_op)
+    llm = LLM(str(checkpoints[arch][0]), num_blocks=64, quantization=quantization)
+    model = llm.engine.runner.model
+    llm.engine.score(PROMPT, chunk_size=1)
+    fused = model.fused
+    assert fused is not None and fused_decode.embedding_table(model.embed_tokens)[0] == kind
+    caches = llm.engine.runner.kv_caches
+    assert fused.matches(caches) and fused.matches(list(caches))  # a copy of the list: by tensors
+    assert not fused.matches(caches[1:] + caches[:1])
+    vocab, positions = model.config.vocab_size, fused.cos.shape[0]
+    steps = fused.num_steps
+    meta = (
+        torch.tensor([0]),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+    )
+    if kind:  # kind 0: the quantised table's own lookup refuses the id
+        for bad in (vocab, -1):
+            with pytest.raises(IndexError, match=f"embedding of {vocab} rows"):
+                fused(torch.tensor([bad]), torch.tensor([0]), model.embed_tokens, *meta)
+    for bad in (positions, -1):
+        with pytest.raises(IndexError, match=f"RoPE table of {positions} rows"):
+            fused(torch.tensor([3]), torch.tensor([bad]), model.embed_tokens, *meta)
+    assert fused.num_steps == steps
 
 
 @needs_kernel

@@ -114,6 +114,27 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
         "decode_step_max_rows": ([_PTR], _INT),
         "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
         "decode_layers": ([_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _INT], _INT),
+        "decode_step_tokens": (
+            [
+                _PTR,
+                _PTR,
+                _PTR,
+                _INT,
+                _INT,
+                _PTR,
+                i64,
+                _PTR,
+                _PTR,
+                i64,
+                _PTR,
+                _PTR,
+                _PTR,
+                _INT,
+                _PTR,
+                _INT,
+            ],
+            _INT,
+        ),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(library, name)

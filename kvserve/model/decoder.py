@@ -160,13 +160,18 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
+        fused = self._fused_for(input_ids.shape[0], kv_caches, meta, backend)
+        if (
+            fused is not None
+        ):  # the whole step in one native call (decode rows only), lookups included
+            single = meta.single
+            return fused(
+                input_ids, positions, self.embed_tokens, meta.slot_mapping, single.block_table,
+                single.context_lens,
+            )  # fmt: skip
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         residual = None
         rope = self.rotary(positions)
-        fused = self._fused_for(input_ids.shape[0], kv_caches, meta, backend)
-        if fused is not None:  # the whole step in one native call (decode rows only)
-            single = meta.single
-            return fused(hidden, *rope, meta.slot_mapping, single.block_table, single.context_lens)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
         return self.norm.add_norm(hidden, residual)[0]

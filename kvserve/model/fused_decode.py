@@ -193,6 +193,10 @@ class FusedDecoder:
         self.model_struct = model_struct
         self.keep = keep  # the tensors and structs the C side points to
         self.cache_key = _cache_key(kv_caches)
+        self.caches = kv_caches  # the list matched last (matches: the same list object is enough)
+        # the RoPE tables [max_positions, head_dim / 2] fp32, looked up by position in C
+        self.cos = model.rotary.cos.float().contiguous()
+        self.sin = model.rotary.sin.float().contiguous()
         self.num_steps = 0  # steps run here (tests check the fast path is taken)
 
     @classmethod
@@ -240,32 +244,72 @@ class FusedDecoder:
         return int(cpu_kernels.load_kernel().decode_step_max_rows(ctypes.byref(self.model_struct)))
 
     def matches(self, kv_caches: list) -> bool:
-        return _cache_key(kv_caches) == self.cache_key
+        """Whether `kv_caches` are the caches this step was built on: the list it last matched (the
+        runner passes one list every step; its LayerKVCache entries are frozen, and no code replaces
+        them), else the same tensors."""
+        if kv_caches is self.caches:
+            return True
+        if _cache_key(kv_caches) != self.cache_key:
+            return False
+        self.caches = kv_caches
+        return True
 
     def __call__(
         self,
-        hidden: torch.Tensor,  # [M, hidden_size] fp32: the embedded tokens
-        cos: torch.Tensor,  # [M, 1, head_dim / 2]
-        sin: torch.Tensor,
+        input_ids: torch.Tensor,  # [M] int64
+        positions: torch.Tensor,  # [M] int64
+        embed: torch.nn.Module,  # the model's embedding (its table is read in C where it can be)
         slot_mapping: torch.Tensor,  # [M] int64
         block_table: torch.Tensor,  # [M, max_blocks] int32
         context_lens: torch.Tensor,  # [M] int32
     ) -> torch.Tensor:
-        """-> [M, hidden_size]: the final norm of the residual stream after every layer."""
-        out = hidden.float().contiguous().clone()
-        cos, sin = cos.contiguous(), sin.contiguous()
+        """-> [M, hidden_size]: the final norm of the residual stream after every layer. The
+        embedding rows and the RoPE rows are looked up in C (csrc/decode_step.c
+        decode_step_tokens), or the embedding by `embed` itself when C cannot read its table."""
+        kind, table, vocab = embedding_table(embed)
+        out = torch.empty(input_ids.shape[0], self.model_struct.hidden)
+        if kind == 0:
+            out.copy_(embed(input_ids))
+        ids, positions = input_ids.contiguous(), positions.contiguous()
+        if ids.dtype != torch.int64 or positions.dtype != torch.int64:
+            raise TypeError(
+                f"token ids and positions must be int64, not {ids.dtype}, {positions.dtype}"
+            )
         block_table, context_lens = cpu_kernels.table_args(block_table, context_lens)
-        status = cpu_kernels.load_kernel().decode_layers(
-            ctypes.byref(self.model_struct), out.data_ptr(), out.shape[0], cos.data_ptr(),
-            sin.data_ptr(), slot_mapping.data_ptr(), block_table.data_ptr(), block_table.shape[1],
-            context_lens.data_ptr(), torch.get_num_threads(),
+        status = cpu_kernels.load_kernel().decode_step_tokens(
+            ctypes.byref(self.model_struct), ids.data_ptr(), positions.data_ptr(), out.shape[0],
+            kind, 0 if table is None else table.data_ptr(), vocab, self.cos.data_ptr(),
+            self.sin.data_ptr(), self.cos.shape[0], out.data_ptr(), slot_mapping.data_ptr(),
+            block_table.data_ptr(), block_table.shape[1], context_lens.data_ptr(),
+            torch.get_num_threads(),
         )  # fmt: skip
         if status == -3:
             raise cpu_kernels.context_error(context_lens, block_table, self.model_struct.block_size)
+        if status == -4:
+            raise IndexError(f"token id out of range for an embedding of {vocab} rows")
+        if status == -5:
+            raise IndexError(f"position out of range for a RoPE table of {self.cos.shape[0]} rows")
         if status != 0:
             raise RuntimeError(f"fused decode step failed (status {status})")
         self.num_steps += 1
         return out
+
+
+def embedding_table(embed: torch.nn.Module) -> tuple[int, torch.Tensor | None, int]:
+    """(kind, table, rows) of an embedding for csrc/decode_step.c decode_step_tokens: 1 an fp32
+    `nn.Embedding` table, 2 / 3 the fp32 / bf16 panels of a tied head (linear.PanelEmbedding); 0 (no
+    table) for any other module, which then looks its rows up itself."""
+    from kvserve.model.linear import PanelEmbedding  # linear.py imports this module
+
+    if type(embed) is PanelEmbedding:
+        kind = {torch.float32: 2, torch.bfloat16: 3}.get(embed.panels.dtype, 0)
+        if kind and embed.panels.is_contiguous():
+            return kind, embed.panels, embed.num_embeddings
+    elif type(embed) is torch.nn.Embedding and embed.max_norm is None:
+        weight = embed.weight
+        if weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu":
+            return 1, weight, embed.num_embeddings
+    return 0, None, 0
 
 
 def _cache_key(kv_caches: list) -> tuple:

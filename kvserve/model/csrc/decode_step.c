@@ -835,3 +835,53 @@ done:
     free(residual), free(normed), free(qkv), free(attn), free(gate_up), free(act);
     return status;
 }
+
+/* ---- the step from token ids: the embedding lookup and the RoPE rows, then decode_layers ----------
+ * A decode step's host side used to look up the embeddings and the cos / sin rows in torch (~6 small
+ * ops, each slow after the weights' stream has evicted the interpreter's state from the caches); here
+ * they are copies, so the hidden rows and the tables' rows are the same bits.
+ * embed_kind: 0 hidden already holds the embedded rows (a table with no native lookup: a quantised
+ * embedding); 1 an fp32 table [vocab, D]; 2 the fp32 panels of a tied head [P, D, 16] (row r is
+ * panels[r / 16, :, r % 16], linear.py PanelEmbedding); 3 the same panels as bf16 bits (widened,
+ * exact). cos_table, sin_table: [max_positions, Dh / 2]. -4: a token id outside [0, vocab); -5: a
+ * position outside [0, max_positions); otherwise decode_layers' status. */
+int decode_step_tokens(const Model *mdl, const int64_t *ids, const int64_t *positions, int M,
+                       int embed_kind, const void *table, int64_t vocab, const float *cos_table,
+                       const float *sin_table, int64_t max_positions, float *hidden,
+                       const int64_t *slots, const int32_t *block_table, int max_blocks,
+                       const int32_t *context_lens, int num_threads) {
+    if (M < 1 || M > decode_step_max_rows(mdl)) return -1;
+    const int D = mdl->hidden, half = mdl->head_dim / 2;
+    for (int m = 0; m < M; m++) {
+        if (embed_kind != 0 && (ids[m] < 0 || ids[m] >= vocab)) return -4;
+        if (positions[m] < 0 || positions[m] >= max_positions) return -5;
+    }
+    for (int m = 0; m < M && embed_kind != 0; m++) {
+        float *row = hidden + (int64_t)m * D;
+        const int64_t r = ids[m];
+        if (embed_kind == 1) {
+            memcpy(row, (const float *)table + r * D, sizeof(float) * D);
+            continue;
+        }
+        const int64_t base = r / FPANEL * D * FPANEL + r % FPANEL; /* then + d * FPANEL */
+        for (int d = 0; d < D; d++) {
+            const int64_t i = base + (int64_t)d * FPANEL;
+            if (embed_kind == 2) {
+                row[d] = ((const float *)table)[i];
+            } else {
+                const uint32_t bits = (uint32_t)((const uint16_t *)table)[i] << 16;
+                memcpy(row + d, &bits, 4);
+            }
+        }
+    }
+    float *rows = malloc(sizeof(float) * 2 * M * half);
+    if (!rows) return -2;
+    for (int m = 0; m < M; m++) {
+        memcpy(rows + (int64_t)m * half, cos_table + positions[m] * half, sizeof(float) * half);
+        memcpy(rows + (int64_t)(M + m) * half, sin_table + positions[m] * half, sizeof(float) * half);
+    }
+    const int status = decode_layers(mdl, hidden, M, rows, rows + (int64_t)M * half, slots,
+                                     block_table, max_blocks, context_lens, num_threads);
+    free(rows);
+    return status;
+}
