@@ -63,6 +63,22 @@ def test_a_second_build_of_the_sources_is_the_one_that_runs(gpt2_model_dir, tmp_
     assert report["bits_equal"] is False  # the changed RMSNorm ran under B
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not kernel_available(), reason="the C kernels did not build")
+def test_a_build_of_sources_without_the_token_lookups_still_runs_the_step(gpt2_model_dir, tmp_path):
+    """Sources older than decode_step_tokens (the embedding and RoPE lookups in C) have only
+    decode_layers: the fused step then looks the rows up in torch, with the same bits."""
+    older = tmp_path / "csrc"
+    shutil.copytree(SOURCE_DIR, older)
+    step_c = older / "decode_step.c"
+    text = step_c.read_text()
+    cut = text.index("/* ---- the step from token ids")
+    step_c.write_text(text[:cut])
+    report = _run(gpt2_model_dir, tmp_path, f"sources:{older}")
+    assert report["bits_equal"] is True
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not kernel_available(), reason="the C kernels did not build")
 def test_the_captured_step_has_every_row_when_prompts_end_in_different_steps(gpt2_model_dir):
     """Three 40-token prompts under a 32-token budget end in different steps. The last fused step of a

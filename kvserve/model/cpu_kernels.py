@@ -137,8 +137,11 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
         ),
     }
     for name, (argtypes, restype) in signatures.items():
-        fn = getattr(library, name)
-        fn.argtypes, fn.restype = argtypes, restype
+        fn = getattr(
+            library, name, None
+        )  # None: a build of older sources (ab_switch.py loads them)
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, restype
     return library
 
 

@@ -161,9 +161,8 @@ class DecoderLM(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         fused = self._fused_for(input_ids.shape[0], kv_caches, meta, backend)
-        if (
-            fused is not None
-        ):  # the whole step in one native call (decode rows only), lookups included
+        if fused is not None:
+            # the whole step in one native call (decode rows only), the lookups included
             single = meta.single
             return fused(
                 input_ids, positions, self.embed_tokens, meta.slot_mapping, single.block_table,

@@ -3,7 +3,8 @@
 At batch 1 a step is ~10 dispatched calls per layer, and their Python and dispatch cost as much as the
 arithmetic (docs/performance.md, "The fused decode step"). `FusedDecoder` describes the model's weights
 and KV tensors once, as C structs (csrc/decode_step.c), and runs a step of up to `max_rows()`
-single-token rows (`max_step_rows()` when every projection is fp32) with one ctypes call: the GEMVs (on the panel-interleaved fp32 or quantised
+single-token rows (`max_step_rows()`) with one ctypes call from the token ids and positions (the RoPE
+rows, and the embedding rows where C can read the table, are looked up in C too): the GEMVs (on the panel-interleaved fp32 or quantised
 layouts of csrc/decode_step.h, built once at load) split columns over the threads, the small ops and the paged attention
 are the same C functions the per-op path calls. `small_linear` runs one linear the same way, any number of rows (every fp32
 `PackedLinear`: the LM head, prefill).
@@ -265,24 +266,33 @@ class FusedDecoder:
     ) -> torch.Tensor:
         """-> [M, hidden_size]: the final norm of the residual stream after every layer. The
         embedding rows and the RoPE rows are looked up in C (csrc/decode_step.c
-        decode_step_tokens), or the embedding by `embed` itself when C cannot read its table."""
-        kind, table, vocab = embedding_table(embed)
-        out = torch.empty(input_ids.shape[0], self.model_struct.hidden)
-        if kind == 0:
-            out.copy_(embed(input_ids))
-        ids, positions = input_ids.contiguous(), positions.contiguous()
-        if ids.dtype != torch.int64 or positions.dtype != torch.int64:
-            raise TypeError(
-                f"token ids and positions must be int64, not {ids.dtype}, {positions.dtype}"
-            )
+        decode_step_tokens), or the embedding by `embed` itself when C cannot read its table (a
+        quantised table, which does not check the ids: the engine refuses them before the model)."""
+        lib = cpu_kernels.load_kernel()
+        ids = input_ids.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
         block_table, context_lens = cpu_kernels.table_args(block_table, context_lens)
-        status = cpu_kernels.load_kernel().decode_step_tokens(
-            ctypes.byref(self.model_struct), ids.data_ptr(), positions.data_ptr(), out.shape[0],
-            kind, 0 if table is None else table.data_ptr(), vocab, self.cos.data_ptr(),
-            self.sin.data_ptr(), self.cos.shape[0], out.data_ptr(), slot_mapping.data_ptr(),
-            block_table.data_ptr(), block_table.shape[1], context_lens.data_ptr(),
-            torch.get_num_threads(),
-        )  # fmt: skip
+        out = torch.empty(ids.shape[0], self.model_struct.hidden, dtype=torch.float32)
+        step = getattr(lib, "decode_step_tokens", None)
+        if step is None:  # a build of sources older than decode_step_tokens (ab_switch.py)
+            out.copy_(embed(ids))
+            cos, sin = self.cos[positions].contiguous(), self.sin[positions].contiguous()
+            vocab, status = 0, lib.decode_layers(
+                ctypes.byref(self.model_struct), out.data_ptr(), out.shape[0], cos.data_ptr(),
+                sin.data_ptr(), slot_mapping.data_ptr(), block_table.data_ptr(),
+                block_table.shape[1], context_lens.data_ptr(), torch.get_num_threads(),
+            )  # fmt: skip
+        else:
+            kind, table, vocab = embedding_table(embed)
+            if kind == 0:
+                out.copy_(embed(ids))
+            status = step(
+                ctypes.byref(self.model_struct), ids.data_ptr(), positions.data_ptr(), out.shape[0],
+                kind, 0 if table is None else table.data_ptr(), vocab, self.cos.data_ptr(),
+                self.sin.data_ptr(), self.cos.shape[0], out.data_ptr(), slot_mapping.data_ptr(),
+                block_table.data_ptr(), block_table.shape[1], context_lens.data_ptr(),
+                torch.get_num_threads(),
+            )  # fmt: skip
         if status == -3:
             raise cpu_kernels.context_error(context_lens, block_table, self.model_struct.block_size)
         if status == -4:

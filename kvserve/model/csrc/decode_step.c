@@ -510,18 +510,20 @@ int decode_guided(void) { return g_guided; }
 /* The smallest chunk of L's panels a thread claims at M rows. Each claim starts a new memory stream
  * (the software prefetch runs ahead within a chunk, not into the next one), so at up to
  * CLAIM_FEW_ROWS rows, where the GEMV is bound by memory, a chunk holds at least CLAIM_MIN_BYTES of
- * weights: 2 fp32 panels, 15 int8 or 29 int4 panels at 576 inputs. Quantised panels are small (8
- * columns, 2.3 KB of int4 at 576 inputs) and the tail of the guided schedule claimed them 2 at a
- * time. Batch-1 int4-g32 step, Zen 3 (benchmarks/ab_switch.py, 40 alternations): 1.039x faster
- * (29 of 40), as fast as fixed shares; 32 KB 0.98x of 64 KB, 128 KB even. At more rows the panels
- * carry more arithmetic and the finer tail balances better (batch 16 int4: 0.988x with 64 KB). */
+ * weights, rounded up to an even count (the AVX-512 quantised kernel takes panels in pairs): 2 fp32
+ * panels, 16 int8 or 30 int4 panels at 576 inputs. Quantised panels are small (8 columns, 2.3 KB of
+ * int4 at 576 inputs) and the tail of the guided schedule claimed them 2 at a time. Batch-1
+ * int4-g32 step, Zen 3 (benchmarks/ab_switch.py, 40 alternations): 1.05x faster (36 of 40 pairs);
+ * fixed shares had been 1.036x faster than the old claims. Claims of 32 KB were 1.6% slower than 64
+ * KB, 128 KB even. At more rows the panels carry more arithmetic and the finer tail balances better
+ * (batch 16 int4: 1.2% slower with 64 KB claims), so there it stays 2 panels. */
 long long decode_claim_min_panels(const Linear *L, int M) {
     if (M > CLAIM_FEW_ROWS) return GUIDED_MIN_PANELS;
     const long long panel_bytes =
         LIN_IS_FLOAT(L->kind) ? (long long)L->k * FPANEL * (L->kind == LIN_BF16 ? 2 : 4)
                               : (long long)L->kp * QPANEL / (L->kind == LIN_Q4 ? 2 : 1);
     const long long k = (CLAIM_MIN_BYTES + panel_bytes - 1) / panel_bytes;
-    return k < GUIDED_MIN_PANELS ? GUIDED_MIN_PANELS : k;
+    return k < GUIDED_MIN_PANELS ? GUIDED_MIN_PANELS : (k + 1) & ~1LL;
 }
 
 /* Guided scheduling of panels: the next chunk of [*next, end), (what is left) / (2 nt) panels and at
@@ -843,14 +845,15 @@ done:
  * embed_kind: 0 hidden already holds the embedded rows (a table with no native lookup: a quantised
  * embedding); 1 an fp32 table [vocab, D]; 2 the fp32 panels of a tied head [P, D, 16] (row r is
  * panels[r / 16, :, r % 16], linear.py PanelEmbedding); 3 the same panels as bf16 bits (widened,
- * exact). cos_table, sin_table: [max_positions, Dh / 2]. -4: a token id outside [0, vocab); -5: a
- * position outside [0, max_positions); otherwise decode_layers' status. */
+ * exact). cos_table, sin_table: [max_positions, Dh / 2]. -1: an unknown embed_kind (or M out of
+ * range); -4: a token id outside [0, vocab); -5: a position outside [0, max_positions), both
+ * checked before anything is written; otherwise decode_layers' status. */
 int decode_step_tokens(const Model *mdl, const int64_t *ids, const int64_t *positions, int M,
                        int embed_kind, const void *table, int64_t vocab, const float *cos_table,
                        const float *sin_table, int64_t max_positions, float *hidden,
                        const int64_t *slots, const int32_t *block_table, int max_blocks,
                        const int32_t *context_lens, int num_threads) {
-    if (M < 1 || M > decode_step_max_rows(mdl)) return -1;
+    if (M < 1 || M > decode_step_max_rows(mdl) || embed_kind < 0 || embed_kind > 3) return -1;
     const int D = mdl->hidden, half = mdl->head_dim / 2;
     for (int m = 0; m < M; m++) {
         if (embed_kind != 0 && (ids[m] < 0 || ids[m] >= vocab)) return -4;
