@@ -260,7 +260,8 @@ def test_the_fused_step_looks_up_its_embedding_and_rope_rows_in_c(
     """The fused step takes token ids and positions (csrc/decode_step.c decode_step_tokens): the rows
     of a tied head's fp32 panels (kind 2) or of an fp32 table (kind 1) are read in C, a quantised
     table (kind 0) looks its rows up itself; each gives the per-op path's logits bit for bit. An id
-    outside the table or a position outside the RoPE table is an IndexError before any layer runs."""
+    outside the table (any kind) or a position outside the RoPE table is an IndexError before
+    anything is written."""
     if quantization and not kernels_available():
         pytest.skip("the quantised GEMM extension did not build")
     fused_logits, per_op, steps = _fused_and_per_op(checkpoints[arch][0], quantization=quantization)
@@ -282,10 +283,9 @@ def test_the_fused_step_looks_up_its_embedding_and_rope_rows_in_c(
         torch.zeros(1, 1, dtype=torch.int32),
         torch.ones(1, dtype=torch.int32),
     )
-    if kind:  # kind 0: a quantised table's own lookup (the engine checks ids, it does not)
-        for bad in (vocab, -1):
-            with pytest.raises(IndexError, match=f"embedding of {vocab} rows"):
-                fused(torch.tensor([bad]), torch.tensor([0]), model.embed_tokens, *meta)
+    for bad in (vocab, -1):  # kind 0: the quantised table's own lookup refuses it (qlinear.py)
+        with pytest.raises(IndexError, match=f"embedding of {vocab} rows"):
+            fused(torch.tensor([bad]), torch.tensor([0]), model.embed_tokens, *meta)
     for bad in (positions, -1):
         with pytest.raises(IndexError, match=f"RoPE table of {positions} rows"):
             fused(torch.tensor([3]), torch.tensor([bad]), model.embed_tokens, *meta)

@@ -267,7 +267,7 @@ class FusedDecoder:
         """-> [M, hidden_size]: the final norm of the residual stream after every layer. The
         embedding rows and the RoPE rows are looked up in C (csrc/decode_step.c
         decode_step_tokens), or the embedding by `embed` itself when C cannot read its table (a
-        quantised table, which does not check the ids: the engine refuses them before the model)."""
+        quantised table). An id outside the table is an IndexError either way."""
         lib = cpu_kernels.load_kernel()
         ids = input_ids.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()

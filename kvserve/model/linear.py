@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from kvserve.model import fused_decode
-from kvserve.model.qlinear import QuantEmbedding, QuantLinear
+from kvserve.model.qlinear import QuantEmbedding, QuantLinear, check_token_ids
 from kvserve.quant.convert import concat_rows
 from kvserve.quant.rtn import quantize
 from kvserve.quant.scheme import TensorScheme, WeightScheme
@@ -113,12 +113,7 @@ class PanelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids [T] -> [T, hidden]; the two index tensors broadcast ahead of the sliced dim
-        if input_ids.numel() and (
-            int(input_ids.min()) < 0 or int(input_ids.max()) >= self.num_embeddings
-        ):  # the padded columns (and negative ids) would index silently, as nn.Embedding never does
-            raise IndexError(
-                f"token id out of range for an embedding of {self.num_embeddings} rows"
-            )
+        check_token_ids(input_ids, self.num_embeddings)  # the padded columns would index silently
         rows = self.panels[input_ids // fused_decode.FPANEL, :, input_ids % fused_decode.FPANEL]
         return rows.float()  # bf16 panels: their values widened, exact (fp32: no copy)
 

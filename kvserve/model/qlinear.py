@@ -180,6 +180,13 @@ class QuantLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.scheme.name}, {self.kernel}"
 
 
+def check_token_ids(input_ids: torch.Tensor, num_embeddings: int) -> None:
+    """IndexError for an id outside [0, num_embeddings): a table indexed by hand would read a padded
+    row or wrap a negative id silently, which nn.Embedding never does."""
+    if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= num_embeddings):
+        raise IndexError(f"token id out of range for an embedding of {num_embeddings} rows")
+
+
 class QuantEmbedding(nn.Module):
     """An embedding table kept as int8 codes and fp16 scales; looked-up rows are dequantised."""
 
@@ -197,6 +204,7 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(input_ids, self.codes.shape[0])
         codes = self.codes[input_ids].float()  # [T, hidden]
         num_cols = codes.shape[1]
         if self.zeros is not None:
