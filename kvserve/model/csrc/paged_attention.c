@@ -131,12 +131,7 @@ INL __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-#define PREFETCH_AHEAD 16 /* positions: K rows are prefetched this far ahead of the scores */
-#define V_TILE 32         /* positions whose V rows stay in L1 while every q head of the group uses them */
-
-/* every cache line of n floats from row (a 64-byte line holds 16) */
-#define prefetch_row(row, n, hint)                                                                 \
-    for (int64_t d_ = 0; d_ < (n); d_ += 16) _mm_prefetch((const char *)((row) + d_), hint)
+#define V_TILE 32 /* positions whose V rows stay in L1 while every q head of the group uses them */
 
 /* An 8-bit cache's rows of the item, dequantised (lut[code] * scale, the values load_row gives) into
  * buf: position i's kv heads [kh0, kh1) at buf + i * span; rows[i] becomes that offset less the span's
@@ -199,10 +194,12 @@ INL void k_dots(const int NQ, const float *q, const float *k, int D, float *out)
  * the kv head's 1-8 q heads), keeps the lane sums of every (position, q head), then reduces each q
  * head's 8 together: from memory this streams ~1.15x faster than a q head at a time over 8 rows
  * (SmolLM2-135M's 768-byte rows, Zen 3). Other items take a q head at a time, 8 positions' dot products accumulated together. Both
- * give the same bits: each dot product is the same fma chain and the same reduction. The item's rows
- * are prefetched ahead, V into L2 while the scores run. Softmax on 8 scores at a time. Values: tiles of
- * V_TILE positions, every q head of the item accumulating CHUNK values in registers over the tile while
- * its V rows are in L1. */
+ * give the same bits: each dot product is the same fma chain and the same reduction. No software
+ * prefetch: the hardware's stream prefetchers fetch the item's K and V rows (each a run of 16-position
+ * blocks); prefetching K 16 positions ahead and V while the scores ran, into L1, made the fused step
+ * 1.06x slower at 4,000 tokens on a Zen 3 (docs/performance.md, "Decode attention in place"). Softmax
+ * on 8 scores at a time. Values: tiles of V_TILE positions, every q head of the item accumulating CHUNK
+ * values in registers over the tile while its V rows are in L1. */
 static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int t1, float *m_out,
                         float *l_out, float *acc_out) {
     const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, n = t1 - t0, bs = a->block_size;
@@ -231,8 +228,6 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
         for (int i = 0; i < n; i++) rows[i] = i * span;
     }
     for (int i = n; i < ((n + 7) & ~7); i++) rows[i] = rows[n - 1]; /* the tail group's extra lanes */
-    for (int i = 0; i < n && i < PREFETCH_AHEAD; i++)
-        prefetch_row(kc + rows[i] + span_off, span, _MM_HINT_T0);
     const __m256 scale = _mm256_set1_ps(a->scale);
     const int g_item = hq1 - hq0 < G ? hq1 - hq0 : G; /* q heads of each kv head in the item */
     /* whole rows in memory order: an fp32 cache's item of every kv head (a part of each row is a strided
@@ -242,9 +237,6 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
     const int64_t ps = (int64_t)(hq1 - hq0) * 8;        /* floats per position in sums */
     float sums[8 * MAX_GROUP * 8] __attribute__((aligned(32))); /* [position][q head][lane] */
     for (int i = 0; i < n; i += 8) {
-        for (int j = i + PREFETCH_AHEAD; j < i + 8 + PREFETCH_AHEAD && j < n; j++)
-            prefetch_row(kc + rows[j] + span_off, span, _MM_HINT_T0);
-        for (int j = i; j < i + 8 && j < n; j++) prefetch_row(vc + rows[j] + span_off, span, _MM_HINT_T1);
         if (by_rows) {
             for (int j = 0; j < 8; j++) {
                 const float *row = kc + rows[i + j];
