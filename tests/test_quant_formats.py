@@ -110,3 +110,21 @@ def test_w8a8_and_mixed_schemes():
 def test_bad_formats_name_the_choice(bad, needle):
     with pytest.raises(QuantizationError, match=needle):
         parse_weight_scheme(bad)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4-g32"])
+def test_a_quantised_embedding_looks_up_its_rows_and_refuses_ids_outside_the_table(name):
+    """QuantEmbedding (an `embed=` format): a row is its dequantised codes; an id outside
+    [0, rows), a negative one too (it used to wrap to the last row), is an IndexError."""
+    from kvserve.model.qlinear import QuantEmbedding
+
+    table = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    qt = quantize(table, parse_tensor_scheme(name))
+    embed = QuantEmbedding(qt, torch.float32, "cpu")
+    rows = embed(torch.tensor([0, 39, 7]))
+    assert rows.shape == (3, 64) and torch.equal(rows, embed(torch.tensor([0, 39, 7])))
+    assert (rows - table[[0, 39, 7]]).abs().max() < 0.1 * table.abs().max()
+    assert embed(torch.tensor([], dtype=torch.long)).shape == (0, 64)
+    for bad in ([40], [-1], [3, 40]):
+        with pytest.raises(IndexError, match="embedding of 40 rows"):
+            embed(torch.tensor(bad))
