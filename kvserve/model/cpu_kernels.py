@@ -114,32 +114,16 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
         "decode_step_max_rows": ([_PTR], _INT),
         "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
         "decode_layers": ([_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _INT], _INT),
+        # model, ids, positions, M, embed kind, table, vocab, cos, sin, max positions, hidden, slots,
+        # block table, max blocks, context lengths, threads
         "decode_step_tokens": (
-            [
-                _PTR,
-                _PTR,
-                _PTR,
-                _INT,
-                _INT,
-                _PTR,
-                i64,
-                _PTR,
-                _PTR,
-                i64,
-                _PTR,
-                _PTR,
-                _PTR,
-                _INT,
-                _PTR,
-                _INT,
-            ],
+            [_PTR] * 3 + [_INT, _INT, _PTR, i64, _PTR, _PTR, i64] + [_PTR] * 3 + [_INT, _PTR, _INT],
             _INT,
         ),
     }
     for name, (argtypes, restype) in signatures.items():
-        fn = getattr(
-            library, name, None
-        )  # None: a build of older sources (ab_switch.py loads them)
+        # None: a build of older sources without this function (ab_switch.py loads them)
+        fn = getattr(library, name, None)
         if fn is not None:
             fn.argtypes, fn.restype = argtypes, restype
     return library

@@ -193,13 +193,14 @@ INL void k_dots(const int NQ, const float *q, const float *k, int D, float *out)
  * kv head reads each position's row once, in memory order (its kv heads in turn, each K vector serving
  * the kv head's 1-8 q heads), keeps the lane sums of every (position, q head), then reduces each q
  * head's 8 together: from memory this streams ~1.15x faster than a q head at a time over 8 rows
- * (SmolLM2-135M's 768-byte rows, Zen 3). Other items take a q head at a time, 8 positions' dot products accumulated together. Both
- * give the same bits: each dot product is the same fma chain and the same reduction. No software
- * prefetch: the hardware's stream prefetchers fetch the item's K and V rows (each a run of 16-position
- * blocks); prefetching K 16 positions ahead (T0) and V while the scores ran (T1) made the fused step
- * 1.05-1.06x slower at 4,000 tokens on a Zen 3 (docs/performance.md, "Decode attention in place"). Softmax
- * on 8 scores at a time. Values: tiles of V_TILE positions, every q head of the item accumulating CHUNK
- * values in registers over the tile while its V rows are in L1. */
+ * (SmolLM2-135M's 768-byte rows, Zen 3). Other items take a q head at a time, 8 positions' dot
+ * products accumulated together. Both give the same bits: each dot product is the same fma chain and
+ * the same reduction. No software prefetch: the hardware's stream prefetchers fetch the item's K and V
+ * rows (each a run of 16-position blocks); prefetching K 16 positions ahead (T0) and V while the
+ * scores ran (T1) made the fused step 1.05-1.06x slower at 4,000 tokens on a Zen 3
+ * (docs/performance.md, "Decode attention in place"). Softmax on 8 scores at a time. Values: tiles of
+ * V_TILE positions, every q head of the item accumulating CHUNK values in registers over the tile
+ * while its V rows are in L1. */
 static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int t1, float *m_out,
                         float *l_out, float *acc_out) {
     const int D = a->head_dim, G = a->num_heads / a->num_kv_heads, n = t1 - t0, bs = a->block_size;
