@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.measure import MeasureConfig, time_median_s
+from kvserve.measure import MeasureConfig, stream_copies, time_median_s
 from kvserve.plan.hardware import MeasuredPoint
 
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32)
@@ -53,6 +53,18 @@ def linear_shapes(cfg: MeasureConfig, model=None) -> list[tuple[int, int]]:
     return layer * model.num_layers
 
 
+def step_weight_bytes(model, fmt: str) -> float:
+    """The planner's bytes of the weights a decode step of `model` (a kvserve.plan.ModelSpec)
+    streams with its block linears and head in `fmt`: every layer's linears and the head."""
+    from kvserve.plan.formats import parse_tensor_format
+    from kvserve.plan.model import TensorShape
+
+    tensor_format = parse_tensor_format(fmt)
+    shapes = [TensorShape("w", "linear", o, i) for o, i in linear_shapes(MeasureConfig(), model)]
+    shapes.append(TensorShape("head", "head", model.vocab_size, model.hidden_size))
+    return float(sum(tensor_format.num_bytes(t) for t in shapes))
+
+
 def measure_linear(
     cfg: MeasureConfig,
     fmt: str,
@@ -61,7 +73,8 @@ def measure_linear(
     model=None,
 ) -> list[MeasuredPoint]:
     """The engine's linear modules for weight format `fmt` over `linear_shapes`, at each batch
-    row count: one sample calls every matrix once, in order; fp32 also `linear-fused:fp32`, the
+    row count: one sample calls every matrix once, in order (of as many copies of the set as
+    `stream_copies` asks, so that they stream from memory as a step's weights); fp32 also `linear-fused:fp32`, the
     panel GEMV the fused step streams fp32 weights with at the rows (8, 16) where the per-op path
     takes oneDNN instead."""
     from kvserve.model import fused_decode
@@ -72,17 +85,23 @@ def measure_linear(
 
     scheme = None if fmt == "fp32" else parse_tensor_scheme(fmt)
     tensor_format = parse_tensor_format(fmt)
-    modules, tiny, num_bytes, flops_per_row = [], [], 0.0, 0
-    for out_f, in_f in linear_shapes(cfg, model):
+    shapes = linear_shapes(cfg, model)
+    # the planner's bytes of these matrices in this format (codes + fp16 scales), so that the
+    # plan's weight bytes over this rate is the measured time (kernels' layouts may differ)
+    num_bytes = sum(tensor_format.num_bytes(TensorShape("w", "linear", o, i)) for o, i in shapes)
+    flops_per_row = sum(2 * o * i for o, i in shapes)
+    # the calls cycle through copies, so that a small format's matrices stream from memory as
+    # in a decode step rather than from the last-level cache: as many bytes as the model's step
+    # reads, or without a model as the same matrices in fp32 (the config's "much larger")
+    step_bytes = 4.0 * flops_per_row / 2 if model is None else step_weight_bytes(model, fmt)
+    copies = stream_copies(num_bytes, step_bytes, cfg.device)
+    modules, tiny = [], []
+    for out_f, in_f in shapes * copies:
         weight = torch.randn(out_f, in_f) * in_f**-0.5  # [out, in]
         modules.append((make_linear(weight, None, scheme, cfg.device), in_f))
         # the same call on a 64 x 64 matrix: its per-call host cost, which the dispatch points
         # already count (the tiny decoder's linears), is taken out of the streaming time
         tiny.append((make_linear(torch.randn(64, 64) / 8, None, scheme, cfg.device), 64))
-        # the planner's bytes of this matrix in this format (codes + fp16 scales), so that the
-        # plan's weight bytes over this rate is the measured time (kernels' layouts may differ)
-        num_bytes += tensor_format.num_bytes(TensorShape("w", "linear", out_f, in_f))
-        flops_per_row += 2 * out_f * in_f
     kinds = [(f"linear:{fmt}", modules, tiny, rows)]
     if fmt == "fp32" and fused_decode.max_step_rows() > fused_decode.max_rows():
         keep: list = []
@@ -99,7 +118,7 @@ def measure_linear(
     points = []
     for kind, mods, tiny_mods, kind_rows in kinds:
         points += _linear_points(kind, mods, tiny_mods, kind_rows, cfg, deadline, num_bytes,
-                                 flops_per_row)  # fmt: skip
+                                 flops_per_row, copies)  # fmt: skip
     return points
 
 
@@ -112,7 +131,10 @@ def _linear_points(
     deadline: float,
     num_bytes: float,
     flops_per_row: int,
+    copies: int = 1,
 ) -> list[MeasuredPoint]:
+    """Points per row count; `modules` are `copies` sets of matrices of `num_bytes`: each point's
+    time is one set's share of the calls' streaming time."""
     points = []
     for i, n in enumerate(rows):
         if i and time.perf_counter() > deadline:  # every format gets its first row count
@@ -129,7 +151,7 @@ def _linear_points(
 
         total_s = time_median_s(calls(modules), cfg)
         overhead_s = time_median_s(calls(tiny), cfg)
-        median_s = max(total_s - overhead_s, 0.05 * total_s)  # streaming time
+        median_s = max(total_s - overhead_s, 0.05 * total_s) / copies  # streaming, one set
         flops = flops_per_row * n
         points.append(
             MeasuredPoint(

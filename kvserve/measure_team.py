@@ -21,12 +21,18 @@ these points then add up to the step measured on the model's shapes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
 
-from kvserve.measure import MeasureConfig
-from kvserve.measure_engine import _tiny_decoder, fused_rows, interleaved_medians_s
+from kvserve.measure import MeasureConfig, stream_copies
+from kvserve.measure_engine import (
+    _tiny_decoder,
+    fused_rows,
+    interleaved_medians_s,
+    step_weight_bytes,
+)
 from kvserve.plan.engine_points import _interp_log2
 from kvserve.plan.hardware import MeasuredPoint
 
@@ -140,12 +146,15 @@ def measure_team_layers(
 
         scheme = parse_tensor_scheme(fmt)
 
-    layers = min(model.num_layers, max_layers)
+    layer_bytes, kv_token_bytes = _layer_bytes(model, fmt)
+    # enough of the model's layers that their weights stream from memory as in its step (12
+    # layers of int4 fit in a 32 MiB last-level cache)
+    span_layers = stream_copies(layer_bytes, step_weight_bytes(model, fmt), cfg.device)
+    layers = min(model.num_layers, max(max_layers, span_layers))
     limit = fused_rows()  # quantised steps take as many rows as fp32 ones
     contexts = tuple(sorted({SHORT_CONTEXT, *(contexts or (max(cfg.attention_contexts),))}))
     rows = tuple(n for n in rows if n <= limit)
     make_step, decoder = _tiny_decoder(layers, True, max(contexts), max(rows), model, scheme)
-    layer_bytes, kv_token_bytes = _layer_bytes(model, fmt)
     points = []
     with torch.inference_mode():
         for n in rows:
@@ -181,14 +190,19 @@ def measure_head(
 
         scheme = parse_tensor_scheme(fmt)
     v, d = model.vocab_size, model.hidden_size
-    head = make_linear(torch.randn(v, d) * d**-0.5, None, scheme, cfg.device)  # [vocab, hidden]
-    tiny = make_linear(torch.randn(64, 64) / 8, None, scheme, cfg.device)
     num_bytes = parse_tensor_format(fmt).num_bytes(TensorShape("head", "head", v, d))
+    # copies called in turn, so that a quantised head (tens of MB) streams from memory as in
+    # the model's step, not from the last-level cache
+    copies = stream_copies(num_bytes, step_weight_bytes(model, fmt), cfg.device)
+    heads = [make_linear(torch.randn(v, d) * d**-0.5, None, scheme, cfg.device)
+             for _ in range(copies)]  # fmt: skip  # [vocab, hidden] each
+    tiny = make_linear(torch.randn(64, 64) / 8, None, scheme, cfg.device)
     points = []
     with torch.inference_mode():
         for n in rows:
             x, x_tiny = torch.randn(n, d), torch.randn(n, 64)  # [rows, hidden], [rows, 64]
-            calls = {0: lambda x=x: head(x), 1: lambda x=x_tiny: tiny(x)}
+            turn = itertools.cycle(heads)
+            calls = {0: lambda x=x, t=turn: next(t)(x), 1: lambda x=x_tiny: tiny(x)}
             med = interleaved_medians_s(calls, cfg, cfg.dispatch_rounds)
             stream_s = max(med[0] - med[1], 0.05 * med[0])
             points.append(MeasuredPoint(HEAD_KIND + fmt, n, 2 * v * d * n / stream_s,
