@@ -155,6 +155,33 @@ def plan_step(spec, profile, weights: str, batch: int, context: float) -> dict:
     }
 
 
+def retimed_profile(profile, spec, weights: str, batches: list[int], contexts: list[int]):
+    """`profile` with the plan's largest terms timed again now, beside the steps: the team step's
+    layers (`team-layer:FMT`, at 16 and the longest context) and the head (`head:FMT`) at the
+    rows these steps ran, as `--measure` times them (kvserve/measure_team.py). The machine's
+    speed moves between the profile and the steps (the probes drifted 1.4-4x over one run here);
+    the plan from these points holds the planner's arithmetic against the steps at one speed."""
+    import dataclasses
+
+    import torch
+
+    from kvserve.measure import MeasureConfig
+    from kvserve.measure_team import measure_head, measure_team_layers
+
+    name = plan_format(weights, spec)  # "fp32", or "linear=...,embed=...,head=...,norm=..."
+    parts = dict(p.split("=") for p in name.split(",")) if "=" in name else {
+        "linear": name, "head": name}  # fmt: skip
+    fixed = [(p.num_columns, p.median_s) for p in profile.points if p.kind == "fused-fixed"]
+    cfg = MeasureConfig(attention_contexts=(16, max(contexts)))
+    rows = tuple(sorted(batches))
+    with torch.inference_mode():
+        fresh = measure_team_layers(cfg, spec, parts["linear"], fixed, rows=rows)
+        fresh += measure_head(cfg, spec, parts["head"], rows=rows)
+    kinds = {p.kind for p in fresh}
+    kept = [p for p in profile.points if p.kind not in kinds]
+    return dataclasses.replace(profile, points=tuple(kept) + tuple(fresh))
+
+
 def measure_profile(args, out: Path, formats: str, contexts: list[int]) -> Path:
     path = Path(args.profile) if args.profile else out / "this-machine.json"
     if not args.profile:
@@ -183,6 +210,11 @@ def main() -> int:
     p.add_argument("--gemm-budget-s", type=float, default=10.0, help="the roofline's GEMM sweep")
     p.add_argument("--profile", default=None, help="a measured profile (default: measure now)")
     p.add_argument("--no-forward", action="store_true", help="skip timing the model's forward")
+    p.add_argument(
+        "--no-retime",
+        action="store_true",
+        help="skip timing the plan's team layers and head again beside each format's steps",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tmp" / "plan"))
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "plan_vs_measured.json"))
     args = p.parse_args()
@@ -220,6 +252,9 @@ def main() -> int:
                 quant = None if weights == "fp32" else weights
                 cfg = MeasureConfig(min_time_s=0.5, min_samples=5)
                 forwards = time_model_forwards(args.model, shapes, quant, cfg)
+            retimed = None
+            if not args.no_retime:
+                retimed = retimed_profile(profile, spec, weights, sorted(steps), contexts)
             after = probe(f"after {weights} at {context}")
             probes.append(after)
             # the machine's speed while these steps ran, relative to the profile's minutes
@@ -230,6 +265,8 @@ def main() -> int:
                        "gemv_speed_vs_profile": speed}  # fmt: skip
                 if (batch, int(t)) in forwards:
                     row["forward_s"] = forwards[(batch, int(t))]
+                if retimed is not None:
+                    row["plan_now_s"] = plan_step(spec, retimed, weights, batch, t)["plan_s"]
                 rows.append(row | plan_step(spec, profile, weights, batch, t))
     explain(rows)
     doc = {

@@ -70,6 +70,72 @@ def test_a_gap_that_the_machines_drift_explains_is_named_not_corrected():
     assert "machine drift" not in steady["cause"]
 
 
+def test_the_plan_with_its_kernels_timed_again_beside_the_steps_is_named_not_swapped():
+    # a miss against the profile's plan (20 / 13 ms); the same plan from points timed beside the
+    # steps says 18.5 ms: the gap is the machine's speed, which the verdict names
+    slow = row(0.020, "memory", forward_s=0.0195)
+    slow["plan_now_s"] = 0.0185
+    explain([slow])
+    assert not slow["within_tolerance"]  # the verdict stays the profile's plan's
+    assert slow["measured_over_plan_now"] == 0.020 / 0.0185
+    assert "timed again beside these steps: measured / plan 1.08 (within 15%)" in slow["cause"]
+    far = row(0.030, "memory", forward_s=0.029)
+    far["plan_now_s"] = 0.013
+    explain([far])
+    assert "measured / plan 2.31 (still outside 15%)" in far["cause"]
+    inside = row(0.0135, "memory")
+    inside["plan_now_s"] = 0.0135
+    explain([inside])
+    assert inside["cause"] == "memory-bound, within 15%"
+
+
+def test_the_retimed_profile_replaces_the_team_layers_and_head_of_the_plans_formats(monkeypatch):
+    import benchmarks.plan_vs_measured as pvm
+    import kvserve.measure_team as mt
+    from kvserve.plan.hardware import HardwareProfile, MeasuredPoint
+    from kvserve.plan.model import ModelSpec
+
+    spec = ModelSpec(
+        name="tiny", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, vocab_size=100, max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    seen = []
+
+    def team(cfg, model, fmt, fixed, rows):
+        seen.append(("team", fmt, rows, max(cfg.attention_contexts), tuple(fixed)))
+        return [MeasuredPoint(f"team-layer:{fmt}", n, 0.0, 1.0, 0.0, 9.0, c)
+                for n in rows for c in (16, max(cfg.attention_contexts))]  # fmt: skip
+
+    def head(cfg, model, fmt, rows):
+        seen.append(("head", fmt, rows))
+        return [MeasuredPoint(f"head:{fmt}", n, 0.0, 2.0, 0.0, 9.0) for n in rows]
+
+    monkeypatch.setattr(mt, "measure_team_layers", team)
+    monkeypatch.setattr(mt, "measure_head", head)
+    old = (
+        MeasuredPoint("fused-fixed", 1, 0.0, 0.0, 0.0, 1e-4),
+        MeasuredPoint("team-layer:int4-g32", 1, 0.0, 5.0, 0.0, 1e-3, 16),
+        MeasuredPoint("team-layer:int4-g32", 16, 0.0, 5.0, 0.0, 1e-3, 16),
+        MeasuredPoint("team-layer:fp32", 1, 0.0, 5.0, 0.0, 1e-3, 16),
+        MeasuredPoint("head:int8", 1, 0.0, 5.0, 0.0, 1e-3),
+        MeasuredPoint("head:fp32", 1, 0.0, 5.0, 0.0, 1e-3),
+    )
+    profile = HardwareProfile("m", 1e12, 1e9, 1e15, "fp32", measured=True, points=old)
+    new = pvm.retimed_profile(profile, spec, "linear=int4-g32,head=int8", [4, 1], [128, 2000])
+    assert seen == [("team", "int4-g32", (1, 4), 2000, ((1, 1e-4),)), ("head", "int8", (1, 4))]
+    kinds = sorted((p.kind, p.num_columns, p.context_tokens) for p in new.points)
+    assert kinds == sorted([
+        ("fused-fixed", 1, 0), ("team-layer:fp32", 1, 16), ("head:fp32", 1, 0),
+        ("team-layer:int4-g32", 1, 16), ("team-layer:int4-g32", 1, 2000),
+        ("team-layer:int4-g32", 4, 16), ("team-layer:int4-g32", 4, 2000),
+        ("head:int8", 1, 0), ("head:int8", 4, 0),
+    ])  # fmt: skip
+    seen.clear()
+    pvm.retimed_profile(profile, spec, "fp32", [1], [128])
+    assert [(kind, fmt) for kind, fmt, *_ in seen] == [("team", "fp32"), ("head", "fp32")]
+
+
 def test_the_benchmark_process_runs_with_the_engines_thread_settings():
     # regression: the probes and the forward timed alone ran with OpenMP's spinning default while
     # the profile and bench latency (the `kvserve` command line) ran with kvserve's PASSIVE
