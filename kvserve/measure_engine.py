@@ -73,10 +73,10 @@ def measure_linear(
     model=None,
 ) -> list[MeasuredPoint]:
     """The engine's linear modules for weight format `fmt` over `linear_shapes`, at each batch
-    row count: one sample calls every matrix once, in order (of as many copies of the set as
-    `stream_copies` asks, so that they stream from memory as a step's weights); fp32 also `linear-fused:fp32`, the
-    panel GEMV the fused step streams fp32 weights with at the rows (8, 16) where the per-op path
-    takes oneDNN instead."""
+    row count: one sample calls every matrix once, in order, over as many copies of the set as
+    `stream_copies` asks (so that they stream from memory as a step's weights do); fp32 also
+    `linear-fused:fp32`, the panel GEMV the fused step streams fp32 weights with at the rows (8,
+    16) where the per-op path takes oneDNN instead."""
     from kvserve.model import fused_decode
     from kvserve.model.linear import make_linear
     from kvserve.plan.formats import parse_tensor_format
@@ -93,7 +93,8 @@ def measure_linear(
     # the calls cycle through copies, so that a small format's matrices stream from memory as
     # in a decode step rather than from the last-level cache: as many bytes as the model's step
     # reads, or without a model as the same matrices in fp32 (the config's "much larger")
-    step_bytes = 4.0 * flops_per_row / 2 if model is None else step_weight_bytes(model, fmt)
+    fp32_bytes = 4.0 * sum(o * i for o, i in shapes)
+    step_bytes = fp32_bytes if model is None else step_weight_bytes(model, fmt)
     copies = stream_copies(num_bytes, step_bytes, cfg.device)
     modules, tiny = [], []
     for out_f, in_f in shapes * copies:
