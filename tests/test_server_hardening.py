@@ -162,6 +162,15 @@ def test_an_emoji_as_a_surrogate_pair_is_fine(server):
         ("POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
         ("POST", "/v1/completions", b'{"prompt": "hi",', 400, "not valid JSON"),
         ("POST", "/v1/completions", b"[" * 100 + b"]" * 100, 400, "nests JSON 100 levels"),
+        # fuzzing: an unclosed string of escaped quotes took the depth check quadratic time
+        # (12 s for 48 KB, the whole server stalled); this body (180 KB) took minutes
+        ("POST", "/v1/completions", b"[" * 65 + b'"' + b'\\"' * 90_000, 400,
+         "nests JSON 65 levels"),
+        # fuzzing: ids past int64 could not be sent to the engine core: a 500
+        ("POST", "/v1/completions", b'{"prompt": [18446744073709551616], "max_tokens": 2}', 400,
+         "outside the vocabulary"),
+        ("POST", "/v1/completions", b'{"prompt": [[1, 2], [-9223372036854775809]]}', 400,
+         "outside the vocabulary"),
         ("POST", "/v1/completions", b'{"prompt": "hi", "stream": "yes"}', 400, "boolean"),
         ("POST", "/v1/completions", b'{"prompt": "hi", "top_p": true}', 400, "number"),
         ("POST", "/v1/completions", b'{"prompt": "hi", "n": 2.0}', 400, "integer"),

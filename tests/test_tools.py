@@ -163,6 +163,14 @@ def test_tool_message_round_trip_renders_and_the_next_turn_runs(client):
     [
         (dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
         (dict(tool_choice="sometimes"), "tool_choice"),
+        # fuzzing: a `function` that is not an object was a 500 (AttributeError)
+        (dict(tool_choice={"type": "function", "function": "get_weather"}), "tool_choice"),
+        (dict(tool_choice={"type": "function", "function": ["get_weather"]}), "tool_choice"),
+        # fuzzing: a trailing newline passed the name pattern ($ matches before it)
+        (dict(tools=[{"type": "function", "function": {"name": "f\n"}}]),
+         "tools[0].function.name"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]),
+         "tools[0].function.strict"),
         (dict(tools=[{"type": "retrieval"}]), "tools[0].type"),
         (dict(tools=[{"type": "function", "function": {"name": "bad name"}}]),
          "tools[0].function.name"),

@@ -233,8 +233,20 @@ class CompletionRequest(_SamplingRequest):
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", "prompt")
         if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return list(prompt)
+            return [_token_ids(prompt)]
+        return [p if isinstance(p, str) else _token_ids(p) for p in prompt]
+
+
+def _token_ids(ids: list[int]) -> list[int]:
+    """A prompt's token ids; ids that no vocabulary holds (negative, or past int64, which the
+    engine core's messages cannot carry) are refused here, the rest where the vocabulary is
+    known (LLMEngine.validate)."""
+    bad = [t for t in ids if not 0 <= t <= INT64_MAX]
+    if bad:
+        raise InvalidRequestError(
+            f"prompt contains token ids outside the vocabulary: {bad[:5]}", "prompt"
+        )
+    return list(ids)
 
 
 class TokenizeRequest(BaseModel):

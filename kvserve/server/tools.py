@@ -19,7 +19,7 @@ from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import SamplingParams, StructuredOutput
 from kvserve.server.tool_parsers import DEFAULT_FORCED_FORMAT, ToolParser, get_tool_parser
 
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -67,7 +67,7 @@ def _check_tool(tool: Any, index: int) -> dict:
     function = tool.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequestError("a tool needs `function.name`", f"{param}.function")
-    if not _FUNCTION_NAME.match(function["name"]):
+    if not _FUNCTION_NAME.fullmatch(function["name"]):
         raise InvalidRequestError(
             "function names are 1-64 characters of a-z, A-Z, 0-9, _ and -", f"{param}.function.name"
         )
@@ -78,6 +78,8 @@ def _check_tool(tool: Any, index: int) -> dict:
         raise InvalidRequestError(
             "function.parameters must be a JSON schema object", f"{param}.function.parameters"
         )
+    if not isinstance(function.get("strict", False), bool):
+        raise InvalidRequestError("function.strict must be a boolean", f"{param}.function.strict")
     unknown = set(function) - {"name", "description", "parameters", "strict"}
     if unknown:
         raise InvalidRequestError(
@@ -91,8 +93,9 @@ def _choice(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
         return "auto", None
     if tool_choice in ("none", "auto", "required"):
         return tool_choice, None
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
-        name = (tool_choice.get("function") or {}).get("name")
+    named = isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+    if named and isinstance(function := tool_choice.get("function"), dict):  # else: the error below
+        name = function.get("name")
         if name not in names:
             raise InvalidRequestError(
                 f"tool_choice names function {name!r}, which is not in `tools`", "tool_choice"
