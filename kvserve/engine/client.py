@@ -21,7 +21,7 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from kvserve.core.errors import KVServeError
+from kvserve.core.errors import InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
@@ -39,6 +39,8 @@ from kvserve.engine.wire import (
     ValidateCmd,
     error_from_wire,
 )
+
+VALIDATE_TIMEOUT_S = 60.0  # a request's check in the core, its grammar's compilation included
 
 
 class CoreHandle:
@@ -155,8 +157,17 @@ class EngineClient:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request (compiling its grammar, if any); returns its max_tokens. Blocking: call it
-        off the event loop."""
-        return self._call(0, lambda call_id: ValidateCmd(call_id, list(prompt_token_ids), params))
+        off the event loop. A grammar still compiling after VALIDATE_TIMEOUT_S is this request's
+        error (400), not the engine's: the core compiles grammars beside its other work."""
+        command = lambda call_id: ValidateCmd(call_id, list(prompt_token_ids), params)  # noqa: E731
+        try:
+            return self._call(0, command, VALIDATE_TIMEOUT_S)
+        except TimeoutError:
+            if params.structured is None:
+                raise
+            raise InvalidRequestError(
+                f"the structured-output grammar did not compile within {VALIDATE_TIMEOUT_S:.0f} s"
+            ) from None
 
     def _route(self, prompt_token_ids: list[int], cache_salt: str | None) -> CoreHandle:
         """The core most likely to hold this prompt's prefix (its first full block), else the least

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.engine.wire import (
     HEARTBEAT_S,
@@ -79,6 +80,20 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
         os._exit(1)
     send(Ready(engine_info(engine), pid))
     core.start()
+
+    def validate(command: ValidateCmd) -> None:
+        if faults is not None and faults.grammar_delay_s and command.params.structured:
+            time.sleep(faults.grammar_delay_s)  # tests: a grammar that compiles slowly
+        try:
+            value = engine.validate(command.prompt_token_ids, command.params).max_tokens
+            result = UtilityResult(command.call_id, value)
+        except Exception as exc:
+            result = UtilityResult(command.call_id, None, failure_of("", exc))
+        send(CoreOutputs(results=[result]))
+
+    # fuzzing: a schema of 700 properties compiled for over 60 s here, and every request arriving
+    # meanwhile (validated on this loop) waited, then failed with it
+    grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
     dec = decoder(ToCore)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
@@ -92,15 +107,15 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
         if isinstance(command, ShutdownCmd):
             break
         if isinstance(command, ValidateCmd):  # reads only immutable configuration: no need to wait
-            try:  # for a step boundary
-                value = engine.validate(command.prompt_token_ids, command.params).max_tokens
-                result = UtilityResult(command.call_id, value)
-            except Exception as exc:
-                result = UtilityResult(command.call_id, None, failure_of("", exc))
-            send(CoreOutputs(results=[result]))
+            if command.params.structured is None:  # for a step boundary
+                validate(command)
+            else:  # compiling a grammar can take seconds: not in the way of other requests
+                logger.info("check %d: compiling a structured-output grammar", command.call_id)
+                grammar_thread.submit(validate, command)
             continue
         core.submit(command)
     core.shutdown()
+    grammar_thread.shutdown(wait=False, cancel_futures=True)
     stop.set()
     push.close()
     pull.close(linger=0)

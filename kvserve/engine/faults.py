@@ -17,10 +17,11 @@ class FaultInjection:
     step_delay_s: float = (
         0.0  # sleep after every step: a slow engine, for deterministic timing tests
     )
+    grammar_delay_s: float = 0.0  # sleep before checking a request with a grammar: a slow compile
 
     @classmethod
     def parse(cls, spec: str | None) -> FaultInjection | None:
-        """`request:SEED`, `engine:SEED`, `delay:SECONDS`, comma-separated."""
+        """`request:SEED`, `engine:SEED`, `delay:SECONDS`, `grammar:SECONDS`, comma-separated."""
         if not spec:
             return None
         fields: dict[str, float] = {}
@@ -29,13 +30,16 @@ class FaultInjection:
             try:
                 if kind == "delay":
                     fields["step_delay_s"] = float(value)
+                elif kind == "grammar":
+                    fields["grammar_delay_s"] = float(value)
                 elif kind in ("request", "engine"):
                     fields[f"{kind}_seed"] = int(value)
                 else:
                     raise ValueError
             except ValueError:
                 raise ValueError(
-                    f"fault injection must be request:SEED, engine:SEED or delay:SECONDS; "
+                    "fault injection must be request:SEED, engine:SEED, delay:SECONDS or "
+                    f"grammar:SECONDS; "
                     f"got {part!r}"
                 ) from None
         return cls(**fields)
