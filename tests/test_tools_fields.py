@@ -40,6 +40,7 @@ CHAT_UNSUPPORTED = {
     "modalities": ["text", "audio"],
     "stream_options.include_obfuscation": True,
     "top_a": 0.5,  # nobody's parameter
+    "best_of": 5,  # fuzzing: a completions field, skipped unchecked on chat too
 }
 COMPLETION_UNSUPPORTED = {"suffix": "end", "best_of": 3, "echo": True, "mirostat": 2}
 
@@ -66,6 +67,15 @@ def test_unsupported_completion_field_is_400_naming_it(server, param):
     response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_best_of_is_an_integer_equal_to_n(server):
+    # fuzzing: best_of true passed as n=1 (True == 1)
+    for best_of in (True, 1.0, "1"):
+        body = {"prompt": "Hi", "max_tokens": 2, "best_of": best_of}
+        response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 400, (best_of, response.text)
+        assert response.json()["error"]["param"] == "best_of"
 
 
 def test_accepted_defaults_and_nulls_pass(server):

@@ -36,13 +36,14 @@ _STREAM_ACCEPTED: dict[str, tuple[Any, ...]] = {"include_obfuscation": (False,)}
 
 def check_fields(request, kind: str) -> None:
     """Raise a 400 for the first field of `request` (chat or completion) that kvserve would ignore."""
-    _check_extras(request.model_extra or {}, "")
+    # best_of is a completions field (checked below); a chat request has none
+    _check_extras(request.model_extra or {}, "", skip=("best_of",) if kind == "completion" else ())
     options = getattr(request, "stream_options", None)
     if options is not None:
         _check_extras(options.model_extra or {}, "stream_options.", _STREAM_ACCEPTED)
     if kind == "completion":
         best_of = (request.model_extra or {}).get("best_of")
-        if best_of is not None and best_of != request.n:
+        if best_of is not None and (type(best_of) is not int or best_of != request.n):
             raise InvalidRequestError(
                 "best_of other than n is not supported (it would rank samples by log probability)",
                 "best_of",
@@ -50,11 +51,14 @@ def check_fields(request, kind: str) -> None:
 
 
 def _check_extras(
-    extras: dict[str, Any], prefix: str, accepted: dict[str, tuple[Any, ...]] = _ACCEPTED_VALUES
+    extras: dict[str, Any],
+    prefix: str,
+    accepted: dict[str, tuple[Any, ...]] = _ACCEPTED_VALUES,
+    skip: tuple[str, ...] = (),
 ) -> None:
     for name, value in extras.items():
         param = prefix + name
-        if value is None or (prefix == "" and name == "best_of"):
+        if value is None or name in skip:
             continue
         if name in accepted:
             if value in accepted[name]:
