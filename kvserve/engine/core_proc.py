@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from kvserve.engine.wire import (
     HEARTBEAT_S,
@@ -92,8 +92,15 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
         send(CoreOutputs(results=[result]))
 
     # fuzzing: a schema of 700 properties compiled for over 60 s here, and every request arriving
-    # meanwhile (validated on this loop) waited, then failed with it
-    grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
+    # meanwhile (validated on this loop) waited, then failed with it. A daemon thread: a compile
+    # still running does not hold up the core's exit.
+    grammar_checks: queue.SimpleQueue = queue.SimpleQueue()
+
+    def check_grammars() -> None:
+        while (command := grammar_checks.get()) is not None and not stop.is_set():
+            validate(command)
+
+    threading.Thread(target=check_grammars, name="kvserve-grammar", daemon=True).start()
     dec = decoder(ToCore)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
@@ -111,12 +118,12 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
                 validate(command)
             else:  # compiling a grammar can take seconds: not in the way of other requests
                 logger.info("check %d: compiling a structured-output grammar", command.call_id)
-                grammar_thread.submit(validate, command)
+                grammar_checks.put(command)
             continue
         core.submit(command)
     core.shutdown()
-    grammar_thread.shutdown(wait=False, cancel_futures=True)
     stop.set()
+    grammar_checks.put(None)
     push.close()
     pull.close(linger=0)
     ctx.term()
