@@ -121,17 +121,22 @@ def measure_steps(
     }
 
 
+def plan_parts(weights: str, spec) -> dict[str, str]:
+    """The planner's format per tensor kind for the engine's `--quantization` of an fp32
+    checkpoint: what it names is quantised, the rest stays fp32 (a tied head is the embedding
+    table: `embed`)."""
+    named = dict(p.split("=") for p in weights.split(",")) if "=" in weights else (
+        {} if weights == "fp32" else {"linear": weights})  # fmt: skip
+    head = named.get("head", "fp32")
+    embed = head if spec.tie_word_embeddings else named.get("embed", "fp32")
+    return {"linear": named.get("linear", "fp32"), "embed": embed, "head": head, "norm": "fp32"}
+
+
 def plan_format(weights: str, spec) -> str:
-    """The planner's format for the engine's `--quantization` of an fp32 checkpoint: what it
-    names is quantised, the rest stays fp32 (a tied head is the embedding table: `embed`)."""
+    """`plan_parts` as the planner's format string ("fp32" when everything is)."""
     if weights == "fp32":
         return "fp32"
-    parts = (
-        dict(p.split("=") for p in weights.split(",")) if "=" in weights else {"linear": weights}
-    )
-    head = parts.get("head", "fp32")
-    embed = head if spec.tie_word_embeddings else parts.get("embed", "fp32")
-    return f"linear={parts.get('linear', 'fp32')},embed={embed},head={head},norm=fp32"
+    return ",".join(f"{kind}={fmt}" for kind, fmt in plan_parts(weights, spec).items())
 
 
 def plan_step(spec, profile, weights: str, batch: int, context: float) -> dict:
@@ -168,9 +173,7 @@ def retimed_profile(profile, spec, weights: str, batches: list[int], contexts: l
     from kvserve.measure import MeasureConfig
     from kvserve.measure_team import measure_head, measure_team_layers
 
-    name = plan_format(weights, spec)  # "fp32", or "linear=...,embed=...,head=...,norm=..."
-    parts = dict(p.split("=") for p in name.split(",")) if "=" in name else {
-        "linear": name, "head": name}  # fmt: skip
+    parts = plan_parts(weights, spec)
     fixed = [(p.num_columns, p.median_s) for p in profile.points if p.kind == "fused-fixed"]
     cfg = MeasureConfig(attention_contexts=(16, max(contexts)))
     rows = tuple(sorted(batches))

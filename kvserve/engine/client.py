@@ -159,9 +159,11 @@ class EngineClient:
         """Check a request (compiling its grammar, if any); returns its max_tokens. Blocking: call it
         off the event loop. A grammar still compiling after VALIDATE_TIMEOUT_S is this request's
         error (400), not the engine's: the core compiles grammars beside its other work."""
-        command = lambda call_id: ValidateCmd(call_id, list(prompt_token_ids), params)  # noqa: E731
+        ids = list(prompt_token_ids)
         try:
-            return self._call(0, command, VALIDATE_TIMEOUT_S)
+            return self._call(
+                0, lambda call_id: ValidateCmd(call_id, ids, params), VALIDATE_TIMEOUT_S
+            )
         except TimeoutError:
             if params.structured is None:
                 raise
