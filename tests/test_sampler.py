@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.runner.sampler import Sampler, SamplingBatch, apply_penalties, filter_logits
+from kvserve.runner.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    filter_logits,
+    greedy_argmax,
+    process_logits,
+)
 
 LOGITS = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]]))
 
@@ -78,6 +85,63 @@ def test_penalties_by_hand():
     torch.testing.assert_close(out, torch.tensor([[0.0, -2.75, 0.25, 1.0]]))
 
 
+@pytest.mark.parametrize("penalty", [1e-20, 1e-38, 1e-45, 1e-46, 0.0])
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0, 1e30])
+def test_a_tiny_repetition_penalty_takes_its_limit(penalty, temperature):
+    """logit / penalty overflows float32 for a tiny penalty (1e-46 and 0 are stored as 0). The oracle is the
+    same arithmetic in float64 (a penalty of 0 taken as 1e-300, its limit from above), divided by the
+    temperature: one-hot on the largest seen positive logit (token 3) except where a huge temperature
+    flattens 1e-20's scaled logits. Before the fix the greedy row took the first id that reached inf
+    (token 1) and a random row drew from a NaN distribution (token 6)."""
+    logits = torch.tensor([[-3.0, 1.5, 0.2, 2.5, -0.5, 3.0, 2.4]])
+    seen = torch.tensor([[True, True, True, True, True, False, False]])
+    oracle = logits.double().clone()
+    positive = seen & (logits > 0)
+    oracle[positive] = oracle[positive] / max(penalty, 1e-300)
+    oracle[seen & (logits <= 0)] *= penalty
+
+    def penalised(rows: int, **overrides) -> SamplingBatch:
+        return batch(
+            rows=rows,
+            temperature=torch.full((rows,), temperature),
+            repetition_penalty=torch.full((rows,), penalty),
+            presence_penalty=torch.zeros(rows),
+            frequency_penalty=torch.zeros(rows),
+            output_counts=torch.zeros(rows, 7),
+            prompt_mask=seen.expand(rows, -1),
+            **overrides,
+        )
+
+    processed = process_logits(logits, penalised(1, host_penalty_below_one=True))
+    assert not processed.isnan().any()
+    if temperature == 0:
+        assert greedy_argmax(processed).item() == 3
+        return
+    expected = (oracle / max(temperature, 1e-5)).softmax(-1)
+    probs = filter_logits(processed, penalised(1)).softmax(-1)
+    torch.testing.assert_close(probs.double(), expected)
+    tokens, _ = Sampler(seed=7)(logits.expand(64, -1), penalised(64))
+    if expected[0, 3] == 1.0:
+        assert tokens == [3] * 64
+    else:
+        assert len(set(tokens)) > 1
+
+
+def test_the_overflow_limit_keeps_a_token_the_masks_allow():
+    """The largest seen logit (token 3) is banned: the limit goes to the largest one still allowed (1)."""
+    logits = torch.tensor([[1.5, 2.0, -1.0, 2.5]])
+    b = batch(
+        repetition_penalty=torch.tensor([1e-45]),
+        presence_penalty=torch.zeros(1),
+        frequency_penalty=torch.zeros(1),
+        output_counts=torch.zeros(1, 4),
+        prompt_mask=torch.tensor([[True, True, True, True]]),
+        banned=(torch.tensor([0]), torch.tensor([3])),
+    )
+    processed = process_logits(logits, b)
+    assert processed.tolist() == [[float("-inf"), 0.0, float("-inf"), float("-inf")]]
+
+
 @pytest.fixture(scope="module")
 def llm(llama_dir):
     return LLM(str(llama_dir), num_blocks=128)
@@ -95,6 +159,20 @@ def test_same_seed_same_output_and_batch_independent(llm):
     other_seed = llm.generate([PROMPT], params.with_updates(seed=8))[0].outputs[0].token_ids
     assert alone == again == batched.outputs[0].token_ids
     assert other_seed != alone
+
+
+def test_a_tiny_repetition_penalty_through_the_engine(llm):
+    """Through the runner's batch (its host flag): 1e-45 and 1e-46 (0 in float32) give what 1e-20 gives,
+    whose arithmetic stays finite, greedy and at temperature 1; before the fix a random row stopped at
+    once on a NaN distribution."""
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=8, temperature=temperature, seed=3, ignore_eos=True)
+        outputs = [
+            llm.generate([PROMPT], params.with_updates(repetition_penalty=rp))[0].outputs[0]
+            for rp in (1e-20, 1e-45, 1e-46)
+        ]
+        assert len(outputs[0].token_ids) == 8
+        assert all(o.token_ids == outputs[0].token_ids for o in outputs), outputs
 
 
 def test_logprobs_shape_and_values(llm):

@@ -148,5 +148,6 @@ def _add_penalties(
     batch.output_counts = counts
     batch.prompt_mask = prompt_mask
     batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+    batch.host_penalty_below_one = any(p.repetition_penalty < 1.0 for p in params)
     batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=device)
     batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=device)

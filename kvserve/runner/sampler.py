@@ -44,6 +44,7 @@ class SamplingBatch:
     host_use_top_k: bool | None = None  # some row has top_k > 0
     host_use_top_p: bool | None = None  # some row has top_p < 1
     host_use_min_p: bool | None = None  # some row has min_p > 0
+    host_penalty_below_one: bool | None = None  # some row has repetition_penalty < 1
 
     @property
     def all_greedy(self) -> bool:
@@ -66,6 +67,21 @@ class SamplingBatch:
         if name == "top_p":
             return bool((self.top_p < 1.0).any())
         return bool((self.min_p > 0).any())
+
+
+# Past this magnitude float32 values are ~1e23 apart, so a softmax over them is one-hot on the maximum at
+# any temperature; and dividing it by the smallest temperature (1e-5) stays finite.
+LOGIT_LIMIT = 1e30
+
+
+def collapse_overflow(logits: torch.Tensor, unscaled: torch.Tensor) -> torch.Tensor:
+    """Rows where a repetition penalty below 1 pushed a logit past LOGIT_LIMIT (or to inf): their exact limit,
+    0 for the largest such logit (ties share it) and -inf for every other token. Which one is largest is read
+    from `unscaled` (the logits before the penalty), since ties at inf cannot tell. [S, V]"""
+    over = logits > LOGIT_LIMIT
+    top = unscaled.masked_fill(~over, float("-inf")).amax(dim=-1, keepdim=True)  # [S, 1]
+    collapsed = torch.zeros_like(logits).masked_fill(~(over & (unscaled == top)), float("-inf"))
+    return torch.where(over.any(dim=-1, keepdim=True), collapsed, logits)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -93,12 +109,16 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.bias is not None:
         rows, ids, values = batch.bias
         logits.index_put_((rows, ids), values, accumulate=True)
-    logits = apply_penalties(logits, batch)
+    unpenalised, logits = logits, apply_penalties(logits, batch)
     if batch.banned is not None:
         rows, ids = batch.banned
         logits[rows, ids] = float("-inf")
     if batch.constrain is not None:
         batch.constrain(logits)
+    if batch.output_counts is not None and batch.host_penalty_below_one is not False:
+        # logit / penalty can leave float32's range (a penalty of 1e-45, or 1e-46, which float32 stores
+        # as 0); after the masks, so that the token the limit keeps is one they allow.
+        logits = collapse_overflow(logits, unpenalised)
     return logits
 
 
