@@ -14,6 +14,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import StructuredOutput
+from kvserve.structured.grammar import lookahead_at, refuse_lookahead_patterns
 from tests.server_utils import running_server
 
 SCHEMAS = {
@@ -148,12 +149,43 @@ def test_constraints_apply_per_request(llm):
         (StructuredOutput("json_schema", "{not json"), "json_schema"),
         (StructuredOutput("regex", "a(b"), "parenthesis is not closed"),
         (StructuredOutput("grammar", 'root ::= "a" | '), "EBNF parser error"),
+        # xgrammar drops a schema pattern's lookahead (it let "x" through "(?!x)."): refused as the regex is.
+        (
+            StructuredOutput("json_schema", '{"type": "string", "pattern": "(?!x)."}'),
+            "the pattern '(?!x).' at /pattern has a lookahead at position 0",
+        ),
+        (StructuredOutput("regex", "(?!x)."), "Lookahead is not supported"),
     ],
 )
 def test_invalid_constraints_are_typed_errors(llm, structured, fragment):
     with pytest.raises(InvalidRequestError, match=re.escape(fragment)):
         llm.generate(["x"], SamplingParams(max_tokens=4, structured=structured))
     assert llm.engine.num_free_blocks() == 512
+
+
+def test_lookahead_patterns_are_found_where_a_schema_has_patterns():
+    assert [lookahead_at(p) for p in ["(?=a)b", "a(?!b)", r"\(?=a", "[(?=]", "[]?!(]x", "[^]](?=a)", "ab"]] == [
+        0, 1, None, None, None, 4, None,
+    ]  # fmt: skip
+    for schema, where in [
+        ({"properties": {"a": {"items": {"pattern": "(?=x)"}}}}, "/properties/a/items/pattern"),
+        ({"patternProperties": {"^(?!_)": {}}}, "/patternProperties"),
+        ({"propertyNames": {"pattern": "(?!_)"}}, "/propertyNames/pattern"),
+        ({"anyOf": [{}, {"pattern": "a(?=b)"}]}, "/anyOf/1/pattern"),
+        ({"$defs": {"t": {"pattern": "(?!x)"}}}, "/$defs/t/pattern"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"at {where} has a lookahead")):
+            refuse_lookahead_patterns(schema)
+    # Data keywords, a property named "pattern", and plain patterns pass.
+    refuse_lookahead_patterns(
+        {
+            "properties": {"pattern": {"type": "string", "pattern": "^[a-z]+$"}},
+            "const": {"pattern": "(?=x)"},
+            "enum": [{"pattern": "(?!x)"}],
+            "default": {"pattern": "(?!x)"},
+            "examples": [{"pattern": "(?!x)"}],
+        }
+    )
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])

@@ -177,6 +177,9 @@ def test_tool_message_round_trip_renders_and_the_next_turn_runs(client):
         (dict(tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
         (dict(parallel_tool_calls=True, tools=None), "parallel_tool_calls"),
         (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
+        # a parameter pattern whose lookahead xgrammar would drop from the forced call's grammar
+        (dict(tool_choice="required", tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"properties": {"a": {"pattern": "(?!x)."}}}}}]), "tools"),
     ],
 )  # fmt: skip
 def test_invalid_tool_requests_are_400(client, kwargs, param):

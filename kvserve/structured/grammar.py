@@ -38,6 +38,58 @@ def sanitize_compiler_error(exc: BaseException) -> str:
     return message or type(exc).__name__
 
 
+# Keywords whose values are data, not schemas: a "pattern" key inside them is not a pattern.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def lookahead_at(pattern: str) -> int | None:
+    """Index of the first lookahead group, `(?=` or `(?!`, in a regex; None without one. Escaped characters
+    and character classes (`[(?=]`) do not count."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]":  # a "]" first in a class is a literal
+                i += 1
+        elif pattern.startswith(("(?=", "(?!"), i):
+            return i
+        i += 1
+    return None
+
+
+def refuse_lookahead_patterns(node: object, path: str = "") -> None:
+    """Raise ValueError for a JSON-schema `pattern` (or `patternProperties` key) with a lookahead.
+    xgrammar 0.2.9 compiles such a pattern with the lookahead dropped, so `(?!x).` would let "x" through and
+    the output would fail the client's own validation; its `regex` constraint refuses them, and so do we."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            refuse_lookahead_patterns(item, f"{path}/{i}")
+        return
+    if not isinstance(node, dict):
+        return
+    patterns = (
+        [(f"{path}/pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+    )
+    if isinstance(node.get("patternProperties"), dict):
+        patterns += [(f"{path}/patternProperties", key) for key in node["patternProperties"]]
+    for where, pattern in patterns:
+        at = lookahead_at(pattern)
+        if at is not None:
+            raise ValueError(
+                f"the pattern {pattern!r} at {where or '/'} has a lookahead at position {at}, which "
+                "structured output cannot enforce"
+            )
+    for key, value in node.items():
+        if key not in _DATA_KEYWORDS:
+            refuse_lookahead_patterns(value, f"{path}/{key}")
+
+
 class GrammarCache:
     """Compiled grammars keyed by the constraint; compilation errors become 400-class errors."""
 
@@ -99,12 +151,14 @@ class GrammarCache:
         if kind == "json_object":  # OpenAI's JSON mode: an object, whatever its keys
             return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
         if kind == "json_schema":
+            refuse_lookahead_patterns(json.loads(spec))
             return self.compiler.compile_json_schema(spec, any_whitespace=False)
         if kind == "regex":
             return self.compiler.compile_regex(spec)
         if kind == "grammar":
             return self.compiler.compile_grammar(spec)
         if kind == "structural_tag":  # xgrammar's format JSON (forced tool calls, docs/tools.md)
+            refuse_lookahead_patterns(json.loads(spec))  # the tools' parameter schemas
             return self.compiler.compile_structural_tag(spec)
         if kind == "choice":
             choices = json.loads(spec)
