@@ -105,3 +105,48 @@ def test_tools_need_a_template_that_renders_them(server):
     none = httpx.post(f"{server}/v1/chat/completions", json=body | {"tool_choice": "none"})
     assert none.status_code == 200, none.text
     assert "tool_calls" not in none.json()["choices"][0]["message"]
+
+
+MESSAGE_UNSUPPORTED = {
+    "refusal": "I cannot",
+    "audio": {"id": "audio_1"},
+    "function_call": {"name": "f", "arguments": "{}"},
+    "frobnicate": 1,  # fuzzing: unknown keys in a message were dropped silently
+}
+
+
+@pytest.mark.parametrize("field", sorted(MESSAGE_UNSUPPORTED))
+def test_unsupported_message_field_is_400_naming_it(server, field):
+    messages = MESSAGES + [{"role": "assistant", "content": "x", field: MESSAGE_UNSUPPORTED[field]}]
+    body = {"messages": messages + MESSAGES, "max_tokens": 2}
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == f"messages[1].{field}"
+    tokenize = httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=30)
+    assert tokenize.status_code == 400, tokenize.text
+    assert tokenize.json()["error"]["param"] == f"messages[1].{field}"
+
+
+def test_the_clients_own_assistant_message_goes_back_unchanged(server):
+    """The official client sends back the message object it was given (with its null fields)."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0)
+    model = client.models.list().data[0].id
+    first = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+    history = [*MESSAGES, first.choices[0].message, {"role": "user", "content": "Again"}]
+    second = client.chat.completions.create(model=model, messages=history, max_tokens=2)
+    assert second.choices[0].finish_reason in ("stop", "length")
+    nulls = {"role": "assistant", "content": "x", "refusal": None, "audio": None}
+    body = {"messages": [*MESSAGES, nulls, *MESSAGES], "max_tokens": 2}
+    assert httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [("/tokenize", {"prompt": "a"}), ("/detokenize", {"tokens": [1]})],
+)
+def test_tokenize_routes_refuse_unknown_fields(server, route, body):
+    # fuzzing: /tokenize took any extra key silently
+    response = httpx.post(f"{server}{route}", json=body | {"frobnicate": 1}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "frobnicate"
+    assert httpx.post(f"{server}{route}", json=body | {"frobnicate": None}).status_code == 200

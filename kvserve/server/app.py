@@ -34,6 +34,7 @@ from kvserve.server.limits import GuardMiddleware
 from kvserve.server.manifest import build_manifest, fingerprint, manifest_hash
 from kvserve.server.metering import ApiKey, KeyRing, Metering, outcome_of, parse_api_keys
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.openai_fields import check_other_fields
 from kvserve.server.openapi import install_openapi
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -309,6 +310,7 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict:
         s = serving()
         s.check_model(body.model)
+        check_other_fields(body)
 
         def encode() -> list[int]:
             if body.messages is not None:
@@ -333,6 +335,7 @@ def build_app(
     async def detokenize(body: DetokenizeRequest) -> dict:
         s = serving()
         s.check_model(body.model)
+        check_other_fields(body)
         vocab = s.engine.info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "tokens")

@@ -25,6 +25,12 @@ _NOT_SUPPORTED = {
     "function_call": "`function_call` is deprecated and not supported: send `tool_choice`",
     "suffix": "suffix (insertion) is not supported",
 }
+# Fields of an OpenAI chat message that the chat template is not given, and why.
+_MESSAGE_NOT_SUPPORTED = {
+    "refusal": "a message's `refusal` is not rendered: send the text as `content`",
+    "audio": "audio is not supported (text only)",
+    "function_call": "`function_call` is deprecated and not supported: send `tool_calls`",
+}
 # OpenAI fields whose default behaviour is what kvserve does: these values are accepted.
 _ACCEPTED_VALUES: dict[str, tuple[Any, ...]] = {
     "store": (False,),  # nothing is stored
@@ -37,7 +43,9 @@ _STREAM_ACCEPTED: dict[str, tuple[Any, ...]] = {"include_obfuscation": (False,)}
 def check_fields(request, kind: str) -> None:
     """Raise a 400 for the first field of `request` (chat or completion) that kvserve would ignore."""
     # best_of is a completions field (checked below); a chat request has none
-    _check_extras(request.model_extra or {}, "", skip=("best_of",) if kind == "completion" else ())
+    skip = ("best_of",) if kind == "completion" else ()
+    _check_extras(request.model_extra or {}, "", not_supported=_NOT_SUPPORTED, skip=skip)
+    check_messages(getattr(request, "messages", None))
     options = getattr(request, "stream_options", None)
     if options is not None:
         _check_extras(options.model_extra or {}, "stream_options.", _STREAM_ACCEPTED)
@@ -50,10 +58,23 @@ def check_fields(request, kind: str) -> None:
             )
 
 
+def check_messages(messages) -> None:
+    """A 400 for the first field of a chat message that the template would not see."""
+    for index, message in enumerate(messages or ()):
+        _check_extras(message.model_extra or {}, f"messages[{index}].", {}, _MESSAGE_NOT_SUPPORTED)
+
+
+def check_other_fields(request) -> None:
+    """`/tokenize` and `/detokenize`: every field they do not define is a 400, as on the others."""
+    _check_extras(request.model_extra or {}, "", {})
+    check_messages(getattr(request, "messages", None))
+
+
 def _check_extras(
     extras: dict[str, Any],
     prefix: str,
     accepted: dict[str, tuple[Any, ...]] = _ACCEPTED_VALUES,
+    not_supported: dict[str, str] | None = None,
     skip: tuple[str, ...] = (),
 ) -> None:
     for name, value in extras.items():
@@ -68,6 +89,6 @@ def _check_extras(
                 f"{', '.join(repr(v) for v in accepted[name])})",
                 param,
             )
-        if prefix == "" and name in _NOT_SUPPORTED:
-            raise InvalidRequestError(f"{param}: {_NOT_SUPPORTED[name]}", param)
+        if not_supported and name in not_supported:
+            raise InvalidRequestError(f"{param}: {not_supported[name]}", param)
         raise InvalidRequestError(f"unknown parameter {param!r}", param)
