@@ -136,3 +136,60 @@ def test_rust_decode_is_not_used_where_transformers_cleans_up_spaces(llm):
     tokenizer = AutoTokenizer.from_pretrained(llm.args.model, clean_up_tokenization_spaces=True)
     assert _rust_decoder(tokenizer) is None
     assert _rust_decoder(object()) is None
+
+
+def test_sampling_inputs_are_built_once_per_request(monkeypatch):
+    """A large logit_bias, a long stop_token_ids list under min_tokens, and penalty counts are turned into
+    tensors once per request (the counts grow by the new tokens only); fuzzing found a full-vocabulary
+    bias rebuilt from Python at every step (0.5 s per step for everyone). Each step's batch equals one
+    built from scratch, and the Python values converted per step do not grow with those lists."""
+    from kvserve.runner.batch import RequestState, build_sampling_batch
+
+    vocab, device = 6000, torch.device("cpu")
+    rng = random.Random(0)
+    bias = tuple((t, rng.uniform(-5, 5)) for t in rng.sample(range(vocab), 5000))
+    heavy = SamplingParams(
+        max_tokens=30, min_tokens=20, stop_token_ids=list(range(1000, 6000)), logit_bias=dict(bias),
+        repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, temperature=0,
+    )  # fmt: skip
+    plain = SamplingParams(max_tokens=30, temperature=0)
+    prompt = tuple(rng.randrange(vocab) for _ in range(50))
+    states = [
+        RequestState(p, prompt, frozenset({2}), None, 30) for p in (plain, heavy, plain, heavy)
+    ]
+    converted = []
+    real_tensor = torch.tensor
+
+    def counting_tensor(data, *args, **kwargs):
+        converted.append(len(data) if isinstance(data, list | tuple) else 1)
+        return real_tensor(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", counting_tensor)
+    for step in range(6):
+        converted.clear()
+        rows = [(s, 0, len(s.output_token_ids)) for s in states]
+        batch = build_sampling_batch(rows, (), vocab, device, lambda logits, rows: None)
+        per_step = sum(converted)
+        monkeypatch.setattr(torch, "tensor", real_tensor)
+        # From scratch: what the batch must hold.
+        dense_bias = torch.zeros(vocab)
+        for t, b in bias:
+            dense_bias[t] = b
+        stops = torch.zeros(vocab, dtype=torch.bool)
+        stops[[2, *range(1000, 6000)]] = True
+        assert batch.bias[0].tolist() == [1, 3] and batch.banned[0].tolist() == [1, 3]
+        assert torch.equal(batch.bias[1], torch.stack([dense_bias, dense_bias]))
+        assert torch.equal(batch.banned[1], torch.stack([stops, stops]))
+        for row in (1, 3):  # the plain rows' counts do not matter (penalty 1 and 0)
+            counts = torch.zeros(vocab)
+            for t in states[row].output_token_ids:
+                counts[t] += 1
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[list(prompt)] = True
+            assert torch.equal(batch.output_counts[row], counts)
+            assert torch.equal(batch.prompt_mask[row], mask)
+        if step:
+            assert per_step < 60, per_step  # the rows' scalars, not the 5000-long lists
+        monkeypatch.setattr(torch, "tensor", counting_tensor)
+        for state in states:
+            state.output_token_ids.append(rng.randrange(vocab))

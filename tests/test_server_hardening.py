@@ -64,6 +64,9 @@ def assert_still_serving(url: str) -> None:
         ({"temperature": 1e39}, "temperature"),
         ({"repetition_penalty": 1e39}, "repetition_penalty"),
         ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+        # fuzzing: bodies this large reached the engine core, which spent seconds receiving them
+        ({"logit_bias": {str(t): 1 for t in range(50250, 60000)}}, "logit_bias"),
+        ({"stop_token_ids": [0] * 50258}, "stop_token_ids"),  # one more than the vocabulary
     ],
 )
 def test_out_of_range_numbers_are_400_naming_the_param(server, body, param):

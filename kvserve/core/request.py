@@ -75,7 +75,7 @@ class Request:
         for index in range(params.n):
             sample_params = params
             if params.seed is not None:
-                sample_params = params.with_updates(seed=params.seed + index)
+                sample_params = params.with_seed(params.seed + index)
             out.append(
                 Request(
                     request_id=sample_request_id(self.request_id, index, params.n),

@@ -6,6 +6,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvserve.core.sampling_params import SamplingParams
@@ -36,6 +37,15 @@ class RequestState:
     num_draft_grammar_tokens: int = 0  # proposals accepted into `grammar` while drafting
     json_grammar: bool = False  # `grammar` describes JSON (control-character tokens are banned)
 
+    # Tensors built from the request once, not at every step (a full-vocabulary logit_bias or
+    # stop_token_ids list took 0.1-0.5 s of host work per step when rebuilt from Python each time).
+    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] float32
+    _stop_mask: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] bool
+    _has_stops: bool = field(default=False, init=False, repr=False)
+    _counts: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] output counts
+    _num_counted: int = field(default=0, init=False, repr=False)
+    _prompt_mask: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] bool
+
     def __post_init__(self) -> None:
         p = self.params
         # Greedy with nothing that changes the logits or reads them back: the raw argmax is the
@@ -55,6 +65,43 @@ class RequestState:
     @property
     def token_ids(self) -> list[int]:
         return list(self.prompt_token_ids) + self.output_token_ids
+
+    def bias_row(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """logit_bias as a dense row [V] float32 (repeated ids add up), built on first use."""
+        if self._bias is None:
+            pairs = np.array(self.params.logit_bias, dtype=np.float64)  # [B, 2]; ids < vocab, exact
+            ids = torch.from_numpy(pairs[:, 0].astype(np.int64)).to(device)
+            values = torch.from_numpy(pairs[:, 1].astype(np.float32)).to(device)
+            self._bias = torch.zeros(vocab_size, device=device).index_add_(0, ids, values)
+        return self._bias
+
+    def stop_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+        """The ids min_tokens holds back, as a mask [V] bool (None: there are none); built on first use."""
+        if self._stop_mask is None:
+            ids = np.array(stop_token_ids(self, vocab_size), dtype=np.int64)
+            self._stop_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self._stop_mask[torch.from_numpy(ids).to(device)] = True
+            self._has_stops = len(ids) > 0
+        return self._stop_mask if self._has_stops else None
+
+    def penalty_inputs(
+        self, vocab_size: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(occurrences of each token in the output so far [V] float32, token is in the prompt [V] bool),
+        kept between steps: each step counts only the tokens added since the last."""
+        if self._counts is None or len(self.output_token_ids) < self._num_counted:
+            self._counts = torch.zeros(vocab_size, device=device)
+            self._num_counted = 0
+        new = self.output_token_ids[self._num_counted :]
+        if new:
+            out = torch.tensor(new, device=device)
+            self._counts.index_add_(0, out, torch.ones(len(out), device=device))
+            self._num_counted += len(new)
+        if self._prompt_mask is None:
+            self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            if self.params.repetition_penalty != 1.0:
+                self._prompt_mask[torch.tensor(self.prompt_token_ids, device=device)] = True
+        return self._counts, self._prompt_mask
 
     @property
     def speculates(self) -> bool:
@@ -90,20 +137,20 @@ def build_sampling_batch(
         host_use_top_p=any(_float32(p.top_p) < 1.0 for p in params),
         host_use_min_p=any(_float32(p.min_p) > 0 for p in params),
     )
-    bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
-    if bias:
-        rows_, ids, values = zip(*bias, strict=True)
-        batch.bias = (column(rows_, torch.long), column(ids, torch.long), column(values))
+    biased = [row for row, p in enumerate(params) if p.logit_bias]
+    if biased:
+        bias_rows = [states[row].bias_row(vocab_size, device) for row in biased]
+        batch.bias = (column(biased, torch.long), torch.stack(bias_rows))
     banned = [
-        (row, t)
+        (row, state.stop_mask(vocab_size, device))
         for row, (state, _, num_output) in enumerate(rows)
         # A grammar decides when its document may end; min_tokens does not override it.
         if num_output < state.params.min_tokens and state.grammar is None
-        for t in stop_token_ids(state, vocab_size)
     ]
+    banned = [(row, mask) for row, mask in banned if mask is not None]
     if banned:
-        rows_, ids = zip(*banned, strict=True)
-        batch.banned = (column(rows_, torch.long), column(ids, torch.long))
+        masks = torch.stack([mask for _, mask in banned])
+        batch.banned = (column([row for row, _ in banned], torch.long), masks)
     if any(has_penalty(p) for p in params):
         _add_penalties(batch, states, vocab_size, device)
     mask_rows = [
@@ -135,15 +182,12 @@ def has_penalty(p: SamplingParams) -> bool:
 def _add_penalties(
     batch: SamplingBatch, states: list[RequestState], vocab_size: int, device: torch.device
 ) -> None:
-    num_rows = len(states)
-    counts = torch.zeros(num_rows, vocab_size, device=device)
-    prompt_mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+    counts = torch.zeros(len(states), vocab_size, device=device)
+    prompt_mask = torch.zeros(len(states), vocab_size, dtype=torch.bool, device=device)
     for row, state in enumerate(states):
-        if state.output_token_ids:
-            out = torch.tensor(state.output_token_ids, device=device)
-            counts[row].index_add_(0, out, torch.ones(len(out), device=device))
-        if state.params.repetition_penalty != 1.0:
-            prompt_mask[row, torch.tensor(state.prompt_token_ids, device=device)] = True
+        # Rows without a penalty keep zeros: with penalty 1 and 0 their counts change nothing.
+        if has_penalty(state.params):
+            counts[row], prompt_mask[row] = state.penalty_inputs(vocab_size, device)
     params = [s.params for s in states]
     batch.output_counts = counts
     batch.prompt_mask = prompt_mask

@@ -27,8 +27,9 @@ class SamplingBatch:
     min_p: torch.Tensor  # [S] float
     generators: list[torch.Generator | None]  # per row; None = the runner's shared generator
     num_logprobs: list[int | None]  # per row
-    # Sparse additions: (rows, token ids, values) for logit_bias; (rows, token ids) masked by min_tokens.
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # For some rows (distinct row numbers [R] long): logit_bias as dense rows [R, V] float32, and the
+    # tokens min_tokens holds back as masks [R, V] bool (dense: a full-vocabulary list costs no more).
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # Penalties (None when no row uses any).
     repetition_penalty: torch.Tensor | None = None  # [S]
@@ -107,12 +108,12 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return logits
     logits = logits.clone()
     if batch.bias is not None:
-        rows, ids, values = batch.bias
-        logits.index_put_((rows, ids), values, accumulate=True)
+        rows, values = batch.bias
+        logits[rows] += values
     unpenalised, logits = logits, apply_penalties(logits, batch)
     if batch.banned is not None:
-        rows, ids = batch.banned
-        logits[rows, ids] = float("-inf")
+        rows, masks = batch.banned
+        logits[rows] = logits[rows].masked_fill(masks, float("-inf"))
     if batch.constrain is not None:
         batch.constrain(logits)
     if batch.output_counts is not None and batch.host_penalty_below_one is not False:

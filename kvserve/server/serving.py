@@ -136,6 +136,20 @@ class OpenAIServing(JobAccounting):
                 f"{params.max_stop_len}",
                 "stop",
             )
+        # Checked here, off the engine: the engine checks the ids again, but a body of ~600,000 bias
+        # entries would cost it seconds to receive and check (each id must be in the vocabulary, so no
+        # valid request has more entries than the vocabulary; nor more stop ids than that).
+        vocab = self.engine.info.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias names token ids >= vocab size {vocab}", "logit_bias"
+            )
+        if len(params.stop_token_ids) > vocab:
+            raise InvalidRequestError(
+                f"at most {vocab} stop_token_ids (the vocabulary's size), got "
+                f"{len(params.stop_token_ids)}",
+                "stop_token_ids",
+            )
         waiting_limit = self.options.max_waiting
         if waiting_limit is not None and num_prompts * params.n > waiting_limit:
             # It could never be admitted: a 400, not a 429 that no retry can satisfy.
