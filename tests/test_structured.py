@@ -101,6 +101,14 @@ def test_sampled_regex_and_choice_match(llm):
     assert set(texts) <= set(CHOICES) and len(set(texts)) > 1
 
 
+def test_choices_outside_the_basic_plane_come_out_whole(llm):
+    """fuzzing: a choice with an emoji reached the grammar as two UTF-16 surrogate escapes, and the output
+    was six U+FFFD with `complete` true. Each sample must be one of the choices, byte for byte."""
+    choices = ["😀", "ok 😀", "漢字 \U0001f680", 'é\n"q\\']
+    texts = [c.text for c in sample_20(llm, StructuredOutput("choice", json.dumps(choices)))]
+    assert set(texts) <= set(choices) and len(set(texts)) > 1, texts
+
+
 def test_json_object_and_grammar(llm):
     completed = [
         c for c in sample_20(llm, StructuredOutput("json_object")) if c.finish_reason != "length"

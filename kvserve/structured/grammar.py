@@ -162,7 +162,7 @@ class GrammarCache:
             return self.compiler.compile_structural_tag(spec)
         if kind == "choice":
             choices = json.loads(spec)
-            alternatives = " | ".join(json.dumps(choice) for choice in choices)
+            alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
             return self.compiler.compile_grammar(f"root ::= ({alternatives})")
         raise InvalidRequestError(f"unknown constraint kind {kind!r}", structured.param)
 
