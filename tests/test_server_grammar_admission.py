@@ -5,6 +5,7 @@ fault `grammar:SECONDS`; the plain request must be answered while it runs."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import httpx
@@ -59,3 +60,52 @@ def test_a_grammar_check_past_the_timeout_is_the_requests_400_not_a_500():
     with pytest.raises(TimeoutError):  # without a grammar the core itself is late: not a 400
         client.validate([1, 2], SamplingParams())
     assert timeouts == [VALIDATE_TIMEOUT_S] * 2
+
+
+def _waiting_grammars(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvserve_grammar_requests_waiting "):
+            return float(line.split()[1])
+    return -1.0
+
+
+def test_slow_grammars_hold_no_worker_and_the_smallest_goes_next(gpt2_model_dir, tmp_path):
+    """fuzzing: five 50,000-way choices each held one of the four workers while the core compiled them
+    one by one; a plain completion waited 57 s and a tiny regex behind them failed after 60 s. Now they
+    wait for their turn on the event loop, and the smallest grammar waiting is next. The fault makes each
+    new grammar's check take 5 s in the core."""
+    delay_s = 5
+    log = tmp_path / "server.log"
+    args = ("--engine-core", "process", "--log-level", "info", "--max-model-len", "256",
+            "--inject-fault", f"grammar:{delay_s}", "--grace-period", "0")  # fmt: skip
+    with running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
+        finished: list[str] = []
+
+        def send(name: str, extra: dict) -> threading.Thread:
+            def post() -> None:
+                body = {"prompt": "a", "max_tokens": 2} | extra
+                with contextlib.suppress(httpx.HTTPError):  # the server stops before the last ones
+                    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+                    finished.append(
+                        name if response.status_code == 200 else f"{name}: {response.text}"
+                    )
+
+            thread = threading.Thread(target=post, daemon=True)
+            thread.start()
+            return thread
+
+        def big(i: int) -> dict:  # ~2.6 KB constraints, each distinct
+            return {"guided_choice": [f"c{i}x{j}" for j in range(200)]}
+
+        send("big0", big(0))
+        assert wait_until(lambda: "compiling a structured-output grammar" in log.read_text())
+        for i in range(1, 6):  # more than the four workers
+            send(f"big{i}", big(i))
+        assert wait_until(lambda: _waiting_grammars(url) == 5), _waiting_grammars(url)
+        plain = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2},
+                           timeout=delay_s * 4)  # fmt: skip
+        assert plain.status_code == 200, plain.text
+        assert finished == []  # served while the first grammar still compiled
+        tiny = send("tiny", {"guided_regex": "[0-9]"})
+        tiny.join(timeout=delay_s * 6)
+        assert finished == ["big0", "tiny"]

@@ -82,8 +82,10 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
     core.start()
 
     def validate(command: ValidateCmd) -> None:
-        if faults is not None and faults.grammar_delay_s and command.params.structured:
-            time.sleep(faults.grammar_delay_s)  # tests: a grammar that compiles slowly
+        structured = command.params.structured
+        if faults is not None and faults.grammar_delay_s and structured:
+            if not engine.grammar_compiled(structured):
+                time.sleep(faults.grammar_delay_s)  # tests: a grammar that compiles slowly
         try:
             value = engine.validate(command.prompt_token_ids, command.params).max_tokens
             result = UtilityResult(command.call_id, value)
@@ -114,7 +116,9 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
         if isinstance(command, ShutdownCmd):
             break
         if isinstance(command, ValidateCmd):  # reads only immutable configuration: no need to wait
-            if command.params.structured is None:  # for a step boundary
+            # for a step boundary; a grammar compiled already is a lookup
+            structured = command.params.structured
+            if structured is None or engine.grammar_compiled(structured):
                 validate(command)
             else:  # compiling a grammar can take seconds: not in the way of other requests
                 logger.info("check %d: compiling a structured-output grammar", command.call_id)

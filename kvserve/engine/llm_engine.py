@@ -106,6 +106,11 @@ class LLMEngine:
         # (kvserve.engine.core) sets it to None and ships `step_deltas()` to its client instead.
         self.outputs: OutputProcessor | None = OutputProcessor()
 
+    def grammar_compiled(self, structured) -> bool:
+        """Whether `structured` has compiled already (checking it again is a lookup)."""
+        grammars = self._grammars
+        return grammars is not None and grammars.is_compiled(structured)
+
     def grammars(self):
         """The grammar compiler cache, built on first use (xgrammar indexes the whole vocabulary)."""
         with self._grammars_lock:

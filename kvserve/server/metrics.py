@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -189,6 +189,11 @@ class ServerMetrics:
             "kvserve_grammar_mask_seconds", "Filling and applying grammar bitmasks, per batch",
             buckets=_FAST_BUCKETS, registry=r,
         )  # fmt: skip
+        self.grammar_waiting = Gauge(
+            "kvserve_grammar_requests_waiting",
+            "Structured-output requests waiting for their grammar's turn to compile",
+            registry=r,
+        )
         r.register(_EngineCollector(stats, core_stats))
 
     def observe_completion(

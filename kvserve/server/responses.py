@@ -34,6 +34,9 @@ class Job:
     finished_choices: set[int] = field(default_factory=set)  # streamed finish chunks
     key_id: str | None = None  # the caller's API key id (metering)
     num_reserved: int = 0  # waiting-queue places held for it and not yet used
+    validated: bool = (
+        False  # checked by the engine (a new grammar: later, through the grammar queue)
+    )
     streams: list = field(default_factory=list)  # the engine's request streams, once started
     latest: dict[int, RequestOutput] = field(default_factory=dict)  # newest snapshot per prompt
     accounted: bool = False  # counted, metered and logged (exactly once)

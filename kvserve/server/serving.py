@@ -1,7 +1,8 @@
 """OpenAI chat and completions over the async engine: request -> prompts -> engine streams -> responses.
 
-Preparing a job (chat template, tokenisation, validation and grammar compilation) runs in the worker pool
-(`prepare`); the event loop only admits it (an exact `--max-waiting` reservation) and relays its outputs.
+Preparing a job (chat template, tokenisation, validation) runs in the worker pool (`prepare`), a grammar's
+compilation through the grammar queue (kvserve/server/grammar_queue.py); the event loop only admits it (an
+exact `--max-waiting` reservation) and relays its outputs.
 Every outcome is logged once and metered once under the caller's key id.
 """
 
@@ -17,11 +18,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
-from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams, StructuredOutput
 from kvserve.engine.client import EngineClient
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server import tools
 from kvserve.server.errors import APIError, from_engine_error, internal_error
+from kvserve.server.grammar_queue import GrammarQueue
 from kvserve.server.job_accounting import JobAccounting, merge_streams
 from kvserve.server.limits import RequestLimits
 from kvserve.server.metering import Metering, outcome_of
@@ -32,6 +34,7 @@ from kvserve.server.responses import Job, ResponseBuilder, server_metrics
 from kvserve.server.workers import offload
 
 logger = logging.getLogger("kvserve.requests")
+_MAX_KNOWN_GRAMMARS = 4096  # compiled constraints remembered (then forgotten all at once)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class OpenAIServing(JobAccounting):
         self.open_jobs: set[Job] = (
             set()
         )  # running jobs, cut with an error when the grace period ends
+        self.grammar_queue = GrammarQueue()
+        # Constraints the engine has compiled (checked again at once, without waiting for a turn).
+        self.compiled_grammars: set[StructuredOutput] = set()
+        metrics.grammar_waiting.set_function(lambda: self.grammar_queue.num_waiting)
 
     # --- request intake ---------------------------------------------------------------------------------
 
@@ -191,8 +198,10 @@ class OpenAIServing(JobAccounting):
         return self._job("completion", request, params, ids, texts)
 
     def _job(self, kind, request, params, ids, texts) -> Job:
-        for prompt_ids in ids:
-            self.engine.validate(prompt_ids, params)
+        # A grammar the engine has not compiled yet waits for its turn in `prepare` instead.
+        validated = params.structured is None or params.structured in self.compiled_grammars
+        if validated:
+            self.validate(ids, params)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(
             request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
@@ -205,11 +214,25 @@ class OpenAIServing(JobAccounting):
             continuous_usage=request.continuous_usage,
             cache_salt=request.cache_salt,
             user=request.safety_identifier or request.user,
+            validated=validated,
         )
 
+    def validate(self, ids: list[list[int]], params: SamplingParams) -> None:
+        for prompt_ids in ids:
+            self.engine.validate(prompt_ids, params)
+
     async def prepare(self, builder, request, key_id: str | None = None) -> Job:
-        """Build the job off the loop, then admit it: reserve its samples in the waiting count, or 429."""
+        """Build the job off the loop (a grammar through the grammar queue), then admit it: reserve its
+        samples in the waiting count, or 429."""
         job = await offload(builder, self, request)
+        if not job.validated:
+            structured = job.params.structured
+            await self.grammar_queue.run(
+                len(structured.spec), self.validate, job.prompt_token_ids, job.params
+            )
+            if len(self.compiled_grammars) >= _MAX_KNOWN_GRAMMARS:
+                self.compiled_grammars.clear()
+            self.compiled_grammars.add(structured)
         job.key_id = key_id
         num_samples = len(job.prompt_token_ids) * job.params.n
         limit = self.options.max_waiting

@@ -125,6 +125,10 @@ class GrammarCache:
         self._lock = threading.Lock()  # compiled from HTTP threads and from the engine thread
         self.compile_times_s: list[float] = []
 
+    def is_compiled(self, structured: StructuredOutput) -> bool:
+        with self._lock:
+            return structured in self._compiled
+
     def compile(self, structured: StructuredOutput):
         with self._lock:
             compiled = self._compiled.get(structured)
