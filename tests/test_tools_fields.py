@@ -150,3 +150,21 @@ def test_tokenize_routes_refuse_unknown_fields(server, route, body):
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "frobnicate"
     assert httpx.post(f"{server}{route}", json=body | {"frobnicate": None}).status_code == 200
+
+
+def test_every_optional_field_may_be_null(server):
+    """fuzzing: `"n": null`, `"stream": null`, `"logprobs": null` ... were 400s ("Input should be a valid
+    integer"), though OpenAI's schema makes them nullable and a null counts as absent here."""
+    from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    for path, model, base in [
+        ("/v1/chat/completions", ChatCompletionRequest, {"messages": MESSAGES}),
+        ("/v1/completions", CompletionRequest, {"prompt": "Hi"}),
+    ]:
+        optional = [name for name, f in model.model_fields.items() if not f.is_required()]
+        assert len(optional) > 20
+        body = base | dict.fromkeys(optional) | {"max_tokens": 2}
+        response = httpx.post(f"{server}{path}", json=body, timeout=30)
+        assert response.status_code == 200, (path, response.text)
+    required = httpx.post(f"{server}/v1/completions", json={"prompt": None, "max_tokens": 2})
+    assert required.status_code == 400 and required.json()["error"]["param"] == "prompt"

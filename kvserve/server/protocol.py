@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import (
@@ -28,17 +28,34 @@ from kvserve.server.tools import ToolPlan, plan_tools, template_message
 _STRICT = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT  # extras allowed through pydantic, then refused by name (openai_fields)
+class _Request(BaseModel):
+    """A request body: extras pass through pydantic and are refused by name (openai_fields); a null counts
+    as absent (OpenAI's schema makes most fields nullable, and clients that write every field send
+    `"n": null`), so a field with a default takes it."""
 
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_absent(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
+
+
+class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = (
         False  # vLLM's: usage in every chunk, so clients can count tokens
     )
 
 
-class _SamplingRequest(BaseModel):
-    model_config = _STRICT
+class _SamplingRequest(_Request):
     # Ranges are documented in the schema (json_schema_extra) and enforced by SamplingParams, whose
     # messages name the accepted range (a 400 with `param`).
 
@@ -159,9 +176,7 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-
+class ChatMessage(_Request):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -249,9 +264,7 @@ def _token_ids(ids: list[int]) -> list[int]:
     return list(ids)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = _STRICT
-
+class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -259,9 +272,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
-
+class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[int]
 
