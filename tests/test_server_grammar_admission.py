@@ -55,8 +55,9 @@ def test_a_grammar_check_past_the_timeout_is_the_requests_400_not_a_500():
 
     client._call = never_answers
     grammar = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
-    with pytest.raises(InvalidRequestError, match="did not compile within 60 s"):
+    with pytest.raises(InvalidRequestError, match="did not compile within 60 s") as info:
         client.validate([1, 2], grammar)
+    assert info.value.param == grammar.structured.param  # fuzzing: it was null
     with pytest.raises(TimeoutError):  # without a grammar the core itself is late: not a 400
         client.validate([1, 2], SamplingParams())
     assert timeouts == [VALIDATE_TIMEOUT_S] * 2

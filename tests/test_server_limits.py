@@ -70,8 +70,15 @@ def test_api_key_and_queue_limit(gpt2_model_dir):
 
 def test_request_timeout_aborts_and_reports(gpt2_model_dir):
     # 10 ms a step (injected): 450 tokens take >= 4.5 s, so the 0.3 s budget always runs out first.
-    args = ("--request-timeout", "0.3", "--max-model-len", "512", "--inject-fault", "delay:0.01")
+    # A new grammar's check takes 5 s in the core (injected): the budget covers it too.
+    args = ("--request-timeout", "0.3", "--max-model-len", "512", "--engine-core", "process",
+            "--inject-fault", "delay:0.01,grammar:5")  # fmt: skip
     with running_server(gpt2_model_dir, *args) as (url, _):
+        # fuzzing: the budget started after preparation, so a slow grammar got its 504 only when done
+        grammar = {"prompt": "hi", "max_tokens": 2, "guided_regex": "[0-9]+"}
+        compiling = httpx.post(f"{url}/v1/completions", json=grammar, timeout=60)
+        assert compiling.status_code == 504, compiling.text
+        assert compiling.json()["error"]["code"] == "request_timeout"
         slow = httpx.post(f"{url}/v1/completions", json=LONG, timeout=60)
         assert slow.status_code == 504
         assert slow.json()["error"]["code"] == "request_timeout"
@@ -86,7 +93,7 @@ def test_request_timeout_aborts_and_reports(gpt2_model_dir):
         )
         assert debug["num_free_blocks"] == debug["num_blocks"]
         metrics = httpx.get(f"{url}/metrics").text
-        assert 'kvserve_request_errors_total{error_type="timeout_error"} 2.0' in metrics
+        assert 'kvserve_request_errors_total{error_type="timeout_error"} 3.0' in metrics
         quick = httpx.post(
             f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
         )

@@ -168,7 +168,8 @@ class EngineClient:
             if params.structured is None:
                 raise
             raise InvalidRequestError(
-                f"the structured-output grammar did not compile within {VALIDATE_TIMEOUT_S:.0f} s"
+                f"the structured-output grammar did not compile within {VALIDATE_TIMEOUT_S:.0f} s",
+                params.structured.param,
             ) from None
 
     def _route(self, prompt_token_ids: list[int], cache_salt: str | None) -> CoreHandle:

@@ -30,7 +30,8 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     cache_salt: str | None = None
     user: str | None = None  # the request's user / safety_identifier, for the request log
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)  # prepared: the engine's arrival
+    received: float | None = None  # when its preparation began (--request-timeout counts from here)
     finished_choices: set[int] = field(default_factory=set)  # streamed finish chunks
     key_id: str | None = None  # the caller's API key id (metering)
     num_reserved: int = 0  # waiting-queue places held for it and not yet used

@@ -223,16 +223,17 @@ class OpenAIServing(JobAccounting):
 
     async def prepare(self, builder, request, key_id: str | None = None) -> Job:
         """Build the job off the loop (a grammar through the grammar queue), then admit it: reserve its
-        samples in the waiting count, or 429."""
-        job = await offload(builder, self, request)
-        if not job.validated:
-            structured = job.params.structured
-            await self.grammar_queue.run(
-                len(structured.spec), self.validate, job.prompt_token_ids, job.params
-            )
-            if len(self.compiled_grammars) >= _MAX_KNOWN_GRAMMARS:
-                self.compiled_grammars.clear()
-            self.compiled_grammars.add(structured)
+        samples in the waiting count, or 429. `--request-timeout` counts from here (fuzzing: a grammar
+        that compiled for 43 s got its 504 only then, under a 1.5 s limit)."""
+        received = time.monotonic()
+        try:
+            async with asyncio.timeout(self.options.request_timeout_s):
+                job = await offload(builder, self, request)
+                if not job.validated:
+                    await self._compile(job)
+        except TimeoutError:
+            raise self._timeout_error() from None
+        job.received = received
         job.key_id = key_id
         num_samples = len(job.prompt_token_ids) * job.params.n
         limit = self.options.max_waiting
@@ -246,6 +247,23 @@ class OpenAIServing(JobAccounting):
             )
         job.num_reserved = num_samples
         return job
+
+    async def _compile(self, job: Job) -> None:
+        structured = job.params.structured
+        size = len(structured.spec)
+        await self.grammar_queue.run(size, self.validate, job.prompt_token_ids, job.params)
+        if len(self.compiled_grammars) >= _MAX_KNOWN_GRAMMARS:
+            self.compiled_grammars.clear()
+        self.compiled_grammars.add(structured)
+
+    def _timeout_error(self) -> APIError:
+        return APIError(
+            504,
+            f"request exceeded the server's {self.options.request_timeout_s:g} s time limit and was "
+            "aborted",
+            "timeout_error",
+            code="request_timeout",
+        )
 
     def release(self, job: Job) -> None:
         """Give back a reservation nobody used (the job never started)."""
@@ -288,13 +306,9 @@ class OpenAIServing(JobAccounting):
         timeout = self.options.request_timeout_s
         timer = None
         if timeout is not None:
-            remaining = max(0.0, job.arrival_time + timeout - time.monotonic())
-            error = APIError(
-                504,
-                f"request exceeded the server's {timeout:g} s time limit and was aborted",
-                "timeout_error",
-                code="request_timeout",
-            )
+            start = job.arrival_time if job.received is None else job.received
+            remaining = max(0.0, start + timeout - time.monotonic())
+            error = self._timeout_error()
             timer = asyncio.get_running_loop().call_later(remaining, job.interrupt, error)
         self.open_jobs.add(job)
         try:
