@@ -168,3 +168,29 @@ def test_every_optional_field_may_be_null(server):
         assert response.status_code == 200, (path, response.text)
     required = httpx.post(f"{server}/v1/completions", json={"prompt": None, "max_tokens": 2})
     assert required.status_code == 400 and required.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize(
+    "path, body, param, fragment",
+    [
+        # fuzzing, second round: each was accepted, or named the wrong field, or leaked Python internals
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0},
+         "max_completion_tokens", "max_completion_tokens must be"),
+        ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"regex": 5}},
+         "structured_outputs.regex", "must be a string"),
+        ("/v1/completions", {"prompt": "Hi", "guided_grammar": {"root": 1}}, "guided_grammar", ""),
+        ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo", "echo is not supported"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {" 13 ": 1}}, "logit_bias", "token ids"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"1_3": 1}}, "logit_bias", "token ids"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"١٣": 1}}, "logit_bias", "token ids"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
+         "chat_template_kwargs", "may not set 'tokenize'"),
+        ("/tokenize", {"prompt": "Hi", "messages": MESSAGES}, "messages", "not both"),
+    ],
+)  # fmt: skip
+def test_malformed_fields_are_400_naming_them(server, path, body, param, fragment):
+    body = body if path == "/tokenize" else {"max_tokens": 2} | body
+    response = httpx.post(f"{server}{path}", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error

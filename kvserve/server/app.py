@@ -313,6 +313,8 @@ def build_app(
         check_other_fields(body)
 
         def encode() -> list[int]:
+            if body.messages is not None and body.prompt is not None:
+                raise InvalidRequestError("give `prompt` or `messages`, not both", "messages")
             if body.messages is not None:
                 chat = ChatCompletionRequest.model_construct(
                     messages=body.messages,

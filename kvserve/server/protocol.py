@@ -112,8 +112,10 @@ class _SamplingRequest(_Request):
                 found.append(StructuredOutput("json_schema", schema, param))
             elif key == "json_object":
                 found.append(StructuredOutput("json_object", "", param))
-            elif key == "regex":
-                found.append(StructuredOutput("regex", str(value), param))
+            elif key in ("regex", "grammar"):
+                if not isinstance(value, str):  # fuzzing: a number was taken as its str()
+                    raise InvalidRequestError(f"{key} must be a string", param)
+                found.append(StructuredOutput(key, value, param))
             elif key == "choice":
                 if (
                     not isinstance(value, list)
@@ -122,8 +124,6 @@ class _SamplingRequest(_Request):
                 ):
                     raise InvalidRequestError("choice must be a non-empty list of strings", param)
                 found.append(StructuredOutput("choice", json.dumps(value), param))
-            elif key == "grammar":
-                found.append(StructuredOutput("grammar", str(value), param))
             else:
                 raise InvalidRequestError(
                     f"unsupported structured output {key!r} (json, json_object, regex, choice, grammar)",
@@ -138,12 +138,12 @@ class _SamplingRequest(_Request):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
+            # ASCII digits only: int() also took " 13 ", "1_3" and other scripts' digits as 13
+            if not (key.isascii() and key.isdigit()):
                 raise InvalidRequestError(
                     f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-                ) from None
+                )
+            bias[int(key)] = value
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -205,12 +205,15 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else self.max_tokens
-        )
-        return self.sampling_params(max_tokens, num_logprobs)
+        if self.max_completion_tokens is None:
+            return self.sampling_params(self.max_tokens, num_logprobs)
+        try:
+            return self.sampling_params(self.max_completion_tokens, num_logprobs)
+        except InvalidRequestError as exc:  # name the field the client sent
+            if exc.param != "max_tokens":
+                raise
+            message = str(exc).replace("max_tokens", "max_completion_tokens")
+            raise InvalidRequestError(message, "max_completion_tokens") from None
 
     def rendered_messages(self) -> list[dict[str, Any]]:
         messages = []
@@ -235,9 +238,15 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, json_schema_extra={"minimum": 1, "maximum": INT64_MAX})
     logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
     # Not served (it needs prompt logprobs); the schema says so rather than refusing a valid request.
-    echo: Literal[False] = Field(False, description="not supported: must be false")
+    echo: bool = Field(
+        False, description="not supported: must be false", json_schema_extra={"enum": [False]}
+    )
 
     def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise InvalidRequestError(
+                "echo is not supported (it needs the prompt's log probabilities)", "echo"
+            )
         return self.sampling_params(self.max_tokens, self.logprobs)
 
     def prompts(self) -> list[str | list[int]]:

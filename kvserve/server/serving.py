@@ -107,15 +107,19 @@ class OpenAIServing(JobAccounting):
                 "/v1/completions",
                 "messages",
             )
-        try:
-            return self.tokenizer.apply_chat_template(
-                request.rendered_messages(),
-                chat_template=template,
-                add_generation_prompt=request.add_generation_prompt,
-                tokenize=False,
-                **tools.template_kwargs(request.tool_plan(), template),
-                **(request.chat_template_kwargs or {}),
+        extra = request.chat_template_kwargs or {}
+        own = {"chat_template": template, "add_generation_prompt": request.add_generation_prompt,
+               "tokenize": False, **tools.template_kwargs(request.tool_plan(), template)}  # fmt: skip
+        # fuzzing: these gave the client a TypeError about apply_chat_template's arguments
+        reserved = sorted(set(extra) & (own.keys() | {"conversation"}))
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the server "
+                "sets it (use the request's own field)",
+                "chat_template_kwargs",
             )
+        try:
+            return self.tokenizer.apply_chat_template(request.rendered_messages(), **own, **extra)
         except InvalidRequestError:
             raise
         except (
