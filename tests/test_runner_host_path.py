@@ -139,24 +139,27 @@ def test_rust_decode_is_not_used_where_transformers_cleans_up_spaces(llm):
 
 
 def test_sampling_inputs_are_built_once_per_request(monkeypatch):
-    """A large logit_bias, a long stop_token_ids list under min_tokens, and penalty counts are turned into
-    tensors once per request (the counts grow by the new tokens only); fuzzing found a full-vocabulary
-    bias rebuilt from Python at every step (0.5 s per step for everyone). Each step's batch equals one
-    built from scratch, and the Python values converted per step do not grow with those lists."""
+    """A large logit_bias, a long stop_token_ids list under min_tokens, and penalty inputs are turned into
+    tensors once per request (the output ids grow by the new tokens only); fuzzing found a
+    full-vocabulary bias rebuilt from Python at every step (0.36 s per step for everyone). Each step's
+    batch equals one built from scratch, for a request with two rows (a speculative verify) too, and until
+    and after min_tokens runs out; the Python values converted per step do not grow with those lists."""
     from kvserve.runner.batch import RequestState, build_sampling_batch
 
     vocab, device = 6000, torch.device("cpu")
     rng = random.Random(0)
     bias = tuple((t, rng.uniform(-5, 5)) for t in rng.sample(range(vocab), 5000))
-    heavy = SamplingParams(
-        max_tokens=30, min_tokens=20, stop_token_ids=list(range(1000, 6000)), logit_bias=dict(bias),
+    stops = list(range(1000, 6000))
+    penalised = SamplingParams(
+        max_tokens=30, min_tokens=3, stop_token_ids=stops, logit_bias=dict(bias),
         repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25, temperature=0,
     )  # fmt: skip
+    biased = SamplingParams(
+        max_tokens=30, min_tokens=4, stop_token_ids=stops, logit_bias=dict(bias), temperature=0
+    )
     plain = SamplingParams(max_tokens=30, temperature=0)
     prompt = tuple(rng.randrange(vocab) for _ in range(50))
-    states = [
-        RequestState(p, prompt, frozenset({2}), None, 30) for p in (plain, heavy, plain, heavy)
-    ]
+    states = [RequestState(p, prompt, frozenset({2}), None, 30) for p in (plain, penalised, biased)]
     converted = []
     real_tensor = torch.tensor
 
@@ -164,32 +167,44 @@ def test_sampling_inputs_are_built_once_per_request(monkeypatch):
         converted.append(len(data) if isinstance(data, list | tuple) else 1)
         return real_tensor(data, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "tensor", counting_tensor)
+    num_new = 0
     for step in range(6):
+        # rows: plain, penalised, and the biased request twice (offsets 0 and 1, as a verify step)
+        n = [len(s.output_token_ids) for s in states]
+        rows = [
+            (states[0], 0, n[0]),
+            (states[1], 0, n[1]),
+            (states[2], 0, n[2]),
+            (states[2], 1, n[2] + 1),
+        ]
+        monkeypatch.setattr(torch, "tensor", counting_tensor)
         converted.clear()
-        rows = [(s, 0, len(s.output_token_ids)) for s in states]
         batch = build_sampling_batch(rows, (), vocab, device, lambda logits, rows: None)
         per_step = sum(converted)
         monkeypatch.setattr(torch, "tensor", real_tensor)
-        # From scratch: what the batch must hold.
-        dense_bias = torch.zeros(vocab)
-        for t, b in bias:
-            dense_bias[t] = b
-        stops = torch.zeros(vocab, dtype=torch.bool)
-        stops[[2, *range(1000, 6000)]] = True
-        assert batch.bias[0].tolist() == [1, 3] and batch.banned[0].tolist() == [1, 3]
-        assert torch.equal(batch.bias[1], torch.stack([dense_bias, dense_bias]))
-        assert torch.equal(batch.banned[1], torch.stack([stops, stops]))
-        for row in (1, 3):  # the plain rows' counts do not matter (penalty 1 and 0)
-            counts = torch.zeros(vocab)
-            for t in states[row].output_token_ids:
-                counts[t] += 1
-            mask = torch.zeros(vocab, dtype=torch.bool)
-            mask[list(prompt)] = True
-            assert torch.equal(batch.output_counts[row], counts)
-            assert torch.equal(batch.prompt_mask[row], mask)
-        if step:
-            assert per_step < 60, per_step  # the rows' scalars, not the 5000-long lists
-        monkeypatch.setattr(torch, "tensor", counting_tensor)
+        # From scratch: what the batch must do to a row of zeros.
+        want = torch.zeros(4, vocab)
+        for row in (1, 2, 3):
+            for t, b in bias:
+                want[row, t] += b
+            if rows[row][2] < rows[row][0].params.min_tokens:
+                want[row, [2, *stops]] = float("-inf")
+        got = torch.zeros(4, vocab)
+        got.index_put_(batch.bias[:2], batch.bias[2], accumulate=True)
+        if batch.banned is not None:
+            got[batch.banned] = float("-inf")
+        assert torch.equal(got, want), step
+        counts = torch.zeros(vocab)
+        for t in states[1].output_token_ids:
+            counts[t] += 1
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[list(prompt)] = True
+        assert torch.equal(batch.output_counts[1], counts)
+        assert torch.equal(batch.prompt_mask[1], mask)
+        if (
+            step
+        ):  # the rows' scalars and the penalised request's new tokens, not the 5000-long lists
+            assert per_step < 40 + num_new, (per_step, num_new)
+        num_new = rng.choice((1, 70))
         for state in states:
-            state.output_token_ids.append(rng.randrange(vocab))
+            state.output_token_ids.extend(rng.randrange(vocab) for _ in range(num_new))

@@ -136,7 +136,7 @@ def test_the_overflow_limit_keeps_a_token_the_masks_allow():
         frequency_penalty=torch.zeros(1),
         output_counts=torch.zeros(1, 4),
         prompt_mask=torch.tensor([[True, True, True, True]]),
-        banned=(torch.tensor([0]), torch.tensor([[False, False, False, True]])),
+        banned=(torch.tensor([0]), torch.tensor([3])),
     )
     processed = process_logits(logits, b)
     assert processed.tolist() == [[float("-inf"), 0.0, float("-inf"), float("-inf")]]

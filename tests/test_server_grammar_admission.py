@@ -74,8 +74,8 @@ def test_slow_grammars_hold_no_worker_and_the_smallest_goes_next(gpt2_model_dir,
     """fuzzing: five 50,000-way choices each held one of the four workers while the core compiled them
     one by one; a plain completion waited 57 s and a tiny regex behind them failed after 60 s. Now they
     wait for their turn on the event loop, and the smallest grammar waiting is next. The fault makes each
-    new grammar's check take 5 s in the core."""
-    delay_s = 5
+    new grammar's check take 15 s in the core."""
+    delay_s = 15  # the plain request and the queueing must finish well within the first compile
     log = tmp_path / "server.log"
     args = ("--engine-core", "process", "--log-level", "info", "--max-model-len", "256",
             "--inject-fault", f"grammar:{delay_s}", "--grace-period", "0")  # fmt: skip
@@ -95,8 +95,9 @@ def test_slow_grammars_hold_no_worker_and_the_smallest_goes_next(gpt2_model_dir,
             thread.start()
             return thread
 
-        def big(i: int) -> dict:  # ~2.6 KB constraints, each distinct
-            return {"guided_choice": [f"c{i}x{j}" for j in range(200)]}
+        def big(i: int) -> dict:  # 100 KB constraints (cheap to compile), each distinct: ageing gives
+            # each 10 s of arrival time over a 5-byte one, more than the tiny one arrives after them
+            return {"guided_json": {"type": "integer", "description": f"{i}" + "x" * 100_000}}
 
         send("big0", big(0))
         assert wait_until(lambda: "compiling a structured-output grammar" in log.read_text())

@@ -161,3 +161,32 @@ def test_ready_is_503_while_loading(gpt2_model_dir):
         release.set()
         server.should_exit = True
         thread.join(30)
+
+
+def test_preparation_keeps_the_engines_timeout_apart_from_the_requests():
+    """review: `prepare` took any TimeoutError for the request's budget running out (with no budget set
+    it then failed formatting None). The engine's own TimeoutError stays itself; the budget's is a 504."""
+    import asyncio
+
+    from kvserve.server.errors import APIError
+    from kvserve.server.serving import OpenAIServing, ServingOptions
+
+    serving = object.__new__(OpenAIServing)  # only prepare()'s time budget is exercised
+
+    def engine_late(s, request):
+        raise TimeoutError("the engine core did not answer in time")
+
+    for budget in (None, 30.0):
+        serving.options = ServingOptions(served_model_name="m", request_timeout_s=budget)
+        with pytest.raises(TimeoutError, match="did not answer"):
+            asyncio.run(serving.prepare(engine_late, None))
+    release = threading.Event()
+
+    def slow(s, request):
+        release.wait(30)  # set once the 504 is out, so the worker thread ends
+
+    serving.options = ServingOptions(served_model_name="m", request_timeout_s=0.05)
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.prepare(slow, None))
+    release.set()
+    assert info.value.status_code == 504 and info.value.code == "request_timeout"

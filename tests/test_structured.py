@@ -181,6 +181,9 @@ def test_lookahead_patterns_are_found_where_a_schema_has_patterns():
         ({"propertyNames": {"pattern": "(?!_)"}}, "/propertyNames/pattern"),
         ({"anyOf": [{}, {"pattern": "a(?=b)"}]}, "/anyOf/1/pattern"),
         ({"$defs": {"t": {"pattern": "(?!x)"}}}, "/$defs/t/pattern"),
+        # review: properties named like data keywords are schemas, not data
+        ({"properties": {"default": {"pattern": "(?!x)."}}}, "/properties/default/pattern"),
+        ({"$defs": {"enum": {"pattern": "(?=a)"}}}, "/$defs/enum/pattern"),
     ]:
         with pytest.raises(ValueError, match=re.escape(f"at {where} has a lookahead")):
             refuse_lookahead_patterns(schema)

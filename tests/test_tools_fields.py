@@ -135,7 +135,8 @@ def test_the_clients_own_assistant_message_goes_back_unchanged(server):
     history = [*MESSAGES, first.choices[0].message, {"role": "user", "content": "Again"}]
     second = client.chat.completions.create(model=model, messages=history, max_tokens=2)
     assert second.choices[0].finish_reason in ("stop", "length")
-    nulls = {"role": "assistant", "content": "x", "refusal": None, "audio": None}
+    # as api.openai.com returns them (review: `annotations: []` was refused)
+    nulls = {"role": "assistant", "content": "x", "refusal": None, "audio": None, "annotations": []}
     body = {"messages": [*MESSAGES, nulls, *MESSAGES], "max_tokens": 2}
     assert httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30).status_code == 200
 
@@ -150,6 +151,13 @@ def test_tokenize_routes_refuse_unknown_fields(server, route, body):
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "frobnicate"
     assert httpx.post(f"{server}{route}", json=body | {"frobnicate": None}).status_code == 200
+    if route == "/tokenize":  # vLLM's fields at their defaults pass; other values do not
+        defaults = {"return_token_strs": False, "continue_final_message": False}
+        assert httpx.post(f"{server}{route}", json=body | defaults).status_code == 200
+        refused = httpx.post(f"{server}{route}", json=body | {"return_token_strs": True})
+        assert (
+            refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_strs"
+        )
 
 
 def test_every_optional_field_may_be_null(server):
@@ -166,6 +174,11 @@ def test_every_optional_field_may_be_null(server):
         body = base | dict.fromkeys(optional) | {"max_tokens": 2}
         response = httpx.post(f"{server}{path}", json=body, timeout=30)
         assert response.status_code == 200, (path, response.text)
+    # review: a null that means something else than the default keeps its meaning (completions'
+    # max_tokens: null is up to the context, not 16)
+    body = {"prompt": "Hi", "max_tokens": None, "ignore_eos": True}
+    usage = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 256  # --max-model-len
     required = httpx.post(f"{server}/v1/completions", json={"prompt": None, "max_tokens": 2})
     assert required.status_code == 400 and required.json()["error"]["param"] == "prompt"
 
@@ -185,6 +198,8 @@ def test_every_optional_field_may_be_null(server):
         ("/v1/completions", {"prompt": "Hi", "logit_bias": {"١٣": 1}}, "logit_bias", "token ids"),
         ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
          "chat_template_kwargs", "may not set 'tokenize'"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}},
+         "chat_template_kwargs", "may not set 'tools'"),
         ("/tokenize", {"prompt": "Hi", "messages": MESSAGES}, "messages", "not both"),
     ],
 )  # fmt: skip

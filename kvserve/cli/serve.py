@@ -62,6 +62,13 @@ def register(subparsers) -> None:
         default=None,
         help="reject with 429 + Retry-After when this many samples would wait for admission",
     )
+    parser.add_argument(
+        "--max-waiting-grammars",
+        type=int,
+        default=64,
+        help="reject with 429 + Retry-After when this many requests wait for a new structured-output "
+        "grammar to compile (one compiles at a time)",
+    )
     limits = RequestLimits()
     parser.add_argument("--max-n", type=int, default=limits.max_n, help="largest n per request")
     parser.add_argument(
@@ -190,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         or builtin_name(model_dir)
         or model_dir.resolve().name,
         max_waiting=args.max_waiting,
+        max_waiting_grammars=args.max_waiting_grammars,
         request_timeout_s=args.request_timeout,
         chat_template=chat_template,
         log_content=args.log_content,

@@ -166,8 +166,16 @@ class SamplingParams:
     def with_seed(self, seed: int) -> SamplingParams:
         """A copy with another seed, not validated again: sample i of n takes seed + i, which `_validate`
         has checked for every i (re-validating a full-vocabulary logit_bias per sample cost ~80 ms)."""
+        return self._copy(seed=seed)
+
+    def without_structured(self) -> SamplingParams:
+        """A copy without the output constraint (valid: nothing else changes)."""
+        return self._copy(structured=None)
+
+    def _copy(self, **changes) -> SamplingParams:
         clone = copy.copy(self)
-        object.__setattr__(clone, "seed", seed)
+        for name, value in changes.items():
+            object.__setattr__(clone, name, value)
         return clone
 
     def with_updates(self, **changes) -> SamplingParams:

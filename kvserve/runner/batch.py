@@ -39,12 +39,12 @@ class RequestState:
 
     # Tensors built from the request once, not at every step (a full-vocabulary logit_bias or
     # stop_token_ids list took 0.1-0.5 s of host work per step when rebuilt from Python each time).
-    _bias: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] float32
-    _stop_mask: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] bool
-    _has_stops: bool = field(default=False, init=False, repr=False)
-    _counts: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] output counts
-    _num_counted: int = field(default=0, init=False, repr=False)
-    _prompt_mask: torch.Tensor | None = field(default=None, init=False, repr=False)  # [V] bool
+    # Sparse, so they hold what the request sent: a step concatenates them in C.
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _stop_ids: torch.Tensor | None = field(default=None, init=False, repr=False)  # [K] long
+    _output_ids: torch.Tensor | None = field(default=None, init=False, repr=False)  # buffer, long
+    _num_output_ids: int = field(default=0, init=False, repr=False)
+    _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False)  # [P] long
 
     def __post_init__(self) -> None:
         p = self.params
@@ -66,42 +66,44 @@ class RequestState:
     def token_ids(self) -> list[int]:
         return list(self.prompt_token_ids) + self.output_token_ids
 
-    def bias_row(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        """logit_bias as a dense row [V] float32 (repeated ids add up), built on first use."""
+    def bias(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (token ids [B] long, values [B] float32), built on first use."""
         if self._bias is None:
             pairs = np.array(self.params.logit_bias, dtype=np.float64)  # [B, 2]; ids < vocab, exact
-            ids = torch.from_numpy(pairs[:, 0].astype(np.int64)).to(device)
-            values = torch.from_numpy(pairs[:, 1].astype(np.float32)).to(device)
-            self._bias = torch.zeros(vocab_size, device=device).index_add_(0, ids, values)
+            self._bias = (
+                torch.from_numpy(pairs[:, 0].astype(np.int64)).to(device),
+                torch.from_numpy(pairs[:, 1].astype(np.float32)).to(device),
+            )
         return self._bias
 
-    def stop_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor | None:
-        """The ids min_tokens holds back, as a mask [V] bool (None: there are none); built on first use."""
-        if self._stop_mask is None:
+    def stop_ids(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """The ids min_tokens holds back [K] long (K may be 0), built on first use."""
+        if self._stop_ids is None:
             ids = np.array(stop_token_ids(self, vocab_size), dtype=np.int64)
-            self._stop_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self._stop_mask[torch.from_numpy(ids).to(device)] = True
-            self._has_stops = len(ids) > 0
-        return self._stop_mask if self._has_stops else None
+            self._stop_ids = torch.from_numpy(ids).to(device)
+        return self._stop_ids
 
-    def penalty_inputs(
-        self, vocab_size: int, device: torch.device
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(occurrences of each token in the output so far [V] float32, token is in the prompt [V] bool),
-        kept between steps: each step counts only the tokens added since the last."""
-        if self._counts is None or len(self.output_token_ids) < self._num_counted:
-            self._counts = torch.zeros(vocab_size, device=device)
-            self._num_counted = 0
-        new = self.output_token_ids[self._num_counted :]
-        if new:
-            out = torch.tensor(new, device=device)
-            self._counts.index_add_(0, out, torch.ones(len(out), device=device))
-            self._num_counted += len(new)
-        if self._prompt_mask is None:
-            self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            if self.params.repetition_penalty != 1.0:
-                self._prompt_mask[torch.tensor(self.prompt_token_ids, device=device)] = True
-        return self._counts, self._prompt_mask
+    def penalty_ids(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the output's token ids so far [n] long, the prompt's distinct ids [P] long), kept between
+        steps: each step converts only the tokens added since the last (the buffer doubles as it fills)."""
+        n = len(self.output_token_ids)
+        if self._output_ids is None or n < self._num_output_ids:
+            self._output_ids = torch.empty(max(64, n), dtype=torch.long, device=device)
+            self._num_output_ids = 0
+        if n > self._num_output_ids:
+            if n > len(self._output_ids):
+                grown = torch.empty(
+                    max(n, 2 * len(self._output_ids)), dtype=torch.long, device=device
+                )
+                grown[: self._num_output_ids] = self._output_ids[: self._num_output_ids]
+                self._output_ids = grown
+            new = self.output_token_ids[self._num_output_ids :]
+            self._output_ids[self._num_output_ids : n] = torch.tensor(new, dtype=torch.long)
+            self._num_output_ids = n
+        if self._prompt_ids is None:
+            ids = np.unique(np.array(self.prompt_token_ids, dtype=np.int64))
+            self._prompt_ids = torch.from_numpy(ids).to(device)
+        return self._output_ids[:n], self._prompt_ids
 
     @property
     def speculates(self) -> bool:
@@ -137,20 +139,26 @@ def build_sampling_batch(
         host_use_top_p=any(_float32(p.top_p) < 1.0 for p in params),
         host_use_min_p=any(_float32(p.min_p) > 0 for p in params),
     )
-    biased = [row for row, p in enumerate(params) if p.logit_bias]
+    biased = [
+        (row, state.bias(device)) for row, state in enumerate(states) if state.params.logit_bias
+    ]
     if biased:
-        bias_rows = [states[row].bias_row(vocab_size, device) for row in biased]
-        batch.bias = (column(biased, torch.long), torch.stack(bias_rows))
+        ids = [ids for _, (ids, _) in biased]
+        batch.bias = (
+            _row_index([row for row, _ in biased], ids, device),
+            torch.cat(ids),
+            torch.cat([values for _, (_, values) in biased]),
+        )
     banned = [
-        (row, state.stop_mask(vocab_size, device))
+        (row, state.stop_ids(vocab_size, device))
         for row, (state, _, num_output) in enumerate(rows)
         # A grammar decides when its document may end; min_tokens does not override it.
         if num_output < state.params.min_tokens and state.grammar is None
     ]
-    banned = [(row, mask) for row, mask in banned if mask is not None]
+    banned = [(row, ids) for row, ids in banned if len(ids)]
     if banned:
-        masks = torch.stack([mask for _, mask in banned])
-        batch.banned = (column([row for row, _ in banned], torch.long), masks)
+        ids = [ids for _, ids in banned]
+        batch.banned = (_row_index([row for row, _ in banned], ids, device), torch.cat(ids))
     if any(has_penalty(p) for p in params):
         _add_penalties(batch, states, vocab_size, device)
     mask_rows = [
@@ -161,6 +169,12 @@ def build_sampling_batch(
     if mask_rows:
         batch.constrain = lambda logits: apply_grammar(logits, mask_rows)
     return batch
+
+
+def _row_index(rows: list[int], parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each row number repeated once per element of its part: the row index of `torch.cat(parts)`."""
+    counts = torch.tensor([len(part) for part in parts], device=device)
+    return torch.tensor(rows, dtype=torch.long, device=device).repeat_interleave(counts)
 
 
 def _float32(value: float) -> float:
@@ -187,7 +201,10 @@ def _add_penalties(
     for row, state in enumerate(states):
         # Rows without a penalty keep zeros: with penalty 1 and 0 their counts change nothing.
         if has_penalty(state.params):
-            counts[row], prompt_mask[row] = state.penalty_inputs(vocab_size, device)
+            out, prompt = state.penalty_ids(device)
+            counts[row].index_add_(0, out, torch.ones(len(out), device=device))
+            if state.params.repetition_penalty != 1.0:
+                prompt_mask[row, prompt] = True
     params = [s.params for s in states]
     batch.output_counts = counts
     batch.prompt_mask = prompt_mask

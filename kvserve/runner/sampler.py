@@ -27,9 +27,8 @@ class SamplingBatch:
     min_p: torch.Tensor  # [S] float
     generators: list[torch.Generator | None]  # per row; None = the runner's shared generator
     num_logprobs: list[int | None]  # per row
-    # For some rows (distinct row numbers [R] long): logit_bias as dense rows [R, V] float32, and the
-    # tokens min_tokens holds back as masks [R, V] bool (dense: a full-vocabulary list costs no more).
-    bias: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Sparse additions: (rows, token ids, values) for logit_bias; (rows, token ids) masked by min_tokens.
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     # Penalties (None when no row uses any).
     repetition_penalty: torch.Tensor | None = None  # [S]
@@ -70,14 +69,16 @@ class SamplingBatch:
         return bool((self.min_p > 0).any())
 
 
-# Past this magnitude float32 values are ~1e23 apart, so a softmax over them is one-hot on the maximum at
-# any temperature; and dividing it by the smallest temperature (1e-5) stays finite.
+# Past this magnitude distinct float32 values are at least ~7e22 apart, so a softmax over a row whose
+# maximum is there is one-hot on that maximum at every temperature up to ~1e20 (a gap over the temperature
+# of >= 700); and the limit divided by the smallest temperature (1e-5) stays finite.
 LOGIT_LIMIT = 1e30
 
 
 def collapse_overflow(logits: torch.Tensor, unscaled: torch.Tensor) -> torch.Tensor:
-    """Rows where a repetition penalty below 1 pushed a logit past LOGIT_LIMIT (or to inf): their exact limit,
-    0 for the largest such logit (ties share it) and -inf for every other token. Which one is largest is read
+    """Rows where a repetition penalty below 1 pushed a logit past LOGIT_LIMIT (or to inf): their limit,
+    0 for the largest such logit (ties share it) and -inf for every other token; exact at temperatures up
+    to ~1e20 (above, the true distribution of such a row is flatter). Which one is largest is read
     from `unscaled` (the logits before the penalty), since ties at inf cannot tell. [S, V]"""
     over = logits > LOGIT_LIMIT
     top = unscaled.masked_fill(~over, float("-inf")).amax(dim=-1, keepdim=True)  # [S, 1]
@@ -108,12 +109,12 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return logits
     logits = logits.clone()
     if batch.bias is not None:
-        rows, values = batch.bias
-        logits[rows] += values
+        rows, ids, values = batch.bias
+        logits.index_put_((rows, ids), values, accumulate=True)
     unpenalised, logits = logits, apply_penalties(logits, batch)
     if batch.banned is not None:
-        rows, masks = batch.banned
-        logits[rows] = logits[rows].masked_fill(masks, float("-inf"))
+        rows, ids = batch.banned
+        logits[rows, ids] = float("-inf")
     if batch.constrain is not None:
         batch.constrain(logits)
     if batch.output_counts is not None and batch.host_penalty_below_one is not False:

@@ -5,8 +5,10 @@ held a worker of the shared pool while it compiled (or waited for the engine cor
 them starved every plain request (57 s for a 4-token completion), and a tiny regex queued behind them timed
 out. Here a request with a grammar waits on the event loop, as a coroutine, for its turn; one grammar is
 checked at a time, on a thread of its own, and the smallest constraint goes first, so a small grammar waits
-for at most the compilation already running. The engine's compile time limit then counts compilation, not
-the queue. Beyond `max_waiting` queued grammars a request gets a 429.
+for at most the compilation already running. Smallest first, with ageing: a request's place is its arrival
+time plus 0.1 ms per byte of its constraint, so a 500 KB grammar lets newer small ones pass for 50 s, not
+for ever. The engine's compile time limit then counts compilation, not the queue. Beyond `max_waiting`
+queued grammars a request gets a 429.
 """
 
 from __future__ import annotations
@@ -17,18 +19,22 @@ import contextvars
 import functools
 import heapq
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvserve.server.errors import APIError
 
+AGEING_S_PER_BYTE = 1e-4
+
 
 class GrammarQueue:
-    def __init__(self, max_waiting: int = 32) -> None:
+    def __init__(self, max_waiting: int = 64, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_waiting = max_waiting
+        self._clock = clock
         self._busy = False
-        self._waiting: list[tuple[int, int, asyncio.Future]] = []  # (size, arrival, wake-up)
+        self._waiting: list[tuple[float, int, asyncio.Future]] = []  # (place, arrival, wake-up)
         self._order = itertools.count()
         self._thread: ThreadPoolExecutor | None = None
 
@@ -37,7 +43,8 @@ class GrammarQueue:
         return sum(not future.done() for _, _, future in self._waiting)
 
     async def run(self, size: int, fn: Callable[..., Any], *args) -> Any:
-        """Run `fn(*args)` on the grammar thread when this request's turn comes (smallest `size` first)."""
+        """Run `fn(*args)` on the grammar thread when this request's turn comes (`size`: the constraint's
+        bytes)."""
         async with self._turn(size):
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
@@ -57,7 +64,8 @@ class GrammarQueue:
                     headers={"Retry-After": "5"},
                 )
             wake = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._waiting, (size, next(self._order), wake))
+            place = self._clock() + size * AGEING_S_PER_BYTE
+            heapq.heappush(self._waiting, (place, next(self._order), wake))
             try:
                 await wake
             except asyncio.CancelledError:

@@ -59,14 +59,25 @@ def check_fields(request, kind: str) -> None:
 
 
 def check_messages(messages) -> None:
-    """A 400 for the first field of a chat message that the template would not see."""
+    """A 400 for the first field of a chat message that the template would not see. `annotations`
+    (url citations of an answer, which clients replay with the assistant message) is metadata of the
+    response, not of the conversation: it passes."""
     for index, message in enumerate(messages or ()):
-        _check_extras(message.model_extra or {}, f"messages[{index}].", {}, _MESSAGE_NOT_SUPPORTED)
+        extras = message.model_extra or {}
+        prefix = f"messages[{index}]."
+        _check_extras(extras, prefix, {}, _MESSAGE_NOT_SUPPORTED, skip=("annotations",))
+
+
+# vLLM's /tokenize fields at their defaults (what kvserve does); other values are refused.
+_TOKENIZE_ACCEPTED: dict[str, tuple[Any, ...]] = {
+    "return_token_strs": (False,),
+    "continue_final_message": (False,),
+}
 
 
 def check_other_fields(request) -> None:
     """`/tokenize` and `/detokenize`: every field they do not define is a 400, as on the others."""
-    _check_extras(request.model_extra or {}, "", {})
+    _check_extras(request.model_extra or {}, "", _TOKENIZE_ACCEPTED)
     check_messages(getattr(request, "messages", None))
 
 

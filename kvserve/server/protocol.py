@@ -11,6 +11,7 @@ repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens,
 from __future__ import annotations
 
 import json
+import typing
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -31,7 +32,8 @@ _STRICT = ConfigDict(extra="allow", strict=True)
 class _Request(BaseModel):
     """A request body: extras pass through pydantic and are refused by name (openai_fields); a null counts
     as absent (OpenAI's schema makes most fields nullable, and clients that write every field send
-    `"n": null`), so a field with a default takes it."""
+    `"n": null`), so a field that cannot be None takes its default. A field that can keeps the None, which
+    may mean something else than its default (`max_tokens: null` on completions: up to the context, not 16)."""
 
     model_config = _STRICT
 
@@ -44,7 +46,10 @@ class _Request(BaseModel):
         return {
             key: value
             for key, value in data.items()
-            if value is not None or key not in fields or fields[key].is_required()
+            if value is not None
+            or key not in fields
+            or fields[key].is_required()
+            or type(None) in typing.get_args(fields[key].annotation)
         }
 
 

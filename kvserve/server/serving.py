@@ -41,6 +41,7 @@ _MAX_KNOWN_GRAMMARS = 4096  # compiled constraints remembered (then forgotten al
 class ServingOptions:
     served_model_name: str
     max_waiting: int | None = None
+    max_waiting_grammars: int = 64  # requests waiting for a new grammar's compile (429 above)
     request_timeout_s: float | None = None
     chat_template: str | None = None
     log_content: bool = False
@@ -76,7 +77,7 @@ class OpenAIServing(JobAccounting):
         self.open_jobs: set[Job] = (
             set()
         )  # running jobs, cut with an error when the grace period ends
-        self.grammar_queue = GrammarQueue()
+        self.grammar_queue = GrammarQueue(options.max_waiting_grammars)
         # Constraints the engine has compiled (checked again at once, without waiting for a turn).
         self.compiled_grammars: set[StructuredOutput] = set()
         metrics.grammar_waiting.set_function(lambda: self.grammar_queue.num_waiting)
@@ -111,7 +112,7 @@ class OpenAIServing(JobAccounting):
         own = {"chat_template": template, "add_generation_prompt": request.add_generation_prompt,
                "tokenize": False, **tools.template_kwargs(request.tool_plan(), template)}  # fmt: skip
         # fuzzing: these gave the client a TypeError about apply_chat_template's arguments
-        reserved = sorted(set(extra) & (own.keys() | {"conversation"}))
+        reserved = sorted(set(extra) & (own.keys() | {"conversation", "tools"}))
         if reserved:
             raise InvalidRequestError(
                 f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the server "
@@ -202,10 +203,10 @@ class OpenAIServing(JobAccounting):
         return self._job("completion", request, params, ids, texts)
 
     def _job(self, kind, request, params, ids, texts) -> Job:
-        # A grammar the engine has not compiled yet waits for its turn in `prepare` instead.
         validated = params.structured is None or params.structured in self.compiled_grammars
-        if validated:
-            self.validate(ids, params)
+        # A grammar the engine has not compiled yet waits for its turn in `prepare`; the other checks
+        # (context, capacity) come first, so that such a request does not queue only to fail them.
+        self.validate(ids, params if validated else params.without_structured())
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(
             request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
@@ -230,12 +231,15 @@ class OpenAIServing(JobAccounting):
         samples in the waiting count, or 429. `--request-timeout` counts from here (fuzzing: a grammar
         that compiled for 43 s got its 504 only then, under a 1.5 s limit)."""
         received = time.monotonic()
+        budget = asyncio.timeout(self.options.request_timeout_s)  # None: no limit
         try:
-            async with asyncio.timeout(self.options.request_timeout_s):
+            async with budget:
                 job = await offload(builder, self, request)
                 if not job.validated:
                     await self._compile(job)
         except TimeoutError:
+            if not budget.expired():  # the engine's own TimeoutError (a core that did not answer)
+                raise
             raise self._timeout_error() from None
         job.received = received
         job.key_id = key_id
@@ -256,6 +260,7 @@ class OpenAIServing(JobAccounting):
         structured = job.params.structured
         size = len(structured.spec)
         await self.grammar_queue.run(size, self.validate, job.prompt_token_ids, job.params)
+        job.validated = True
         if len(self.compiled_grammars) >= _MAX_KNOWN_GRAMMARS:
             self.compiled_grammars.clear()
         self.compiled_grammars.add(structured)

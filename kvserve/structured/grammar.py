@@ -40,6 +40,10 @@ def sanitize_compiler_error(exc: BaseException) -> str:
 
 # Keywords whose values are data, not schemas: a "pattern" key inside them is not a pattern.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas: a name there ("default", "enum") is not a keyword.
+_SCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
 
 
 def lookahead_at(pattern: str) -> int | None:
@@ -86,7 +90,10 @@ def refuse_lookahead_patterns(node: object, path: str = "") -> None:
                 "structured output cannot enforce"
             )
     for key, value in node.items():
-        if key not in _DATA_KEYWORDS:
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, schema in value.items():
+                refuse_lookahead_patterns(schema, f"{path}/{key}/{name}")
+        elif key not in _DATA_KEYWORDS:
             refuse_lookahead_patterns(value, f"{path}/{key}")
 
 
