@@ -95,7 +95,9 @@ def test_slow_grammars_hold_no_worker_and_the_smallest_goes_next(gpt2_model_dir,
             thread.start()
             return thread
 
-        def big(i: int) -> dict:  # 100 KB constraints (cheap to compile), each distinct: ageing gives
+        def big(
+            i: int,
+        ) -> dict:  # 100 KB constraints (cheap to compile), each distinct: ageing gives
             # each 10 s of arrival time over a 5-byte one, more than the tiny one arrives after them
             return {"guided_json": {"type": "integer", "description": f"{i}" + "x" * 100_000}}
 

@@ -189,6 +189,8 @@ def test_every_optional_field_may_be_null(server):
         # fuzzing, second round: each was accepted, or named the wrong field, or leaked Python internals
         ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0},
          "max_completion_tokens", "max_completion_tokens must be"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 10_000},
+         "max_completion_tokens", "max_completion_tokens (10000)"),  # the context check's 400
         ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"regex": 5}},
          "structured_outputs.regex", "must be a string"),
         ("/v1/completions", {"prompt": "Hi", "guided_grammar": {"root": 1}}, "guided_grammar", ""),

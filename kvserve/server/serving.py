@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import time
@@ -181,7 +182,15 @@ class OpenAIServing(JobAccounting):
         self.check_limits(params, 1)
         text = self.render_chat(request)
         ids = self.encode(text, add_special_tokens=False)
-        job = self._job("chat", request, params, [ids], [text])
+        try:
+            job = self._job("chat", request, params, [ids], [text])
+        except InvalidRequestError as exc:  # name the field the client sent
+            if exc.param != "max_tokens" or request.max_completion_tokens is None:
+                raise
+            renamed = copy.copy(exc)
+            renamed.message = exc.message.replace("max_tokens", "max_completion_tokens")
+            renamed.args, renamed.param = (renamed.message,), "max_completion_tokens"
+            raise renamed from None
         job.tool_plan, job.tool_parser = plan, parser
         return job
 
