@@ -6,6 +6,8 @@ fault `grammar:SECONDS`; the plain request must be answered while it runs."""
 from __future__ import annotations
 
 import contextlib
+import json
+import socket
 import threading
 
 import httpx
@@ -113,3 +115,32 @@ def test_slow_grammars_hold_no_worker_and_the_smallest_goes_next(gpt2_model_dir,
         tiny = send("tiny", {"guided_regex": "[0-9]"})
         tiny.join(timeout=delay_s * 6)
         assert finished == ["big0", "tiny"]
+
+
+def test_a_client_that_leaves_takes_its_grammar_out_of_the_queue(gpt2_model_dir, tmp_path):
+    """review: a queued grammar whose client had left was still compiled in its turn. The fault holds the
+    first grammar 60 s in the core; the second client leaves while queued behind it, and its place must go
+    at once (the queue polls the connection), not after the 60 s."""
+    log = tmp_path / "server.log"
+    args = ("--engine-core", "process", "--log-level", "info", "--max-model-len", "256",
+            "--inject-fault", "grammar:60", "--grace-period", "0")  # fmt: skip
+    with running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
+        first = {"prompt": "a", "max_tokens": 2, "guided_regex": "[0-9]+"}
+
+        def post_first() -> None:
+            with contextlib.suppress(httpx.HTTPError):  # the server stops before it is answered
+                httpx.post(f"{url}/v1/completions", json=first, timeout=120)
+
+        threading.Thread(target=post_first, daemon=True).start()
+        assert wait_until(lambda: "compiling a structured-output grammar" in log.read_text())
+        body = json.dumps({"prompt": "a", "max_tokens": 2, "guided_regex": "[a-z]+"}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as leaving:
+            leaving.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+            )  # fmt: skip
+            assert wait_until(lambda: _waiting_grammars(url) == 1)
+        assert wait_until(lambda: _waiting_grammars(url) == 0), "the left request kept its place"
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvserve_request_errors_total{error_type="client_closed_request"} 1.0' in metrics

@@ -290,7 +290,7 @@ def build_app(
 
     async def run(builder, body, request: Request):
         s = serving()
-        job = await s.prepare(builder, body, key_id(request))
+        job = await s.prepare(builder, body, key_id(request), request.is_disconnected)
         if state.shutting_down or state.dead_reason is not None:
             s.release(job)
             serving()  # raises the 503

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
@@ -48,6 +48,26 @@ class ServingOptions:
     log_content: bool = False
     limits: RequestLimits = RequestLimits()
     tool_call_parser: str | None = None  # docs/tools.md: finds calls for tool_choice auto
+
+
+async def _unless_gone(
+    work: Awaitable, disconnected: Callable[[], Awaitable[bool]] | None, poll_s: float = 0.25
+):
+    """Await `work`, but cancel it (a 499) if the client disconnects first: a grammar is not compiled for
+    nobody, and its place in the queue goes to the next request."""
+    if disconnected is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await disconnected():
+                raise APIError(499, "the client closed the connection", "client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def _shutdown_error() -> APIError:
@@ -235,17 +255,24 @@ class OpenAIServing(JobAccounting):
         for prompt_ids in ids:
             self.engine.validate(prompt_ids, params)
 
-    async def prepare(self, builder, request, key_id: str | None = None) -> Job:
+    async def prepare(
+        self,
+        builder,
+        request,
+        key_id: str | None = None,
+        disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> Job:
         """Build the job off the loop (a grammar through the grammar queue), then admit it: reserve its
         samples in the waiting count, or 429. `--request-timeout` counts from here (fuzzing: a grammar
-        that compiled for 43 s got its 504 only then, under a 1.5 s limit)."""
+        that compiled for 43 s got its 504 only then, under a 1.5 s limit). `disconnected`: polled while
+        a grammar waits for its turn; a client that left takes its grammar out of the queue (499)."""
         received = time.monotonic()
         budget = asyncio.timeout(self.options.request_timeout_s)  # None: no limit
         try:
             async with budget:
                 job = await offload(builder, self, request)
                 if not job.validated:
-                    await self._compile(job)
+                    await _unless_gone(self._compile(job), disconnected)
         except TimeoutError:
             if not budget.expired():  # the engine's own TimeoutError (a core that did not answer)
                 raise
