@@ -24,18 +24,26 @@ def _queue(now: list[float], **kwargs) -> GrammarQueue:
     return GrammarQueue(clock=lambda: now[0], **kwargs)
 
 
+def _held_compiler(holder):
+    """(release, ran, compile): `compile(name)` records `name` in `ran` and returns it; the call for
+    `holder` first blocks the grammar thread until `release` is set."""
+    release = threading.Event()
+    ran: list = []
+
+    def compile_(name):
+        if name == holder:
+            release.wait(30)
+        ran.append(name)
+        return name
+
+    return release, ran, compile_
+
+
 def test_one_at_a_time_smallest_first_and_leavers_skipped():
     async def main() -> list[int]:
         queue = _queue([0.0])
-        release = threading.Event()
-        order: list[int] = []
-
-        def compile_(size: int) -> int:
-            if size == 1000:
-                release.wait(30)  # the first holds the thread until every other one has queued
-            order.append(size)
-            return size
-
+        # the first holds the thread until every other one has queued
+        release, order, compile_ = _held_compiler(1000)
         first = asyncio.create_task(queue.run(1000, compile_, 1000))
         await _wait_for(lambda: queue._busy)
         tasks = {
@@ -62,14 +70,7 @@ def test_a_large_grammar_is_aged_past_newer_small_ones():
     async def main() -> list[str]:
         now = [0.0]
         queue = _queue(now)
-        release = threading.Event()
-        order: list[str] = []
-
-        def compile_(name: str) -> None:
-            if name == "running":
-                release.wait(30)
-            order.append(name)
-
+        release, order, compile_ = _held_compiler("running")
         running = asyncio.create_task(queue.run(10, compile_, "running"))
         await _wait_for(lambda: queue._busy)
         big = asyncio.create_task(queue.run(500_000, compile_, "big"))
@@ -90,14 +91,7 @@ def test_a_large_grammar_is_aged_past_newer_small_ones():
 def test_the_holder_leaving_mid_compile_or_after_its_wake_up_passes_the_turn_on():
     async def main() -> None:
         queue = _queue([0.0])
-        release = threading.Event()
-        ran: list[str] = []
-
-        def compile_(name: str) -> None:
-            if name == "holder":
-                release.wait(30)
-            ran.append(name)
-
+        release, ran, compile_ = _held_compiler("holder")
         holder = asyncio.create_task(queue.run(1, compile_, "holder"))
         await _wait_for(lambda: queue._busy)
         woken = asyncio.create_task(queue.run(2, compile_, "woken, then leaves"))
