@@ -169,15 +169,17 @@ def test_requests_sharing_a_prefix_land_on_the_same_core(dp_server):
 
 
 def test_a_dead_core_is_taken_out_of_rotation(dp_server):
+    """Core 0 dies (it was also the one every request's check went to: then every request failed with
+    engine_dead while core 1 lived)."""
     url, proc = dp_server
     engines = httpx.get(f"{url}/ready").json()["engines"]
-    os.kill(engines[1]["pid"], signal.SIGKILL)
+    os.kill(engines[0]["pid"], signal.SIGKILL)
     assert wait_until(
-        lambda: not httpx.get(f"{url}/ready").json()["engines"][1]["alive"], timeout_s=30
+        lambda: not httpx.get(f"{url}/ready").json()["engines"][0]["alive"], timeout_s=30
     )
     for prompt in PROMPTS[:3]:
         assert _complete(url, prompt, max_tokens=2)[1] == 2
     ready = httpx.get(f"{url}/ready")
     assert ready.status_code == 200 and proc.poll() is None
-    assert "exited with code -9" in ready.json()["engines"][1]["error"]
-    assert 'kvserve_engine_up{engine="1"} 0.0' in httpx.get(f"{url}/metrics").text
+    assert "exited with code -9" in ready.json()["engines"][0]["error"]
+    assert 'kvserve_engine_up{engine="0"} 0.0' in httpx.get(f"{url}/metrics").text

@@ -160,9 +160,13 @@ class EngineClient:
         off the event loop. A grammar still compiling after VALIDATE_TIMEOUT_S is this request's
         error (400), not the engine's: the core compiles grammars beside its other work."""
         ids = list(prompt_token_ids)
+        # Any live core can check it (data parallel: core 0 may be the one that died).
+        live = [c.index for c in self._cores if c.alive]
+        if not live:
+            raise EngineDeadError(self.dead_reason or "no engine core is running")
         try:
             return self._call(
-                0, lambda call_id: ValidateCmd(call_id, ids, params), VALIDATE_TIMEOUT_S
+                live[0], lambda call_id: ValidateCmd(call_id, ids, params), VALIDATE_TIMEOUT_S
             )
         except TimeoutError:
             if params.structured is None:
