@@ -9,6 +9,7 @@ import contextlib
 import json
 import socket
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -47,15 +48,20 @@ def test_a_grammar_check_past_the_timeout_is_the_requests_400_not_a_500():
     from kvserve.core.errors import InvalidRequestError
     from kvserve.core.sampling_params import SamplingParams, StructuredOutput
     from kvserve.engine.client import VALIDATE_TIMEOUT_S, EngineClient
+    from kvserve.engine.wire import EngineDeadError
 
     client = object.__new__(EngineClient)  # only validate(), over a core that never answers
     timeouts: list[float] = []
 
+    asked: list[int] = []
+
     def never_answers(core, command, timeout_s):
+        asked.append(core)
         timeouts.append(timeout_s)
         raise TimeoutError("the engine core did not answer in time")
 
     client._call = never_answers
+    client._cores = [SimpleNamespace(index=0, alive=False), SimpleNamespace(index=1, alive=True)]
     grammar = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
     with pytest.raises(InvalidRequestError, match="did not compile within 60 s") as info:
         client.validate([1, 2], grammar)
@@ -63,6 +69,11 @@ def test_a_grammar_check_past_the_timeout_is_the_requests_400_not_a_500():
     with pytest.raises(TimeoutError):  # without a grammar the core itself is late: not a 400
         client.validate([1, 2], SamplingParams())
     assert timeouts == [VALIDATE_TIMEOUT_S] * 2
+    assert asked == [1, 1]  # the first live core checks it
+    client._cores[1].alive = False
+    client.dead_reason = "every core exited"
+    with pytest.raises(EngineDeadError, match="every core exited"):
+        client.validate([1, 2], SamplingParams())
 
 
 def _waiting_grammars(url: str) -> float:
