@@ -163,6 +163,13 @@ class SamplingParams:
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """The logit_bias ids must lie in the model's vocabulary (known only where the model is)."""
+        if any(t >= vocab_size for t, _ in self.logit_bias):
+            raise InvalidRequestError(
+                f"logit_bias names token ids >= vocab size {vocab_size}", "logit_bias"
+            )
+
     def with_seed(self, seed: int) -> SamplingParams:
         """A copy with another seed, not validated again: sample i of n takes seed + i, which `_validate`
         has checked for every i (re-validating a full-vocabulary logit_bias per sample cost ~80 ms)."""

@@ -161,12 +161,10 @@ class EngineClient:
         error (400), not the engine's: the core compiles grammars beside its other work."""
         ids = list(prompt_token_ids)
         # Any live core can check it (data parallel: core 0 may be the one that died).
-        live = [c.index for c in self._cores if c.alive]
-        if not live:
-            raise EngineDeadError(self.dead_reason or "no engine core is running")
+        core = self._live_cores()[0]
         try:
             return self._call(
-                live[0], lambda call_id: ValidateCmd(call_id, ids, params), VALIDATE_TIMEOUT_S
+                core.index, lambda call_id: ValidateCmd(call_id, ids, params), VALIDATE_TIMEOUT_S
             )
         except TimeoutError:
             if params.structured is None:
@@ -176,12 +174,16 @@ class EngineClient:
                 params.structured.param,
             ) from None
 
-    def _route(self, prompt_token_ids: list[int], cache_salt: str | None) -> CoreHandle:
-        """The core most likely to hold this prompt's prefix (its first full block), else the least
-        loaded live core."""
+    def _live_cores(self) -> list[CoreHandle]:
         live = [c for c in self._cores if c.alive]
         if not live:
             raise EngineDeadError(self.dead_reason or "no engine core is running")
+        return live
+
+    def _route(self, prompt_token_ids: list[int], cache_salt: str | None) -> CoreHandle:
+        """The core most likely to hold this prompt's prefix (its first full block), else the least
+        loaded live core."""
+        live = self._live_cores()
         if len(live) == 1:
             return live[0]
         key = None

@@ -159,11 +159,7 @@ class LLMEngine:
         `add_request` takes the result as is."""
         self._validate_token_ids(prompt_token_ids)
         num_prompt = len(prompt_token_ids)
-        vocab = self.config.model.vocab_size
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequestError(
-                f"logit_bias names token ids >= vocab size {vocab}", "logit_bias"
-            )
+        params.check_vocabulary(self.config.model.vocab_size)
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
         if params.structured is not None:

@@ -210,15 +210,12 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
         num_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        if self.max_completion_tokens is None:
-            return self.sampling_params(self.max_tokens, num_logprobs)
-        try:
-            return self.sampling_params(self.max_completion_tokens, num_logprobs)
-        except InvalidRequestError as exc:  # name the field the client sent
-            if exc.param != "max_tokens":
-                raise
-            message = str(exc).replace("max_tokens", "max_completion_tokens")
-            raise InvalidRequestError(message, "max_completion_tokens") from None
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )  # its errors name max_completion_tokens when the client sent that (OpenAIServing.chat_job)
+        return self.sampling_params(max_tokens, num_logprobs)
 
     def rendered_messages(self) -> list[dict[str, Any]]:
         messages = []

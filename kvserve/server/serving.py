@@ -173,10 +173,7 @@ class OpenAIServing(JobAccounting):
         # entries would cost it seconds to receive and check (each id must be in the vocabulary, so no
         # valid request has more entries than the vocabulary; nor more stop ids than that).
         vocab = self.engine.info.vocab_size
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequestError(
-                f"logit_bias names token ids >= vocab size {vocab}", "logit_bias"
-            )
+        params.check_vocabulary(vocab)
         if len(params.stop_token_ids) > vocab:
             raise InvalidRequestError(
                 f"at most {vocab} stop_token_ids (the vocabulary's size), got "
@@ -198,16 +195,16 @@ class OpenAIServing(JobAccounting):
         check_fields(request, "chat")
         plan = request.tool_plan()
         parser = tools.output_parser(plan, self.options.tool_call_parser)
-        params = tools.constrain(request.to_sampling_params(), plan, parser)
-        self.check_limits(params, 1)
-        text = self.render_chat(request)
-        ids = self.encode(text, add_special_tokens=False)
         try:
+            params = tools.constrain(request.to_sampling_params(), plan, parser)
+            self.check_limits(params, 1)
+            text = self.render_chat(request)
+            ids = self.encode(text, add_special_tokens=False)
             job = self._job("chat", request, params, [ids], [text])
         except InvalidRequestError as exc:  # name the field the client sent
             if exc.param != "max_tokens" or request.max_completion_tokens is None:
                 raise
-            renamed = copy.copy(exc)
+            renamed = copy.copy(exc)  # keeps its class (a context-length error stays one)
             renamed.message = exc.message.replace("max_tokens", "max_completion_tokens")
             renamed.args, renamed.param = (renamed.message,), "max_completion_tokens"
             raise renamed from None
