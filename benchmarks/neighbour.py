@@ -4,9 +4,13 @@ Each setting runs in a fresh subprocess (OpenMP reads its environment when torch
 requests arrive at `--rate` req/s (fixed spacing) into the offline engine, which steps between
 arrivals; TPOT per request = (last token - first token) / (n - 1); the report gives the median. "busy"
 starts one `while True: pass` process beside it (intended: that is the neighbour). `--rounds` repeats
-every setting, quiet then busy, in the same order, so the spread between rounds shows. `cores` is the
+every setting, quiet, busy, then "alone on one core" (quiet, pinned with `taskset` to one CPU: what
+the busy case leaves it), in the same order, so the spread between rounds shows. `cores` is the
 worker's CPU time over its wall time during the timed window. The goal (docs/performance.md "Threads"):
-with one busy core, TPOT grows by at most the share of CPU lost (<= 2x).
+with one busy core, TPOT grows by at most the share of CPU lost (<= 2x); busy / one core is what
+sharing costs beyond the CPU time the neighbour took (1.0: nothing). At a fixed arrival rate TPOT is
+not linear in the CPU an engine has (the batch grows as the step slows), so busy / quiet can pass 2x
+where one core is near its capacity even when busy / one core is 1.0.
 
 `--target server` measures `kvserve serve MODEL` (engine core in its own process, the default)
 instead, loaded by `kvserve bench serve` (completions, 128-token prompts, 64 forced output tokens, the
@@ -124,14 +128,21 @@ def serve_case(args: argparse.Namespace, env: dict[str, str], policy: str) -> di
             "env": {k: env[k] for k in _THREAD_VARIABLES if k in env}}  # fmt: skip
 
 
-def run_case(args: argparse.Namespace, name: str, busy: bool) -> dict:
+def run_case(args: argparse.Namespace, name: str, case: str) -> dict:
+    """`case`: quiet, busy (one busy-looping process beside it) or one_core (quiet, but pinned to one
+    CPU: the CPU that the busy case leaves it, so busy / one_core is what sharing costs beyond the
+    CPU time it took)."""
+    busy = case == "busy"
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         base = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
         policy = THREAD_POLICY.get(name, "adaptive")
         if args.target == "server":
+            if case == "one_core":
+                return {"tpot_p50_ms": float("nan"), "cores": None, "skipped": "offline only"}
             return serve_case(args, base | SETTINGS[name], policy)
-        cmd = [sys.executable, __file__, "--worker", "--model", args.model,
+        pin = ["taskset", "-c", str(max(os.sched_getaffinity(0)))] if case == "one_core" else []
+        cmd = [*pin, sys.executable, __file__, "--worker", "--model", args.model,
                "--rate", str(args.rate), "--num-requests", str(args.num_requests),
                "--new-tokens", str(args.new_tokens), "--thread-policy", policy]  # fmt: skip
         if name in KVSERVE_DEFAULTS:
@@ -148,9 +159,11 @@ def run_case(args: argparse.Namespace, name: str, busy: bool) -> dict:
 def summarise(name: str, runs: list[dict]) -> dict:
     quiet = [r["quiet"]["tpot_p50_ms"] for r in runs]
     busy = [r["busy"]["tpot_p50_ms"] for r in runs]
+    one_core = [r["one_core"]["tpot_p50_ms"] for r in runs]
     return {"setting": name, "env": runs[0]["quiet"]["env"], "quiet_tpot_p50_ms": quiet,
-            "busy_tpot_p50_ms": busy,
+            "busy_tpot_p50_ms": busy, "one_core_tpot_p50_ms": one_core,
             "busy_over_quiet": [b / q for q, b in zip(quiet, busy, strict=True)],
+            "busy_over_one_core": [b / c for c, b in zip(one_core, busy, strict=True)],
             "busy_cores": [r["busy"]["cores"] for r in runs],
             "quiet_cores": [r["quiet"]["cores"] for r in runs]}  # fmt: skip
 
@@ -177,25 +190,29 @@ def main() -> None:
     for round_index in range(args.rounds):
         for name in names:
             run = {"round": round_index}
-            for case in ("quiet", "busy"):
-                run[case] = run_case(args, name, busy=case == "busy")
+            for case in ("quiet", "busy", "one_core"):
+                run[case] = run_case(args, name, case)
             runs[name].append(run)
-            quiet, busy = run["quiet"], run["busy"]
+            quiet, busy, one = run["quiet"], run["busy"], run["one_core"]
             print(
                 f"round {round_index} {name:9s} TPOT p50 quiet {quiet['tpot_p50_ms']:6.1f} ms "
                 f"({quiet['cores'] or 0:.2f} cores), busy {busy['tpot_p50_ms']:6.1f} ms "
-                f"({busy['cores'] or 0:.2f} cores), x{busy['tpot_p50_ms'] / quiet['tpot_p50_ms']:.2f}",
+                f"({busy['cores'] or 0:.2f} cores), x{busy['tpot_p50_ms'] / quiet['tpot_p50_ms']:.2f}; "
+                f"alone on one core {one['tpot_p50_ms']:6.1f} ms",
                 flush=True,
             )
     rows = [summarise(name, runs[name]) for name in names]
-    print("\n| setting | quiet TPOT p50 | one busy core | busy / quiet |\n|---|---:|---:|---:|")
+    print("\n| setting | quiet TPOT p50 | one busy core | busy / quiet | alone on one core "
+          "| busy / one core |\n|---|---:|---:|---:|---:|---:|")  # fmt: skip
     for row in rows:
         cells = [
             " / ".join(f"{v:.0f}" for v in row[k])
-            for k in ("quiet_tpot_p50_ms", "busy_tpot_p50_ms")
+            for k in ("quiet_tpot_p50_ms", "busy_tpot_p50_ms", "one_core_tpot_p50_ms")
         ]
-        ratio = " / ".join(f"{v:.2f}x" for v in row["busy_over_quiet"])
-        print(f"| {row['setting']} | {cells[0]} ms | {cells[1]} ms | {ratio} |")
+        ratios = [" / ".join(f"{v:.2f}x" for v in row[k])
+                  for k in ("busy_over_quiet", "busy_over_one_core")]  # fmt: skip
+        print(f"| {row['setting']} | {cells[0]} ms | {cells[1]} ms | {ratios[0]} | {cells[2]} ms "
+              f"| {ratios[1]} |")  # fmt: skip
     report = {"benchmark": "neighbour", "target": args.target, "model": args.model,
               "rate_req_s": args.rate,
               "num_requests": args.num_requests, "new_tokens": args.new_tokens,

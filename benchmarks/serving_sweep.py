@@ -20,7 +20,9 @@ calls (a few minutes each):
 Engines: `kvserve` (kvserve serve, its defaults, --no-prefix-caching), `kvserve-fixed` (the same
 with --thread-policy fixed: every step on both threads), `llamacpp` (llama-server
 --no-cache-prompt, `--llama-parallel` slots), `vllm` (vLLM CPU as it comes), `vllm-bind01` (vLLM
-with VLLM_CPU_OMP_THREADS_BIND=0-1: its compute threads on both cores).
+with VLLM_CPU_OMP_THREADS_BIND=0-1: its compute threads on both cores). `--kvserve-args` adds options
+to the kvserve servers (e.g. `"--kvserve-args=--max-num-batched-tokens 512"`), and `--suffix` names the variant in
+the JSON (`--suffix=-b512`: kvserve-b512; `=` because the values start with a dash).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -56,7 +59,7 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, s
                "--log-level", "warning"]  # fmt: skip
         if engine == "kvserve-fixed":
             cmd += ["--thread-policy", "fixed"]
-        return cmd, env
+        return cmd + shlex.split(args.kvserve_args), env
     if engine == "llamacpp":
         cmd = [f"{args.llama_bin}/llama-server", "-m", args.gguf, "--host", "127.0.0.1",
                "--port", str(port), "--alias", "smol", "--no-cache-prompt", "-t", str(args.threads),
@@ -144,7 +147,7 @@ def rate_row(row: dict) -> dict:
 
 
 def run_engine(engine: str, args) -> dict:
-    out = Path(args.out_dir) / engine
+    out = Path(args.out_dir) / (engine + args.suffix)
     out.mkdir(parents=True, exist_ok=True)
     with running(engine, args, out / "server.log") as (url, server_cmd, env):
         cmd = bench_command(url, out, args)
@@ -224,12 +227,14 @@ def main() -> int:
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks/results/tmp/serving_sweep"))
     p.add_argument("--json", default=str(ROOT / "benchmarks/results/serving_sweep.json"))
     p.add_argument("--table", action="store_true", help="print the JSON's table and exit")
+    p.add_argument("--kvserve-args", default="", help="more `kvserve serve` options (one string)")
+    p.add_argument("--suffix", default="", help="appended to each engine's name in the JSON")
     args = p.parse_args()
     path = Path(args.json)
     doc = json.loads(path.read_text()) if path.exists() else {"engines": {}}
     if not args.table:
         for engine in args.engines.split(","):
-            doc["engines"][engine] = run_engine(engine, args) | {
+            doc["engines"][engine + args.suffix] = run_engine(engine, args) | {
                 "timed_at": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
             }
             doc["agreement"] = agreement(doc["engines"])
