@@ -10,7 +10,9 @@ snapshots) and `detok` (incremental detokenisation); inside the runner `forward`
 (`metadata` = attention metadata, `fused` / `head` the two native calls), `sample` =
 `ModelRunner._sample` (`sampling_batch` = its tensors, `sampler` = `Sampler.__call__`). Derived:
 `host` = `step` - `fused` - `head`, everything a step does outside the two native calls. The
-prompts' prefill step is reported on its own (`prefill_step`), not averaged into the decode steps.
+steps that hold prompt tokens are reported on their own (`prefill_step`, their mean, and
+`prefill_steps`, how many: a batch's prompts past the step budget take several), not averaged into
+the decode steps.
 
     PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/step_profile.py \
         --formats "linear=int8,head=int8;linear=int4-g32,head=int8" [--batch 1] [--rounds 3]
@@ -71,6 +73,15 @@ def profile(llm_cls, fmt: str, batch: int, prompt_len: int, new_tokens: int, rou
     _timed(engine.scheduler, "schedule", "schedule", steps)
     _timed(engine.scheduler, "update", "update", steps)
     _timed(runner, "execute", "runner", steps)
+    execute = runner.execute
+
+    def shaped(scheduler_output):  # which steps hold prompt tokens (a prefill may take several)
+        steps[-1]["prompt_tokens"] += sum(
+            c.num_tokens for c in scheduler_output.chunks if not c.num_output_tokens
+        )
+        return execute(scheduler_output)
+
+    runner.execute = shaped
     _timed(runner, "_sample", "sample", steps)
     _timed(runner_mod, "build_sampling_batch", "sampling_batch", steps)
     _timed(sampler_mod.Sampler, "__call__", "sampler", steps)
@@ -87,9 +98,11 @@ def profile(llm_cls, fmt: str, batch: int, prompt_len: int, new_tokens: int, rou
         steps.clear()
         engine.kv_manager.pool.reset_prefix_cache()
         llm.generate(prompts, params)
-        decode = [s for s in steps[1:] if s["runner"] > 0]  # steps[0] is the prompts' prefill
+        decode = [s for s in steps if s["runner"] > 0 and not s["prompt_tokens"]]
+        prefill = [s for s in steps if s["prompt_tokens"]]
         row = {k: sum(s[k] for s in decode) / len(decode) * 1e3 for k in KEYS}
-        row["prefill_step"] = steps[0]["step"] * 1e3
+        row["prefill_step"] = sum(s["step"] for s in prefill) / len(prefill) * 1e3
+        row["prefill_steps"] = len(prefill)
         row["host"] = row["step"] - row["fused"] - row["head"]
         row["outside_runner"] = row["step"] - row["runner"]
         row["runner_outside_forward_sample"] = row["runner"] - row["forward"] - row["sample"]

@@ -35,10 +35,13 @@ def test_each_engine_serves_with_prefix_caching_off(tmp_path):
     class Args:
         model, gguf, llama_bin, llama_parallel, threads = "M", "G.gguf", "/bin", 16, 2
         vllm_python = "/venv/python"
+        kvserve_args = "--max-num-batched-tokens 512"
 
     kv, _ = server_command("kvserve", Args, 1)
     llama, _ = server_command("llamacpp", Args, 1)
     vllm, env = server_command("vllm-bind01", Args, 1)
     assert "--no-prefix-caching" in kv and "--no-cache-prompt" in llama
+    assert kv[-2:] == ["--max-num-batched-tokens", "512"]  # --kvserve-args, for kvserve only
+    assert "--max-num-batched-tokens" not in llama + vllm
     assert "--no-enable-prefix-caching" in vllm and vllm[vllm.index("--dtype") + 1] == "float32"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "PYTHONPATH" not in env
