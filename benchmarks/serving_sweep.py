@@ -20,9 +20,10 @@ calls (a few minutes each):
 Engines: `kvserve` (kvserve serve, its defaults, --no-prefix-caching), `kvserve-fixed` (the same
 with --thread-policy fixed: every step on both threads), `llamacpp` (llama-server
 --no-cache-prompt, `--llama-parallel` slots), `vllm` (vLLM CPU as it comes), `vllm-bind01` (vLLM
-with VLLM_CPU_OMP_THREADS_BIND=0-1: its compute threads on both cores). `--kvserve-args` adds options
-to the kvserve servers (e.g. `"--kvserve-args=--max-num-batched-tokens 512"`), and `--suffix` names the variant in
-the JSON (`--suffix=-b512`: kvserve-b512; `=` because the values start with a dash).
+with VLLM_CPU_OMP_THREADS_BIND=0-1: its compute threads on both cores). `--kvserve-args` adds
+options to the kvserve servers (`"--kvserve-args=--max-num-batched-tokens 512"`) and `--suffix`
+names the variant in the JSON (`--suffix=-b512`: kvserve-b512); both need `=`, as their values
+start with a dash.
 """
 
 from __future__ import annotations
