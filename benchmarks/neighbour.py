@@ -131,15 +131,13 @@ def serve_case(args: argparse.Namespace, env: dict[str, str], policy: str) -> di
 def run_case(args: argparse.Namespace, name: str, case: str) -> dict:
     """`case`: quiet, busy (one busy-looping process beside it) or one_core (quiet, but pinned to one
     CPU: the CPU that the busy case leaves it, so busy / one_core is what sharing costs beyond the
-    CPU time it took)."""
+    CPU time it took; offline only)."""
     busy = case == "busy"
     loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
         base = {k: v for k, v in os.environ.items() if k not in _THREAD_VARIABLES}
         policy = THREAD_POLICY.get(name, "adaptive")
         if args.target == "server":
-            if case == "one_core":
-                return {"tpot_p50_ms": float("nan"), "cores": None, "skipped": "offline only"}
             return serve_case(args, base | SETTINGS[name], policy)
         pin = ["taskset", "-c", str(max(os.sched_getaffinity(0)))] if case == "one_core" else []
         cmd = [*pin, sys.executable, __file__, "--worker", "--model", args.model,
@@ -159,11 +157,12 @@ def run_case(args: argparse.Namespace, name: str, case: str) -> dict:
 def summarise(name: str, runs: list[dict]) -> dict:
     quiet = [r["quiet"]["tpot_p50_ms"] for r in runs]
     busy = [r["busy"]["tpot_p50_ms"] for r in runs]
-    one_core = [r["one_core"]["tpot_p50_ms"] for r in runs]
+    one_core = [r["one_core"]["tpot_p50_ms"] for r in runs if "one_core" in r]  # offline only
     return {"setting": name, "env": runs[0]["quiet"]["env"], "quiet_tpot_p50_ms": quiet,
             "busy_tpot_p50_ms": busy, "one_core_tpot_p50_ms": one_core,
             "busy_over_quiet": [b / q for q, b in zip(quiet, busy, strict=True)],
-            "busy_over_one_core": [b / c for c, b in zip(one_core, busy, strict=True)],
+            "busy_over_one_core": [r["busy"]["tpot_p50_ms"] / r["one_core"]["tpot_p50_ms"]
+                                   for r in runs if "one_core" in r],
             "busy_cores": [r["busy"]["cores"] for r in runs],
             "quiet_cores": [r["quiet"]["cores"] for r in runs]}  # fmt: skip
 
@@ -186,19 +185,21 @@ def main() -> None:
         print(json.dumps(worker(args)))
         return
     names = args.settings.split(",")
+    cases = ("quiet", "busy") + (("one_core",) if args.target == "offline" else ())
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         for name in names:
             run = {"round": round_index}
-            for case in ("quiet", "busy", "one_core"):
+            for case in cases:
                 run[case] = run_case(args, name, case)
             runs[name].append(run)
-            quiet, busy, one = run["quiet"], run["busy"], run["one_core"]
+            quiet, busy = run["quiet"], run["busy"]
+            one = f"{run['one_core']['tpot_p50_ms']:6.1f} ms" if "one_core" in run else "-"
             print(
                 f"round {round_index} {name:9s} TPOT p50 quiet {quiet['tpot_p50_ms']:6.1f} ms "
                 f"({quiet['cores'] or 0:.2f} cores), busy {busy['tpot_p50_ms']:6.1f} ms "
                 f"({busy['cores'] or 0:.2f} cores), x{busy['tpot_p50_ms'] / quiet['tpot_p50_ms']:.2f}; "
-                f"alone on one core {one['tpot_p50_ms']:6.1f} ms",
+                f"alone on one core {one}",
                 flush=True,
             )
     rows = [summarise(name, runs[name]) for name in names]
@@ -206,10 +207,10 @@ def main() -> None:
           "| busy / one core |\n|---|---:|---:|---:|---:|---:|")  # fmt: skip
     for row in rows:
         cells = [
-            " / ".join(f"{v:.0f}" for v in row[k])
+            " / ".join(f"{v:.0f}" for v in row[k]) or "-"
             for k in ("quiet_tpot_p50_ms", "busy_tpot_p50_ms", "one_core_tpot_p50_ms")
         ]
-        ratios = [" / ".join(f"{v:.2f}x" for v in row[k])
+        ratios = [" / ".join(f"{v:.2f}x" for v in row[k]) or "-"
                   for k in ("busy_over_quiet", "busy_over_one_core")]  # fmt: skip
         print(f"| {row['setting']} | {cells[0]} ms | {cells[1]} ms | {ratios[0]} | {cells[2]} ms "
               f"| {ratios[1]} |")  # fmt: skip
