@@ -195,9 +195,11 @@ INL void k_dots(const int NQ, const float *q, const float *k, int D, float *out)
  * head's 8 together: from memory this streams ~1.15x faster than a q head at a time over 8 rows
  * (SmolLM2-135M's 768-byte rows, Zen 3). Other items take a q head at a time, 8 positions' dot
  * products accumulated together. Both give the same bits: each dot product is the same fma chain and
- * the same reduction. No software prefetch: the hardware's stream prefetchers fetch the item's K and V
- * rows (each a run of 16-position blocks); prefetching K 16 positions ahead (T0) and V while the
- * scores ran (T1) made the fused step 1.05-1.06x slower at 4,000 tokens on a Zen 3
+ * the same reduction. Software prefetch: only an item of every kv head's V rows, into L2, each as its
+ * K row is read, so the V pass reads L2 while the K rows' fetch overlaps the scores (Zen 4: the fused step
+ * 1.07x faster at 4,000 tokens, 1.2x at batch 16 x 1,000 and 48 x 512). K rows are left to the hardware's
+ * stream prefetchers (each item is a run of 16-position blocks): prefetching K 16 positions ahead into L1
+ * made the step slower on Zen 3 (with the V prefetch, 1.05x) and on Zen 4 (alone, 1.1x in a harness)
  * (docs/performance.md, "Decode attention in place"). Softmax on 8 scores at a time. Values: tiles of
  * V_TILE positions, every q head of the item accumulating CHUNK values in registers over the tile
  * while its V rows are in L1. */
@@ -241,6 +243,10 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
         if (by_rows) {
             for (int j = 0; j < 8; j++) {
                 const float *row = kc + rows[i + j];
+                /* this position's V row into L2 while the K rows stream: the V pass then reads L2 */
+                const char *vrow = (const char *)(vc + rows[i + j]);
+                for (int64_t o = 0; o < slot_stride * (int64_t)sizeof(float); o += 64)
+                    _mm_prefetch(vrow + o, _MM_HINT_T1);
                 for (int kh = hq0 / G; kh * G < hq1; kh++) {
                     const int h0 = kh * G > hq0 ? kh * G : hq0;
                     const float *qh = q + (int64_t)h0 * D, *k = row + (int64_t)kh * D;
