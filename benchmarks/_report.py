@@ -56,3 +56,16 @@ def threads_used() -> str:
     from kvserve.threads import describe_threads
 
     return describe_threads(torch.get_num_threads())
+
+
+def stop_children_on_sigterm() -> None:
+    """Make SIGTERM end this benchmark as Ctrl-C does: as an exception, so `subprocess.run` kills its
+    child (a running `kvserve bench serve`) and the scripts' `finally` blocks stop their servers.
+    Python's default for SIGTERM ends the process at once, leaving such children behind."""
+    import signal
+    import sys
+
+    def _exit(signum, frame):  # noqa: ARG001 - a signal handler's signature
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)

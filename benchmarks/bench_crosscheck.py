@@ -146,6 +146,9 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tmp" / "crosscheck"))
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_crosscheck.json"))
     args = p.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     exe = args.guidellm or "/tmp/kv/guidellm-venv/bin/guidellm"
     if not Path(exe).is_file():
         print(f"GuideLLM not found at {exe}: pip install guidellm in its own venv", file=sys.stderr)

@@ -84,6 +84,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--server-arg", action="append", default=[], help="extra `serve` argument")
     args = parser.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     out = args.out or str(ROOT / f"benchmarks/results/burstiness_{args.label}.json")
     from kvserve.models import resolve_model
 

@@ -76,6 +76,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model (default: the server's default)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="give up after this")
     args = parser.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     runs = [one_run(args.model, args.timeout_s) for _ in range(args.runs)]
     median = statistics.median(r["first_reply_s"] for r in runs)
     print(json.dumps({"runs": runs, "median_first_reply_s": median}, indent=2))

@@ -181,6 +181,9 @@ def main() -> None:
     parser.add_argument("--kvserve-defaults", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="benchmarks/results/neighbour.json")
     args = parser.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     if args.worker:
         print(json.dumps(worker(args)))
         return

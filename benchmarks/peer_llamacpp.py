@@ -154,6 +154,9 @@ def main() -> None:
     )
     parser.add_argument("--out", default="benchmarks/results/peer_llamacpp.json")
     args = parser.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
 

@@ -221,6 +221,9 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tmp" / "plan"))
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "plan_vs_measured.json"))
     args = p.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()

@@ -231,6 +231,9 @@ def main() -> int:
     p.add_argument("--kvserve-args", default="", help="more `kvserve serve` options (one string)")
     p.add_argument("--suffix", default="", help="appended to each engine's name in the JSON")
     args = p.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     path = Path(args.json)
     doc = json.loads(path.read_text()) if path.exists() else {"engines": {}}
     if not args.table:

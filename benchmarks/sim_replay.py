@@ -33,6 +33,9 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tmp" / "sim_replay"))
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "sim_replay.json"))
     args = p.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     art, out = Path(args.artifacts), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     profile = out / "profile.json"

@@ -192,6 +192,9 @@ def main() -> int:
     p.add_argument("--calibration-requests", type=int, default=30)
     p.add_argument("--noise-seeds", type=int, default=5, help="replays at run speed (spread)")
     args = p.parse_args()
+    from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
+
+    stop_children_on_sigterm()  # a killed run takes its servers and clients with it
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
