@@ -195,9 +195,11 @@ INL void k_dots(const int NQ, const float *q, const float *k, int D, float *out)
  * head's 8 together: from memory this streams ~1.15x faster than a q head at a time over 8 rows
  * (SmolLM2-135M's 768-byte rows, Zen 3). Other items take a q head at a time, 8 positions' dot
  * products accumulated together. Both give the same bits: each dot product is the same fma chain and
- * the same reduction. Software prefetch: only an item of every kv head's V rows, into L2, each as its
- * K row is read, so the V pass reads L2 while the K rows' fetch overlaps the scores (Zen 4: the fused step
- * 1.07x faster at 4,000 tokens, 1.2x at batch 16 x 1,000 and 48 x 512). K rows are left to the hardware's
+ * the same reduction. Software prefetch: only the item's V rows, into L2, as its K rows are read (an
+ * item of every kv head: each position's row with its K row; other items: each group of 8 positions'
+ * spans), so the V pass reads L2 while the K rows' fetch overlaps the scores (Zen 4: the fused step
+ * 1.07x faster at 4,000 tokens, 1.2x at batch 16 x 1,000 and 48 x 512, 1.02-1.06x at batch 1 x
+ * 500-700, where the items take a kv head each). K rows are left to the hardware's
  * stream prefetchers (each item is a run of 16-position blocks): prefetching K 16 positions ahead into L1
  * made the step slower on Zen 3 (with the V prefetch, 1.05x) and on Zen 4 (alone, 1.1x in a harness)
  * (docs/performance.md, "Decode attention in place"). Softmax on 8 scores at a time. Values: tiles of
@@ -272,6 +274,10 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
                 _mm256_store_ps(scores[h] + i, _mm256_mul_ps(dots, scale));
             }
             continue;
+        }
+        for (int j = i; j < i + 8 && j < n; j++) { /* these positions' V spans into L2 */
+            const char *vrow = (const char *)(vc + rows[j] + span_off);
+            for (int64_t o = 0; o < span * (int64_t)sizeof(float); o += 64) _mm_prefetch(vrow + o, _MM_HINT_T1);
         }
         for (int hq = hq0; hq < hq1; hq++) { /* a q head at a time, 8 positions' dot products at once */
             const float *qh = q + hq * D, *kh = kc + (int64_t)(hq / G) * D;
