@@ -275,10 +275,12 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
             }
             continue;
         }
-        for (int j = i; j < i + 8 && j < n; j++) { /* these positions' V spans into L2 */
-            const char *vrow = (const char *)(vc + rows[j] + span_off);
-            for (int64_t o = 0; o < span * (int64_t)sizeof(float); o += 64) _mm_prefetch(vrow + o, _MM_HINT_T1);
-        }
+        if (a->lut == NULL) /* these positions' V spans into L2 (an 8-bit item's are in its buffer) */
+            for (int j = i; j < i + 8 && j < n; j++) {
+                const char *vrow = (const char *)(vc + rows[j] + span_off);
+                for (int64_t o = 0; o < span * (int64_t)sizeof(float); o += 64)
+                    _mm_prefetch(vrow + o, _MM_HINT_T1);
+            }
         for (int hq = hq0; hq < hq1; hq++) { /* a q head at a time, 8 positions' dot products at once */
             const float *qh = q + hq * D, *kh = kc + (int64_t)(hq / G) * D;
             const float *k0 = kh + rows[i], *k1 = kh + rows[i + 1], *k2 = kh + rows[i + 2],
