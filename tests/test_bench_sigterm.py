@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,9 @@ sys.path.insert(0, {benchmarks!r})
 if {handler}:
     from _report import stop_children_on_sigterm
     stop_children_on_sigterm()
-child = "import os, pathlib, time; pathlib.Path({pidfile!r}).write_text(str(os.getpid())); time.sleep(600)"
-subprocess.run([sys.executable, "-c", child])
+child = "import os, time; os.write({fd}, str(os.getpid()).encode()); os.close({fd}); time.sleep(600)"
+# the benchmarks' way (sim_validation.py's bench child); the pipe closes when both have exited
+subprocess.run([sys.executable, "-c", child], pass_fds=[{fd}])
 """
 
 
@@ -34,17 +34,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _run_and_terminate(tmp_path: Path, handler: bool) -> tuple[int, int]:
-    """(the parent's return code after SIGTERM, its child's pid)"""
-    pidfile = tmp_path / "child.pid"
-    code = PARENT.format(benchmarks=str(BENCHMARKS), handler=handler, pidfile=str(pidfile))
-    parent = subprocess.Popen([sys.executable, "-c", code])
+def _run_and_terminate(handler: bool) -> tuple[int, int]:
+    """(the parent's return code after SIGTERM, its child's pid). The child writes its pid into a
+    pipe once it runs; reading it blocks until then (no polling), and if the child fails first,
+    both exit and the pipe reads EOF instead."""
+    read_fd, write_fd = os.pipe()
+    code = PARENT.format(benchmarks=str(BENCHMARKS), handler=handler, fd=write_fd)
+    parent = subprocess.Popen([sys.executable, "-c", code], pass_fds=[write_fd])
+    os.close(write_fd)
     try:
-        deadline = time.monotonic() + 60
-        while not (pidfile.exists() and pidfile.read_text()):  # the child is running
-            assert parent.poll() is None and time.monotonic() < deadline
-            time.sleep(0.01)
-        child = int(pidfile.read_text())
+        pid = os.read(read_fd, 64)  # one write of under PIPE_BUF bytes: read whole
+        os.close(read_fd)
+        assert pid, "the child never started"
+        child = int(pid)
         parent.send_signal(signal.SIGTERM)
         return parent.wait(timeout=60), child
     finally:
@@ -52,16 +54,16 @@ def _run_and_terminate(tmp_path: Path, handler: bool) -> tuple[int, int]:
             parent.kill()
 
 
-def test_sigterm_stops_the_child(tmp_path):
-    code, child = _run_and_terminate(tmp_path, handler=True)
+def test_sigterm_stops_the_child():
+    code, child = _run_and_terminate(handler=True)
     assert code == 128 + signal.SIGTERM
     assert not _alive(child)  # subprocess.run killed and reaped it
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="checks a process left behind")
-def test_without_the_handler_the_child_is_left_behind(tmp_path):
+def test_without_the_handler_the_child_is_left_behind():
     """The test of the test: Python's default SIGTERM leaves the child running."""
-    code, child = _run_and_terminate(tmp_path, handler=False)
+    code, child = _run_and_terminate(handler=False)
     try:
         assert code == -signal.SIGTERM
         assert _alive(child)

@@ -172,6 +172,11 @@ static float *row_scratch(int64_t floats) {
     return tl_rows;
 }
 
+/* Every 64-byte line of n floats from p into L2 (the V rows an item reads after its scores). */
+INL void prefetch_l2(const float *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 16) _mm_prefetch((const char *)(p + o), _MM_HINT_T1);
+}
+
 /* One K row against NQ q heads of its kv head (q + h * D): the lane sums of the NQ dot products, stored at
  * out + 8 * h (reduced later, 8 positions at once). Each K vector is loaded once for all NQ heads. */
 INL void k_dots(const int NQ, const float *q, const float *k, int D, float *out) {
@@ -246,9 +251,7 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
             for (int j = 0; j < 8; j++) {
                 const float *row = kc + rows[i + j];
                 /* this position's V row into L2 while the K rows stream: the V pass then reads L2 */
-                const char *vrow = (const char *)(vc + rows[i + j]);
-                for (int64_t o = 0; o < slot_stride * (int64_t)sizeof(float); o += 64)
-                    _mm_prefetch(vrow + o, _MM_HINT_T1);
+                prefetch_l2(vc + rows[i + j], slot_stride);
                 for (int kh = hq0 / G; kh * G < hq1; kh++) {
                     const int h0 = kh * G > hq0 ? kh * G : hq0;
                     const float *qh = q + (int64_t)h0 * D, *k = row + (int64_t)kh * D;
@@ -276,11 +279,7 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
             continue;
         }
         if (a->lut == NULL) /* these positions' V spans into L2 (an 8-bit item's are in its buffer) */
-            for (int j = i; j < i + 8 && j < n; j++) {
-                const char *vrow = (const char *)(vc + rows[j] + span_off);
-                for (int64_t o = 0; o < span * (int64_t)sizeof(float); o += 64)
-                    _mm_prefetch(vrow + o, _MM_HINT_T1);
-            }
+            for (int j = i; j < i + 8 && j < n; j++) prefetch_l2(vc + rows[j] + span_off, span);
         for (int hq = hq0; hq < hq1; hq++) { /* a q head at a time, 8 positions' dot products at once */
             const float *qh = q + hq * D, *kh = kc + (int64_t)(hq / G) * D;
             const float *k0 = kh + rows[i], *k1 = kh + rows[i + 1], *k2 = kh + rows[i + 2],
