@@ -9,7 +9,6 @@ Tolerance: fp32 logits within 2e-5 (the sharded matmuls sum the same products in
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -61,18 +60,15 @@ def run_steps(model) -> tuple[list[torch.Tensor], list[list[int]], int]:
     return logits, tokens, sum(t.nbytes for t in cache)
 
 
-def _rank_main(rank: int, port: int, jobs: list[tuple[str, str]], out_dir: str) -> None:
+def _rank_main(rank: int, jobs: list[tuple[str, str]], out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        GLOO_SOCKET_IFNAME="lo",
-    )
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://")
+    # rendezvous through a file, not a port: a port found free and then bound by rank 0 can be
+    # taken in between by another test worker's server (a CI run saw rank 0 abort at set-up)
+    store = Path(out_dir) / "rendezvous"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         for name, model_dir in jobs:
             config = ModelConfig.from_dir(Path(model_dir))
@@ -84,12 +80,6 @@ def _rank_main(rank: int, port: int, jobs: list[tuple[str, str]], out_dir: str) 
             )
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 NAMES = sorted(ARCHS) + ["llama_one_kv_head"]
@@ -106,7 +96,7 @@ def tp_runs(checkpoints, tmp_path_factory):
     dirs["llama_one_kv_head"] = mqa
     out_dir = tmp_path_factory.mktemp("tp-out")
     jobs = [(name, str(dirs[name])) for name in NAMES]
-    mp.spawn(_rank_main, args=(free_port(), jobs, str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(_rank_main, args=(jobs, str(out_dir)), nprocs=WORLD, join=True)
     return {
         name: (dirs[name], [torch.load(out_dir / f"{name}-rank{r}.pt") for r in range(WORLD)])
         for name in NAMES
