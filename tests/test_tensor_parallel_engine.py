@@ -210,6 +210,10 @@ def test_a_dead_worker_fails_the_engine_loudly(checkpoints):
         assert tp.engine.num_free_blocks() == OPTIONS["num_blocks"]  # aborted, blocks returned
     with tp_llm(model_dir, **OPTIONS) as again:
         assert again.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+        store = again.engine.runner._rank0.init_method
+    # the ranks met through a file store (no port picked), whose directory shutdown removed
+    assert store.startswith("file://")
+    assert not os.path.exists(os.path.dirname(store.removeprefix("file://")))
 
 
 def _engine_in_daemon(model_dir: str, queue) -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
+import shutil
+import tempfile
 import time
 import weakref
 
@@ -61,10 +62,12 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // world_size)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous() -> tuple[str, str]:
+    """A file store in a new private directory, and that directory. The ranks meet through the file,
+    so no port is picked: a port found free and released could be taken by another process before
+    rank 0 binds it (seen in CI beside other servers: rank 0 aborted at set-up)."""
+    directory = tempfile.mkdtemp(prefix="kvserve-tp-")
+    return f"file://{os.path.join(directory, 'rendezvous')}", directory
 
 
 @contextlib.contextmanager
@@ -109,7 +112,7 @@ class TensorParallelRunner(ModelRunner):
         self.world_size = world
         cuda = torch.device(config.device).type == "cuda"
         threads = 1 if cuda else threads_per_rank(world)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method, rendezvous_dir = _rendezvous()
         specs = [
             RankSpec(
                 rank,
@@ -126,7 +129,12 @@ class TensorParallelRunner(ModelRunner):
         context = mp.get_context("spawn")
         self._workers, self._conns = [], []
         self._finalizer = weakref.finalize(
-            self, _stop_workers, self._workers, self._conns, torch.get_num_threads()
+            self,
+            _stop_workers,
+            self._workers,
+            self._conns,
+            torch.get_num_threads(),
+            rendezvous_dir,
         )
         try:
             for spec in specs[1:]:
@@ -219,9 +227,9 @@ class TensorParallelRunner(ModelRunner):
         self._finalizer()  # idempotent
 
 
-def _stop_workers(workers: list, conns: list, num_threads: int) -> None:
-    """Stop the workers (ask, then terminate, then kill), destroy rank 0's process group, restore
-    the engine process's thread count."""
+def _stop_workers(workers: list, conns: list, num_threads: int, rendezvous_dir: str) -> None:
+    """Stop the workers (ask, then terminate, then kill), destroy rank 0's process group, remove
+    the rendezvous directory, restore the engine process's thread count."""
     for process, conn in zip(workers, conns, strict=False):
         if process.exitcode is None:
             try:
@@ -240,4 +248,5 @@ def _stop_workers(workers: list, conns: list, num_threads: int) -> None:
         conn.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)
     torch.set_num_threads(num_threads)

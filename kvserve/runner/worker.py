@@ -36,7 +36,7 @@ class RankSpec:
 
     rank: int
     world_size: int
-    init_method: str  # tcp://127.0.0.1:PORT, rank 0's rendezvous
+    init_method: str  # file://PATH, the ranks' rendezvous (a file store)
     backend: str  # gloo | nccl
     device: str  # cpu | cuda:N
     num_threads: int  # torch intra-op threads of this rank (CPU)
