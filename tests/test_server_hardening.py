@@ -220,9 +220,42 @@ def test_body_over_the_limit_is_413_declared_or_chunked(server):
 
 def test_a_large_prompt_under_the_limit_is_served(server):
     url, _ = server
-    text = "word " * 30_000  # 150 kB, tokenised in the worker pool; too long for the context
+    # 30 kB: too few characters to show it cannot fit (GPT-2's longest token covers 128), so it is
+    # tokenised in the worker pool (6,001 tokens) and the engine's context check refuses it
+    text = "word " * 6_000
     response = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 2})
-    assert_openai_error(response, 400, "prompt", "tokens")
+    error = assert_openai_error(response, 400, "prompt", "the prompt has 6001 tokens")
+    assert error["code"] == "context_length_exceeded"
+    assert_still_serving(url)
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "word " * 30_000, "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": ["hi", "word " * 30_000]}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * 30_000}]},
+            "messages",
+        ),
+    ],
+)
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenised(server, path, body, param):
+    """150 kB of text needs at least 150,000 / 128 tokens (128: GPT-2's longest token), far past the
+    context of 256: refused from its length (kvserve/server/token_bound.py). A 7 MB prompt took 8 s
+    of a worker to tokenise before the engine's check refused it."""
+    url, _ = server
+    response = httpx.post(f"{url}{path}", json=body)
+    error = assert_openai_error(
+        response, 400, param, "the prompt has at least 117"
+    )  # 1172 + template
+    assert error["code"] == "context_length_exceeded"
+    # 20,000 characters: at least 157 tokens, which fit alone but not with 250 more
+    body = {"prompt": "word " * 4_000, "max_tokens": 250}
+    response = httpx.post(f"{url}/v1/completions", json=body)
+    error = assert_openai_error(response, 400, "max_tokens", "prompt (at least 157 tokens")
+    assert error["code"] == "context_length_exceeded"
     assert_still_serving(url)
 
 

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
-from kvserve.core.errors import InvalidRequestError, KVServeError
+from kvserve.core.errors import ContextLengthError, InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams, StructuredOutput
 from kvserve.engine.client import EngineClient
 from kvserve.engine.outputs import RequestOutput
@@ -32,6 +32,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.openai_fields import check_fields
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.responses import Job, ResponseBuilder, server_metrics
+from kvserve.server.token_bound import TokenBound
 from kvserve.server.workers import offload
 
 logger = logging.getLogger("kvserve.requests")
@@ -94,6 +95,7 @@ class OpenAIServing(JobAccounting):
         self.metering = metering
         self.fingerprint = fingerprint
         self.tokenizer = engine.tokenizer
+        self.token_bound = None if engine.tokenizer is None else TokenBound.of(engine.tokenizer)
         self.responses = ResponseBuilder(options.served_model_name, fingerprint, engine.tokenizer)
         self.open_jobs: set[Job] = (
             set()
@@ -153,6 +155,34 @@ class OpenAIServing(JobAccounting):
         self.require_tokenizer()
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def encode_prompt(
+        self, text: str, add_special_tokens: bool, params: SamplingParams, param: str
+    ) -> list[int]:
+        """`encode`, after refusing a text that cannot fit the context whatever its tokens
+        (kvserve.server.token_bound): the engine's own check comes after tokenising, which for a
+        text of megabytes takes seconds of a worker."""
+        self.require_tokenizer()
+        bound = self.token_bound
+        if bound is not None:
+            limit = self.engine.info.max_model_len
+            room = 1 if params.max_tokens is None else max(params.max_tokens, 1)
+            # Shorter texts could fit (or are cheap to tokenise: the engine's check names them exactly).
+            at_least = bound.at_least(text, max(limit, (limit - room) * bound.longest_token))
+            how = f"{len(text)} characters; no token of this tokenizer covers more than {bound.longest_token}"
+            if at_least >= limit:
+                raise ContextLengthError(
+                    f"the prompt has at least {at_least} tokens ({how}); this model's context is "
+                    f"{limit} tokens, which leaves no room for output",
+                    param,
+                )
+            if at_least + room > limit:  # room is max_tokens here: without it, room 1 fits
+                raise ContextLengthError(
+                    f"prompt (at least {at_least} tokens: {how}) + max_tokens ({room}) = at least "
+                    f"{at_least + room} exceeds this model's context of {limit} tokens",
+                    "max_tokens",
+                )
+        return self.encode(text, add_special_tokens)
+
     def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
         limits = self.options.limits
         if params.n > limits.max_n:
@@ -199,7 +229,7 @@ class OpenAIServing(JobAccounting):
             params = tools.constrain(request.to_sampling_params(), plan, parser)
             self.check_limits(params, 1)
             text = self.render_chat(request)
-            ids = self.encode(text, add_special_tokens=False)
+            ids = self.encode_prompt(text, False, params, "messages")
             job = self._job("chat", request, params, [ids], [text])
         except InvalidRequestError as exc:  # name the field the client sent
             if exc.param != "max_tokens" or request.max_completion_tokens is None:
@@ -221,7 +251,7 @@ class OpenAIServing(JobAccounting):
         ids, texts = [], []
         for prompt in prompts:
             if isinstance(prompt, str):
-                ids.append(self.encode(prompt, add_special_tokens=True))
+                ids.append(self.encode_prompt(prompt, True, params, "prompt"))
                 texts.append(prompt)
             else:
                 ids.append(list(prompt))
