@@ -14,7 +14,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import StructuredOutput
-from kvserve.structured.grammar import lookahead_at, refuse_lookahead_patterns
+from kvserve.structured.grammar import lookahead_at, refuse_unenforceable_schema
 from tests.server_utils import running_server
 
 SCHEMAS = {
@@ -163,6 +163,20 @@ def test_constraints_apply_per_request(llm):
             "the pattern '(?!x).' at /pattern has a lookahead at position 0",
         ),
         (StructuredOutput("regex", "(?!x)."), "Lookahead is not supported"),
+        # xgrammar let an external $ref's value be any JSON (a warning in its log only)
+        (
+            StructuredOutput(
+                "json_schema", '{"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}'
+            ),
+            "the $ref 'other.json#/x' at /properties/a is not local",
+        ),
+        (
+            StructuredOutput("json_schema", '{"$ref": "https://example.com/s.json"}'),
+            "the $ref 'https://example.com/s.json' at / is not local",
+        ),
+        # grammars no output satisfies: served, they gave "" with complete: false
+        (StructuredOutput("grammar", 'root ::= x\nx ::= x "a"'), "it matches no string"),
+        (StructuredOutput("regex", "[^\\x00-\\U0010FFFF]"), "it matches no string"),
     ],
 )
 def test_invalid_constraints_are_typed_errors(llm, structured, fragment):
@@ -186,9 +200,12 @@ def test_lookahead_patterns_are_found_where_a_schema_has_patterns():
         ({"$defs": {"enum": {"pattern": "(?=a)"}}}, "/$defs/enum/pattern"),
     ]:
         with pytest.raises(ValueError, match=re.escape(f"at {where} has a lookahead")):
-            refuse_lookahead_patterns(schema)
+            refuse_unenforceable_schema(schema)
+    # Local references pass; a $ref inside data is data.
+    refuse_unenforceable_schema({"$ref": "#", "properties": {"a": {"$ref": "#/$defs/t"}}})
+    refuse_unenforceable_schema({"const": {"$ref": "http://x"}, "enum": [{"$ref": "y.json"}]})
     # Data keywords, a property named "pattern", and plain patterns pass.
-    refuse_lookahead_patterns(
+    refuse_unenforceable_schema(
         {
             "properties": {"pattern": {"type": "string", "pattern": "^[a-z]+$"}},
             "const": {"pattern": "(?=x)"},

@@ -67,16 +67,25 @@ def lookahead_at(pattern: str) -> int | None:
     return None
 
 
-def refuse_lookahead_patterns(node: object, path: str = "") -> None:
-    """Raise ValueError for a JSON-schema `pattern` (or `patternProperties` key) with a lookahead.
-    xgrammar 0.2.9 compiles such a pattern with the lookahead dropped, so `(?!x).` would let "x" through and
-    the output would fail the client's own validation; its `regex` constraint refuses them, and so do we."""
+def refuse_unenforceable_schema(node: object, path: str = "") -> None:
+    """Raise ValueError for what xgrammar 0.2.9 would compile into a grammar that does not enforce the
+    schema, so that the output would fail the client's own validation:
+    - a `pattern` (or `patternProperties` key) with a lookahead: compiled with the lookahead dropped,
+      so `(?!x).` would let "x" through (its `regex` constraint refuses them, and so do we);
+    - a `$ref` that is not local (`#` or `#/...`): an external document is never fetched, and
+      xgrammar only logs a warning and lets that value be any JSON."""
     if isinstance(node, list):
         for i, item in enumerate(node):
-            refuse_lookahead_patterns(item, f"{path}/{i}")
+            refuse_unenforceable_schema(item, f"{path}/{i}")
         return
     if not isinstance(node, dict):
         return
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        raise ValueError(
+            f"the $ref {ref!r} at {path or '/'} is not local: structured output resolves only "
+            "references into the schema itself ('#' or '#/...'); put the definition in $defs"
+        )
     patterns = (
         [(f"{path}/pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
     )
@@ -92,9 +101,9 @@ def refuse_lookahead_patterns(node: object, path: str = "") -> None:
     for key, value in node.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, schema in value.items():
-                refuse_lookahead_patterns(schema, f"{path}/{key}/{name}")
+                refuse_unenforceable_schema(schema, f"{path}/{key}/{name}")
         elif key not in _DATA_KEYWORDS:
-            refuse_lookahead_patterns(value, f"{path}/{key}")
+            refuse_unenforceable_schema(value, f"{path}/{key}")
 
 
 class GrammarCache:
@@ -144,6 +153,7 @@ class GrammarCache:
         start = time.perf_counter()
         try:
             compiled = self._compile(structured)
+            self._refuse_if_empty(compiled)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidRequestError(
                 f"invalid {structured.kind} constraint: {sanitize_compiler_error(exc)}",
@@ -162,20 +172,31 @@ class GrammarCache:
         if kind == "json_object":  # OpenAI's JSON mode: an object, whatever its keys
             return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
         if kind == "json_schema":
-            refuse_lookahead_patterns(json.loads(spec))
+            refuse_unenforceable_schema(json.loads(spec))
             return self.compiler.compile_json_schema(spec, any_whitespace=False)
         if kind == "regex":
             return self.compiler.compile_regex(spec)
         if kind == "grammar":
             return self.compiler.compile_grammar(spec)
         if kind == "structural_tag":  # xgrammar's format JSON (forced tool calls, docs/tools.md)
-            refuse_lookahead_patterns(json.loads(spec))  # the tools' parameter schemas
+            refuse_unenforceable_schema(json.loads(spec))  # the tools' parameter schemas
             return self.compiler.compile_structural_tag(spec)
         if kind == "choice":
             choices = json.loads(spec)
             alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
             return self.compiler.compile_grammar(f"root ::= ({alternatives})")
         raise InvalidRequestError(f"unknown constraint kind {kind!r}", structured.param)
+
+    def _refuse_if_empty(self, compiled) -> None:
+        """ValueError for a grammar that no output can satisfy from its first token on: no token may
+        start it and the empty string does not complete it (`root ::= x` with `x ::= x "a"`, an empty
+        character class). Served, it gave "" with `complete: false`. A grammar that may start but
+        can never end (`root ::= "a" root`) is not found here: it runs to max_tokens."""
+        matcher = self._xgr.GrammarMatcher(compiled)
+        bitmask = self.allocate_bitmask(1)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not matcher.is_completed() and not bool((bitmask != 0).any()):
+            raise ValueError("it matches no string: no token can start it and it cannot be empty")
 
     def matcher(self, structured: StructuredOutput):
         return self._xgr.GrammarMatcher(self.compile(structured))
