@@ -74,3 +74,51 @@ def test_reservations_make_the_waiting_count_exact(config):
     engine.release(3)
     assert engine.num_waiting == 0
     engine.shutdown()
+
+
+def test_a_grammar_the_core_has_not_compiled_waits_off_the_step_loop(config):
+    """A request reaching the core with a grammar it has not compiled (data parallelism routes a request
+    away from the core that checked it) waits while a thread compiles it: the step loop goes on (a plain
+    request finishes meanwhile), an abort during the compile takes it out of the queue (the waiting
+    count returns to 0) and a grammar that fails to compile fails its request alone. The fault makes each
+    compile take 3 s."""
+    from kvserve.core.errors import InvalidRequestError
+    from kvserve.core.sampling_params import StructuredOutput
+    from tests.server_utils import wait_until
+
+    engine = AsyncEngine(LLMEngine(config), faults=FaultInjection(grammar_delay_s=3.0))
+    digits = StructuredOutput("regex", "[0-9]+")
+    constrained = SamplingParams(max_tokens=3, temperature=0, structured=digits)
+    plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    finished: list[str] = []
+
+    async def run(request_id: str, params: SamplingParams):
+        try:
+            out = await _collect(engine.add(request_id, [5, 6, 7], params))
+        except InvalidRequestError as exc:
+            out = exc
+        finished.append(request_id)
+        return out
+
+    async def main():
+        aborted = engine.add("aborted", [5, 6, 7], constrained)
+        await asyncio.sleep(0)
+        await aborted.aclose()  # while its grammar compiles
+        return await asyncio.gather(run("grammar", constrained), run("plain", plain))
+
+    grammar, plain_out = asyncio.run(main())
+    assert finished == ["plain", "grammar"]  # the plain request did not wait for the compile
+    assert grammar.outputs[0].text.isdigit() and len(plain_out.outputs[0].token_ids) == 4
+    assert wait_until(lambda: engine.num_waiting == 0)  # the aborted one left the queue
+
+    async def broken():
+        bad = SamplingParams(max_tokens=3, structured=StructuredOutput("regex", "a(b"))
+        return await run("broken", bad)
+
+    error = asyncio.run(broken())
+    assert isinstance(error, InvalidRequestError) and "parenthesis" in str(error)
+    assert wait_until(lambda: engine.num_waiting == 0)
+    assert not engine.call_in_engine_thread(lambda e: e.has_unfinished_requests())
+    assert engine.call_in_engine_thread(lambda e: e.num_free_blocks()) == 64
+    assert not engine.dead
+    engine.shutdown()

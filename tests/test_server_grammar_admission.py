@@ -155,3 +155,52 @@ def test_a_client_that_leaves_takes_its_grammar_out_of_the_queue(gpt2_model_dir,
         assert wait_until(lambda: _waiting_grammars(url) == 0), "the left request kept its place"
         metrics = httpx.get(f"{url}/metrics").text
         assert 'kvserve_request_errors_total{error_type="client_closed_request"} 1.0' in metrics
+
+
+def test_a_core_compiling_a_routed_grammar_keeps_stepping(gpt2_model_dir):
+    """fuzzing/review: with data parallelism the front checks a request (compiling its grammar) on
+    core 0 and may route it to core 1, which compiled the grammar again inside its step loop: every
+    stream on core 1 stalled for the whole compile. Now the core compiles it on a thread of its own and
+    adds the request after. The fault makes each compile take 6 s and each step 20 ms (so the streams
+    below last seconds, not milliseconds)."""
+    delay_s = 6
+    args = ("--engine-core", "process", "--data-parallel-size", "2", "--max-model-len", "256",
+            "--kv-cache-memory", "16MiB", "--inject-fault", f"grammar:{delay_s},delay:0.02",
+            "--grace-period", "0")  # fmt: skip
+    regex = {"guided_regex": "[0-9]+", "max_tokens": 1}
+    prompt_b = list(range(300, 348))  # three blocks of 16: C below shares B's first block
+    with running_server(gpt2_model_dir, *args) as (url, _), httpx.Client(timeout=120) as http:
+        # W: both cores idle, so core 0 runs it, and its check compiles the grammar on core 0
+        assert http.post(f"{url}/v1/completions", json={"prompt": [5] * 20, **regex}).is_success
+        long = {"max_tokens": 200, "ignore_eos": True, "stream": True}
+        with http.stream("POST", f"{url}/v1/completions", json={"prompt": [9] * 20, **long}) as a:
+            a_lines = a.iter_lines()  # keep it: dropping it would close the stream
+            next(a_lines)  # A runs on core 0, so B goes to core 1
+            finished: list[str] = []
+            body_b = {"prompt": prompt_b, "max_tokens": 60, "ignore_eos": True, "stream": True}
+
+            def stream_b() -> None:
+                with http.stream("POST", f"{url}/v1/completions", json=body_b) as b:
+                    lines = b.iter_lines()
+                    next(lines)
+                    started.set()
+                    for _ in lines:
+                        pass
+                finished.append("B")
+
+            started = threading.Event()
+            thread = threading.Thread(target=stream_b)
+            thread.start()
+            assert started.wait(60)
+            # C: B's first block, so core 1; its check on core 0 is a lookup, then core 1 compiles
+            c = http.post(f"{url}/v1/completions", json={"prompt": prompt_b[:32] + [7], **regex})
+            finished.append("C")
+            thread.join(60)
+        assert c.status_code == 200, c.text
+        assert c.json()["choices"][0]["text"].isdigit()
+        # B's 60 steps (~1.5 s) ran while core 1 compiled C's grammar (6 s): B ended first
+        assert finished == ["B", "C"], finished
+        engines = http.get(f"{url}/ready").json()["engines"]
+        assert [e["num_routed"] for e in engines] == [2, 2], engines
+        debug = wait_until(lambda: (d := http.get(f"{url}/ready").json())["num_waiting"] == 0 and d)
+        assert debug

@@ -11,11 +11,18 @@ charged to those requests (a `RequestFailedError` failure, HTTP 500) and the loo
 newcomers share the failing step they are re-admitted one at a time until the culprit is found. Only a
 failure that no request explains (or a broken cache invariant after recovery) stops the loop: the core is
 then dead (`CoreOutputs.dead_reason`).
+
+Grammars: a request whose structured-output grammar this engine has not compiled waits, outside the
+scheduler, while a thread of its own compiles it (one at a time), and is added after; the step loop never
+compiles. With data parallelism the front checks a request (compiling its grammar) on one core and may
+route it to another, which compiled it again inside its step loop: every stream on that core stalled for
+the compile, seconds for a large schema.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -133,6 +140,12 @@ class EngineCore:
         self._fault_armed = False
         if faults is not None and faults.request_seed is not None:
             inject_runner_fault(engine.runner, faults.request_seed)
+        if faults is not None and faults.grammar_delay_s:
+            engine.inject_grammar_delay(faults.grammar_delay_s)
+        # Adds waiting for their grammar to compile on `_grammar_thread` (touched by the loop thread only).
+        self._compiling: dict[str, AddCmd] = {}
+        self._grammar_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._grammar_thread: threading.Thread | None = None
         self._compile_times: list[float] = []
         engine.on_grammar_compile = self._compile_times.append
         self._mask_times = engine.runner.grammar_mask_times_s
@@ -148,6 +161,7 @@ class EngineCore:
             self._wakeup.notify()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._grammar_jobs.put(None)
         self._stopping = True
         with self._wakeup:
             self._wakeup.notify()
@@ -183,6 +197,41 @@ class EngineCore:
             logger.exception("adding request %s failed", cmd.request_id)
             self._fail(cmd.request_id, RequestFailedError(f"internal error: {exc!r}"))
 
+    def _needs_compile(self, cmd: AddCmd) -> bool:
+        structured = cmd.params.structured
+        return structured is not None and not self.engine.grammar_compiled(structured)
+
+    def _defer(self, cmd: AddCmd) -> None:
+        """Hand the request's grammar to the grammar thread; `_compiled` adds the request after."""
+        self._compiling[cmd.request_id] = cmd
+        if self._grammar_thread is None:
+            self._grammar_thread = threading.Thread(
+                target=self._compile_grammars, name="kvserve-core-grammar", daemon=True
+            )
+            self._grammar_thread.start()
+        self._grammar_jobs.put(cmd)
+
+    def _compile_grammars(self) -> None:
+        while (cmd := self._grammar_jobs.get()) is not None:
+            error: BaseException | None = None
+            try:
+                self.engine.grammars().compile(cmd.params.structured)
+            except Exception as exc:  # the request's own error, given to it in the loop
+                error = exc
+            self.submit(lambda engine, cmd=cmd, error=error: self._compiled(engine, cmd, error))
+
+    def _compiled(self, engine, cmd: AddCmd, error: BaseException | None) -> None:
+        """In the loop thread, once `cmd`'s grammar compiled (or failed to): add it, or fail it."""
+        if isinstance(engine, DeadEngine) or self._compiling.pop(cmd.request_id, None) is None:
+            return  # aborted while its grammar compiled
+        if error is None:
+            self._add(cmd)
+            return
+        self._num_admitted += cmd.params.n  # taken from the queue, as `_add` counts it
+        if not isinstance(error, KVServeError):
+            error = RequestFailedError(f"internal error: {error!r}")
+        self._fail(cmd.request_id, error)
+
     def _fail(self, request_id: str, exc: BaseException) -> None:
         self.engine.abort_request(request_id)  # whatever it left behind goes back to the pool
         self._unscheduled.pop(request_id, None)
@@ -199,9 +248,15 @@ class EngineCore:
     def _apply_commands(self) -> None:
         while (cmd := self._next_command()) is not None:
             if isinstance(cmd, AddCmd):
-                self._add(cmd)
+                if self._needs_compile(cmd):
+                    self._defer(cmd)
+                else:
+                    self._add(cmd)
             elif isinstance(cmd, AbortCmd):
                 for request_id in cmd.request_ids:
+                    waiting = self._compiling.pop(request_id, None)
+                    if waiting is not None:  # it leaves the queue without being added
+                        self._num_admitted += waiting.params.n
                     self._unscheduled.pop(request_id, None)
                     self._live.discard(request_id)
                     self.engine.abort_request(request_id)

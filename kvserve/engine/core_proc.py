@@ -82,10 +82,6 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
     core.start()
 
     def validate(command: ValidateCmd) -> None:
-        structured = command.params.structured
-        if faults is not None and faults.grammar_delay_s and structured:
-            if not engine.grammar_compiled(structured):
-                time.sleep(faults.grammar_delay_s)  # tests: a grammar that compiles slowly
         try:
             value = engine.validate(command.prompt_token_ids, command.params).max_tokens
             result = UtilityResult(command.call_id, value)

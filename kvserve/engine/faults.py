@@ -17,7 +17,7 @@ class FaultInjection:
     step_delay_s: float = (
         0.0  # sleep after every step: a slow engine, for deterministic timing tests
     )
-    grammar_delay_s: float = 0.0  # sleep before checking a request with a grammar: a slow compile
+    grammar_delay_s: float = 0.0  # sleep in every grammar compile (not a cache hit): a slow compile
 
     @classmethod
     def parse(cls, spec: str | None) -> FaultInjection | None:

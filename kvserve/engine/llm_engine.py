@@ -101,6 +101,7 @@ class LLMEngine:
         self._grammars = None
         self._grammars_lock = threading.Lock()
         self.on_grammar_compile = None  # callback(seconds), e.g. a metrics histogram
+        self.grammar_delay_s = 0.0  # tests: an injected sleep in every grammar compile
         self.last_scheduler_output = None  # the latest step's decision (calibration, debugging)
         # `step()` accumulates deltas here for callers that drive the engine directly; an engine core
         # (kvserve.engine.core) sets it to None and ships `step_deltas()` to its client instead.
@@ -110,6 +111,12 @@ class LLMEngine:
         """Whether `structured` has compiled already (checking it again is a lookup)."""
         grammars = self._grammars
         return grammars is not None and grammars.is_compiled(structured)
+
+    def inject_grammar_delay(self, seconds: float) -> None:
+        """Tests (`--inject-fault grammar:S`): every grammar compile from now on sleeps `seconds`."""
+        self.grammar_delay_s = seconds
+        if self._grammars is not None:
+            self._grammars.injected_delay_s = seconds
 
     def grammars(self):
         """The grammar compiler cache, built on first use (xgrammar indexes the whole vocabulary)."""
@@ -128,6 +135,7 @@ class LLMEngine:
                     self.eos_token_ids,
                     on_compile=lambda s: self.on_grammar_compile and self.on_grammar_compile(s),
                 )
+                self._grammars.injected_delay_s = self.grammar_delay_s
                 self.runner.grammars = self._grammars
             return self._grammars
 

@@ -137,6 +137,9 @@ class GrammarCache:
         )
         self.vocab_size = vocab_size
         self.on_compile = on_compile
+        self.injected_delay_s = (
+            0.0  # tests (`--inject-fault grammar:S`): every compile sleeps this long
+        )
         self._compiled: dict[StructuredOutput, object] = {}
         self._lock = threading.Lock()  # compiled from HTTP threads and from the engine thread
         self.compile_times_s: list[float] = []
@@ -151,6 +154,8 @@ class GrammarCache:
         if compiled is not None:
             return compiled
         start = time.perf_counter()
+        if self.injected_delay_s:
+            time.sleep(self.injected_delay_s)
         try:
             compiled = self._compile(structured)
             self._refuse_if_empty(compiled)
