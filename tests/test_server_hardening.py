@@ -256,6 +256,12 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenised(server, path
     response = httpx.post(f"{url}/v1/completions", json=body)
     error = assert_openai_error(response, 400, "max_tokens", "prompt (at least 157 tokens")
     assert error["code"] == "context_length_exceeded"
+    # fuzzing: a short chat with a huge max_tokens said "prompt (at least 0 tokens ...)"; the engine's
+    # exact count now
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body)
+    error = assert_openai_error(response, 400, "max_tokens", "+ max_tokens (100000)")
+    assert "at least" not in error["message"]
     assert_still_serving(url)
 
 

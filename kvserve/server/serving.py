@@ -175,7 +175,9 @@ class OpenAIServing(JobAccounting):
                     f"{limit} tokens, which leaves no room for output",
                     param,
                 )
-            if at_least + room > limit:  # room is max_tokens here: without it, room 1 fits
+            # room is max_tokens here (without it, room 1 fits); at_least 0: not worked out, the
+            # engine names the exact count (fuzzing: "at least 0 tokens" for a huge max_tokens)
+            if at_least and at_least + room > limit:
                 raise ContextLengthError(
                     f"prompt (at least {at_least} tokens: {how}) + max_tokens ({room}) = at least "
                     f"{at_least + room} exceeds this model's context of {limit} tokens",
