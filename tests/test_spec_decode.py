@@ -256,3 +256,24 @@ def test_lookahead_counts_against_the_cache_limit(gpt2_model_dir):
         llm.generate([[1, 2, 3, 4]], params)
     fits = llm.generate([[1, 2, 3, 4]], params.with_updates(speculate=False))[0]
     assert len(fits.outputs[0].token_ids) == 60
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 10}])
+def test_a_grammar_ends_the_output_where_it_terminates(gpt2_model_dir, draft_dir, proposer, extra):
+    """fuzzing: with a draft model, ignore_eos (or min_tokens) and a choice, the output went on past
+    the grammar's stop token ("yes" came back "yes\\n"): a verification step emits its accepted
+    proposals and one more token, unmasked once the grammar has ended, and the stop token did not
+    end the request. The output is now the non-speculative one, token for token."""
+    from kvserve.core.sampling_params import StructuredOutput
+
+    choices = ["yes", "no", "maybe"]
+    structured = StructuredOutput("choice", json.dumps(choices))
+    params = SamplingParams(max_tokens=20, temperature=0, structured=structured, **extra)
+    prompts = ["hi", "Hello", "The answer is", "Q: yes or no?", PROMPTS[0]]
+    plain = LLM(str(gpt2_model_dir), max_model_len=512).generate(prompts, params)
+    llm = speculative_llm(gpt2_model_dir, draft_dir if proposer == "draft" else None)
+    for got, want in zip(llm.generate(prompts, params), plain, strict=True):
+        assert got.outputs[0].text in choices, got.outputs[0].text
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].finish_reason == "stop"

@@ -61,9 +61,15 @@ def apply_grammar_masks(
     return time.perf_counter() - start
 
 
-def commit_tokens(matcher, token_ids: Sequence[int]) -> bool:
-    """Advance a request's matcher by its committed tokens; True when the grammar has terminated."""
-    for token_id in token_ids:
-        if matcher.is_terminated() or not matcher.accept_token(token_id):
+def commit_tokens(matcher, token_ids: Sequence[int]) -> int | None:
+    """Advance a request's matcher by its committed tokens. Returns how many of them to keep when the
+    grammar terminated (through its stop token), else None. A verification step emits the accepted
+    proposals and one more token, and the rows after the grammar's end are not masked (above): with
+    `ignore_eos` or `min_tokens` the stop token does not end the request, so the tokens after it
+    must be cut here (fuzzing: a choice of "yes" came back "yes\n" with a draft model)."""
+    for used, token_id in enumerate(token_ids):
+        if matcher.is_terminated():
+            return used
+        if not matcher.accept_token(token_id):
             break
-    return matcher.is_terminated()
+    return len(token_ids) if matcher.is_terminated() else None

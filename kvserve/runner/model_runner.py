@@ -254,9 +254,12 @@ class ModelRunner:
                     f"{chunk.request_id}: the runner holds {len(state.output_token_ids)} output "
                     f"tokens, the scheduler {chunk.num_output_tokens}"
                 )
+            keep = None if state.grammar is None else commit_tokens(state.grammar, tokens)
+            if keep is not None:  # the grammar ended at tokens[keep - 1]: nothing after it
+                tokens = tokens[:keep]
+                logprobs = None if logprobs is None else logprobs[:keep]
             state.output_token_ids.extend(tokens)
-            stop = state.grammar is not None and commit_tokens(state.grammar, tokens)
-            results[i] = (tokens, logprobs, num_accepted, stop)
+            results[i] = (tokens, logprobs, num_accepted, keep is not None)
         return results
 
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor) -> tuple:

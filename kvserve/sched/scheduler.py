@@ -255,7 +255,7 @@ class Scheduler:
             if status is None and result.stop:
                 status = RequestStatus.FINISHED_STOPPED  # its grammar has terminated
             stop_reason = None
-            if status is RequestStatus.FINISHED_STOPPED:
+            if status is RequestStatus.FINISHED_STOPPED and new_token_ids:
                 last, params = new_token_ids[-1], request.sampling_params
                 if last in params.stop_token_ids or last in request.eos_token_ids:
                     stop_reason = last
