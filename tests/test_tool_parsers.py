@@ -106,3 +106,35 @@ def test_malformed_call_announced_while_streaming_stays_a_call():
 )  # fmt: skip
 def test_value_end(text, start, end):
     assert value_end(text, start) == end
+
+
+@pytest.mark.parametrize(
+    "written, arguments",
+    [
+        ('"{\\"city\\": \\"Paris\\"}"', '{"city": "Paris"}'),  # JSON inside a string: as is
+        ('"x"', '"x"'),  # fuzzing: came back as x, which json.loads refuses
+        ('"é \\"q\\""', '"é \\"q\\""'),
+    ],
+)
+def test_arguments_written_as_a_string_are_json_text(written, arguments):
+    text = f'<tool_call>{{"name": "f", "arguments": {written}}}</tool_call>'
+    _, calls = get_tool_parser("hermes").parse(text)
+    assert calls == [ToolCall("f", arguments)]
+    json.loads(calls[0].arguments)
+
+
+def test_parameters_are_an_object_schema():
+    """fuzzing: {"type": "string"} (or {}) let a forced call's grammar write a string as the arguments."""
+    from kvserve.core.errors import InvalidRequestError
+    from kvserve.server.tools import _check_tool
+
+    def tool(parameters):
+        return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+    assert _check_tool(tool({}), 0)["function"]["parameters"] == {"type": "object"}
+    untyped = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert _check_tool(tool(untyped), 0)["function"]["parameters"] == {"type": "object", **untyped}
+    for bad in ({"type": "string"}, {"type": ["object", "null"]}, {"type": "array"}):
+        with pytest.raises(InvalidRequestError, match="of type 'object'") as info:
+            _check_tool(tool(bad), 3)
+        assert info.value.param == "tools[3].function.parameters"

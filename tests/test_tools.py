@@ -180,6 +180,9 @@ def test_tool_message_round_trip_renders_and_the_next_turn_runs(client):
         # a parameter pattern whose lookahead xgrammar would drop from the forced call's grammar
         (dict(tool_choice="required", tools=[{"type": "function", "function": {
             "name": "f", "parameters": {"properties": {"a": {"pattern": "(?!x)."}}}}}]), "tools"),
+        # fuzzing: a forced call's arguments came back as a bare string, not JSON
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+         "tools[0].function.parameters"),
     ],
 )  # fmt: skip
 def test_invalid_tool_requests_are_400(client, kwargs, param):

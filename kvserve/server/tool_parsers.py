@@ -96,6 +96,10 @@ def call_view(body: str, done: bool) -> CallView:
             return CallView(None, body, True, valid=False)
         args = obj[key]
         if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                json.loads(args)
+            except json.JSONDecodeError:  # not JSON inside: the string itself, as JSON text
+                args = json.dumps(args, ensure_ascii=False)
             return CallView(obj["name"], args, True)
         if not isinstance(args, dict):
             return CallView(None, body, True, valid=False)

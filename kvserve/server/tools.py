@@ -78,6 +78,17 @@ def _check_tool(tool: Any, index: int) -> dict:
         raise InvalidRequestError(
             "function.parameters must be a JSON schema object", f"{param}.function.parameters"
         )
+    # Arguments are a JSON object (OpenAI refuses any other top-level type the same way). fuzzing:
+    # with {"type": "string"} or {} a forced call's grammar let the model write `"arguments": "x"`,
+    # and the client got `x`, which is not JSON.
+    if "type" not in parameters:
+        parameters = {"type": "object", **parameters}
+    elif parameters["type"] != "object":
+        raise InvalidRequestError(
+            f"function.parameters must be a JSON schema of type 'object', got type "
+            f"{parameters['type']!r}",
+            f"{param}.function.parameters",
+        )
     if not isinstance(function.get("strict", False), bool):
         raise InvalidRequestError("function.strict must be a boolean", f"{param}.function.strict")
     unknown = set(function) - {"name", "description", "parameters", "strict"}
