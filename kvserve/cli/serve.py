@@ -258,9 +258,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 class _Server:
-    """uvicorn's server, with kvserve's drain: SIGTERM / SIGINT start the grace period (new work gets 503,
-    open requests may finish; at its end each is cut with an error), and the signal is not re-raised at
-    exit, so a clean drain exits 0."""
+    """uvicorn's server, with kvserve's drain: SIGTERM / SIGINT start the grace period (uvicorn closes the
+    listener and idle connections; a request on a connection still open gets a 503; open requests may
+    finish, and at its end each is cut with an error), and the signal is not re-raised at exit, so a
+    clean drain exits 0."""
 
     def __new__(cls, config, state, grace_period_s: float, notice: ReadyNotice):
         import uvicorn
