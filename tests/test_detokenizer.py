@@ -99,6 +99,41 @@ def test_engine_stop_string_truncates_and_frees(gpt2_model_dir):
     assert llm.engine.num_free_blocks() == 32
 
 
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(gpt2_model_dir):
+    """fuzzing: completed by the max_tokens-th token, the text was cut but the reason stayed "length"
+    (the scheduler had finished the request in the same step); vLLM says "stop"."""
+    from kvserve import LLM
+
+    llm = LLM(str(gpt2_model_dir), num_blocks=32)
+    prompt = "The quick brown fox"
+    for n in (9, 15, 24):
+        text = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        text = text[0].outputs[0].text
+        # the shortest suffix that first occurs at the end: the n-th token completes it
+        stop = next(
+            text[-k:] for k in range(1, len(text) + 1) if text.find(text[-k:]) == len(text) - k
+        )
+        params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop=[stop])
+        out = llm.generate(prompt, params)[0].outputs[0]
+        assert out.text == text[: -len(stop)]
+        assert (out.finish_reason, out.stop_reason) == ("stop", stop), (n, stop)
+        assert len(out.token_ids) == n
+    assert llm.engine.num_free_blocks() == 32
+
+
+def test_a_stop_string_keeps_the_tokens_up_to_the_one_completing_it(tokenizer):
+    """Several tokens at once (a speculative step): `num_used` counts those up to the stop string."""
+    ids = tokenizer.encode(" alpha beta gamma delta")
+    detok = IncrementalDetokenizer(
+        tokenizer, tuple(tokenizer.encode("Say:")), SamplingParams(stop=["beta"])
+    )
+    assert detok.update(ids, finished=False) == " alpha "
+    assert detok.stopped and detok.num_used == 2  # " alpha", " beta"
+    plain = IncrementalDetokenizer(tokenizer, (), SamplingParams())
+    plain.update(ids, finished=False)
+    assert plain.num_used == len(ids)
+
+
 @pytest.fixture(scope="module")
 def metaspace_tokenizer(tmp_path_factory):
     """A SentencePiece-style tokenizer (Metaspace "▁" word starts, byte fallback), as Llama 2 and Mistral

@@ -277,3 +277,28 @@ def test_a_grammar_ends_the_output_where_it_terminates(gpt2_model_dir, draft_dir
         assert got.outputs[0].text in choices, got.outputs[0].text
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_a_stop_string_ends_the_output_at_the_token_completing_it(
+    gpt2_model_dir, draft_dir, proposer
+):
+    """fuzzing: a verification step commits several tokens; those after the one completing a stop
+    string stayed in token_ids and logprobs (the text was right). The output is now the
+    non-speculative one, token for token."""
+    plain_llm = LLM(str(gpt2_model_dir), max_model_len=512)
+    llm = speculative_llm(gpt2_model_dir, draft_dir if proposer == "draft" else None)
+    texts = [o.outputs[0].text for o in plain_llm.generate(PROMPTS, GREEDY)]
+    cases = [
+        (p, t[i : i + 2]) for p, t in zip(PROMPTS, texts, strict=True) for i in (3, 11, 24, 37)
+    ]
+    params = [GREEDY.with_updates(stop=(stop,), logprobs=1) for _, stop in cases]
+    prompts = [p for p, _ in cases]
+    for got, want in zip(
+        llm.generate(prompts, params), plain_llm.generate(prompts, params), strict=True
+    ):
+        g, w = got.outputs[0], want.outputs[0]
+        assert (g.text, g.finish_reason, g.stop_reason) == (w.text, "stop", w.stop_reason)
+        assert g.token_ids == w.token_ids
+        assert len(g.logprobs) == len(w.logprobs) == len(w.token_ids)
+    assert llm.engine.num_free_blocks() == llm.engine.num_blocks

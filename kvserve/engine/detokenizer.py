@@ -42,6 +42,7 @@ class IncrementalDetokenizer:
         self._num_emitted = 0  # characters of `text` released to the caller
         self.stopped = False  # a stop string was found
         self.stop_string: str | None = None  # which one
+        self.num_used = 0  # tokens of the last `update` up to the one that completed a stop string
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
@@ -59,12 +60,16 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: tuple[int, ...] | list[int], finished: bool) -> str:
         """Feed newly generated tokens; returns the text that may be released now.
 
-        After a stop string is found, `stopped` is set and no more text is released.
+        After a stop string is found, `stopped` is set and no more text is released; `num_used` says
+        how many of `new_token_ids` it took to complete it (a speculative step commits several
+        tokens at once: those after it are not part of the output).
         """
+        self.num_used = 0
         if self.stopped:
             return ""
         for token_id in new_token_ids:
             self._ids.append(token_id)
+            self.num_used += 1
             old_len = len(self.text)
             self._advance(final=False)
             if self.stop and self._truncate_at_stop(old_len):

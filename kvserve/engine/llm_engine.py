@@ -332,11 +332,7 @@ class LLMEngine:
         if update.grammar_complete:
             completion.structured_complete = True
         new_ids = list(update.new_token_ids)
-        completion.delta_token_ids = new_ids
-        if new_ids and sample.first_token_time is None:
-            sample.first_token_time = now
-        sample.new_token_times = (now,) * len(new_ids)
-        completion.delta_logprobs = list(update.new_logprobs) if update.new_logprobs else None
+        logprobs = list(update.new_logprobs) if update.new_logprobs else None
         finish_reason = update.finish_reason  # the scheduler's decision, and its reason
         if finish_reason == "stop":
             completion.stop_reason = update.stop_reason
@@ -344,11 +340,25 @@ class LLMEngine:
         if sample.detokenizer is not None:
             detok = sample.detokenizer
             delta = detok.update(new_ids, finished=finish_reason is not None)
-            if detok.stopped and finish_reason is None:
-                # A stop string (text, the front end's to match) ended it: tell the scheduler.
-                self.scheduler.finish_requests([sample.request_id], RequestStatus.FINISHED_STOPPED)
+            if detok.stopped:
+                # A stop string (text, the front end's to match) ended it: tell the scheduler, and
+                # keep the tokens up to the one that completed it (fuzzing: a speculative step's
+                # later tokens were kept). It wins over the scheduler's reason in the same step
+                # (fuzzing: completed by the max_tokens-th token, it said "length").
+                if finish_reason is None:
+                    self.scheduler.finish_requests(
+                        [sample.request_id], RequestStatus.FINISHED_STOPPED
+                    )
                 finish_reason = "stop"
                 completion.stop_reason = detok.stop_string
+                del new_ids[detok.num_used :]
+                if logprobs is not None:
+                    del logprobs[detok.num_used :]
+        completion.delta_token_ids = new_ids
+        completion.delta_logprobs = logprobs
+        if new_ids and sample.first_token_time is None:
+            sample.first_token_time = now
+        sample.new_token_times = (now,) * len(new_ids)
         completion.delta_text = delta
         if finish_reason is not None:
             completion.finish_reason = finish_reason
