@@ -219,7 +219,43 @@ def test_stochastic_speculation_runs_in_the_engine(gpt2_model_dir, draft_dir, pr
     assert stats.num_proposed > 0
     if proposer == "draft":  # random text rarely repeats, so n-gram proposals are rarely accepted
         assert stats.num_accepted > 0
+    # unseeded: rejection sampling against the draft's q (a seeded request takes the coupled path)
+    before = (stats.num_proposed, stats.num_accepted)
+    for out in llm.generate(PROMPTS, params.with_updates(seed=None)):
+        completion = out.outputs[0]
+        assert len(completion.token_ids) == 30
+        assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
+    assert stats.num_proposed > before[0]
+    if proposer == "draft":
+        assert stats.num_accepted > before[1]
     assert llm.engine.num_free_blocks() == 64
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+@pytest.mark.parametrize("options", [{}, {"num_blocks": 12}, {"max_num_batched_tokens": 6}])
+def test_a_seeded_request_gives_the_non_speculative_output(
+    gpt2_model_dir, draft_dir, proposer, options
+):
+    """Differential fuzzing: with speculation a seeded request's tokens depended on its neighbours
+    (preemption dropped proposals after their draws were taken; the step budget cut how many were
+    verified, so how many uniforms each step took). Now each position's token is the target's draw
+    with that position's uniform: the output is the non-speculative one, alone or in a batch, with
+    preemption (12 blocks) or a budget of 6 tokens a step."""
+    params = [
+        SamplingParams(max_tokens=24, temperature=1.0, top_k=k, seed=11 + i, ignore_eos=True)
+        for i, k in enumerate((50, 2, 0, 3))
+    ]  # top_k 2 and 3 make the text loop, so n-gram lookup has proposals
+    plain = LLM(str(gpt2_model_dir), max_model_len=512, num_blocks=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    llm = speculative_llm(gpt2_model_dir, draft_dir if proposer == "draft" else None, **options)
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    alone = [
+        llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(PROMPTS, params, strict=True)
+    ]
+    assert together == want and alone == want
+    stats = llm.engine.runner.spec_stats
+    assert stats.num_accepted > 0  # the coupled draws do agree with the proposals at times
+    assert llm.engine.num_free_blocks() == llm.engine.num_blocks
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ scheduler: block ids arrive in the output it is given.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -28,7 +29,13 @@ from kvserve.runner.batch import RequestState, build_sampling_batch
 from kvserve.runner.constraints import MaskRow, apply_grammar_masks, commit_tokens
 from kvserve.runner.draft import DraftModel
 from kvserve.runner.forward import allocate_kv_cache, forward_chunks
-from kvserve.runner.sampler import Sampler, SamplingBatch, greedy_argmax
+from kvserve.runner.sampler import (
+    Sampler,
+    SamplingBatch,
+    greedy_argmax,
+    invert_cdf,
+    peek_uniforms,
+)
 from kvserve.runner.spec_decode import DraftJob, NgramProposer, verify_greedy, verify_stochastic
 from kvserve.structured.grammar import GrammarCache
 from kvserve.threads import RunDelayMeter, TeamSizer
@@ -274,6 +281,19 @@ class ModelRunner:
         processed, probs = self.sampler.prepare(logits, batch)
         if state.params.greedy:
             num_accepted, final = verify_greedy(processed.argmax(dim=-1)[None], proposals[None])
+        elif state.generator is not None:
+            # A seeded request: each position's token is the target's own draw with that position's
+            # uniform, the one it would take without speculation; proposals are accepted while
+            # they equal it (a draft proposes with the same uniforms, so it often does). The output
+            # is then the non-speculative one whatever the batch, the budget or preemption did to
+            # the proposals (differential fuzzing: with rejection sampling the generator advanced by
+            # a number of draws that depended on them).
+            drawn = invert_cdf(probs, peek_uniforms(state.generator, num_spec + 1))
+            num_accepted, final = verify_greedy(drawn[None], proposals[None])
+            torch.rand(  # the stream advances by the emitted tokens only, as without speculation
+                int(num_accepted[0]) + 1, generator=state.generator, dtype=torch.float64,
+                device=self.device,
+            )  # fmt: skip
         else:
             if state.draft_probs is not None:
                 q = state.draft_probs[:num_spec]
@@ -357,7 +377,19 @@ class ModelRunner:
             rows.append((request_id, step, len(state.output_token_ids) + step))
         batch = self.sampling_batch(rows)
         processed, probs = self.sampler.prepare(logits, batch)
+        seeded = [i for i, (request_id, _) in enumerate(keys)
+                  if self.states[request_id].generator is not None and probs is not None
+                  and not self.states[request_id].params.greedy]  # fmt: skip
+        if seeded:  # drafted with the uniform the target's verification will use there
+            batch = dataclasses.replace(
+                batch,
+                generators=[None if i in seeded else g for i, g in enumerate(batch.generators)],
+            )  # their generators are not touched: the draws are peeked
         tokens = self.sampler.sample(processed, probs, batch)
+        for i in seeded:
+            request_id, step = keys[i]
+            u = peek_uniforms(self.states[request_id].generator, step + 1)[step:]
+            tokens[i] = invert_cdf(probs[i : i + 1], u)[0]
         for (request_id, _), token in zip(keys, tokens.tolist(), strict=True):
             # Later draft steps must see the grammar state after this proposal.
             state = self.states[request_id]

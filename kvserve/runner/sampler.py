@@ -177,9 +177,24 @@ def sample_categorical(
             uniforms[i] = torch.rand(
                 1, generator=generator, dtype=torch.float64, device=probs.device
             )[0]
+    return invert_cdf(probs, uniforms)
+
+
+def invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The index whose cumulative mass first exceeds u * total, per row of `probs` [S, V] and uniform
+    [S] (float64): a draw from each row when u is uniform."""
     cdf = probs.double().cumsum(dim=-1)  # [S, V]
     targets = (uniforms * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, targets, right=True).squeeze(1).clamp_max(probs.shape[-1] - 1)
+
+
+def peek_uniforms(generator: torch.Generator, count: int) -> torch.Tensor:
+    """The next `count` uniforms a seeded request's generator will give `sample_categorical` (one a
+    token), without taking them: speculative decoding uses the draw of each future position."""
+    state = generator.get_state()
+    draws = torch.rand(count, generator=generator, dtype=torch.float64, device=generator.device)
+    generator.set_state(state)
+    return draws
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
