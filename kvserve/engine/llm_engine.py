@@ -339,8 +339,9 @@ class LLMEngine:
         delta = ""
         if sample.detokenizer is not None:
             detok = sample.detokenizer
+            stopped_before = detok.stopped
             delta = detok.update(new_ids, finished=finish_reason is not None)
-            if detok.stopped:
+            if detok.stopped and not stopped_before:
                 # A stop string (text, the front end's to match) ended it: tell the scheduler, and
                 # keep the tokens up to the one that completed it (fuzzing: a speculative step's
                 # later tokens were kept). It wins over the scheduler's reason in the same step

@@ -137,9 +137,8 @@ class GrammarCache:
         )
         self.vocab_size = vocab_size
         self.on_compile = on_compile
-        self.injected_delay_s = (
-            0.0  # tests (`--inject-fault grammar:S`): every compile sleeps this long
-        )
+        # tests (`--inject-fault grammar:S`): every compile sleeps this long
+        self.injected_delay_s = 0.0
         self._compiled: dict[StructuredOutput, object] = {}
         self._lock = threading.Lock()  # compiled from HTTP threads and from the engine thread
         self.compile_times_s: list[float] = []
