@@ -40,8 +40,8 @@ class ArrivalSpec:
             raise BenchError(f"arrival process must be one of {ARRIVAL_KINDS}, got {self.kind!r}")
         if self.kind == "gamma" and not (self.rate and 0 < self.rate < math.inf):
             raise BenchError(f"--request-rate must be a positive number or inf, got {self.rate}")
-        if self.burstiness <= 0:
-            raise BenchError(f"--burstiness must be > 0, got {self.burstiness}")
+        if not self.burstiness > 0 or math.isinf(self.burstiness):  # NaN fails `> 0`
+            raise BenchError(f"--burstiness must be a finite number > 0, got {self.burstiness}")
         if self.kind == "closed" and not self.max_concurrency:
             raise BenchError("a closed loop needs --max-concurrency N users")
         if self.max_concurrency is not None and self.max_concurrency < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ class ClientConfig:
             raise BenchError(f"--endpoint must be one of {tuple(ENDPOINTS)}, got {self.endpoint!r}")
         if self.mode not in MODES:
             raise BenchError(f"--mode must be one of {MODES}, got {self.mode!r}")
-        if self.timeout_s <= 0:
+        if not 0 < self.timeout_s < math.inf:  # NaN fails it too
             raise BenchError(f"--timeout must be > 0, got {self.timeout_s}")
         try:
             if not isinstance(json.loads(self.extra_body), dict):
@@ -117,29 +118,41 @@ class _Stream:
             self.done = True
             return
         obj = json.loads(payload)
+        # fuzzing: a JSON list as the event, a string `delta` or a string token count crashed the
+        # whole run with a traceback; a malformed event now fails its own request (ValueError)
+        _expect(isinstance(obj, dict), "the event is not a JSON object")
         if "error" in obj:
             err = obj["error"]
             self.error = str(err.get("message", err) if isinstance(err, dict) else err)[:500]
             return
         text, num_logprobs = "", None
-        for choice in obj.get("choices") or ():
+        choices = obj.get("choices") or ()
+        _expect(isinstance(choices, list | tuple), "`choices` is not a list")
+        for choice in choices:
+            _expect(isinstance(choice, dict), "a choice is not an object")
             if self.endpoint == "chat":
                 delta = choice.get("delta") or {}
+                _expect(isinstance(delta, dict), "`delta` is not an object")
                 for key in ("content", "reasoning_content", "reasoning"):
-                    text += delta.get(key) or ""
-                logprobs = (choice.get("logprobs") or {}).get("content")
+                    text += _text(delta.get(key))
+                logprobs = choice.get("logprobs") or {}
+                _expect(isinstance(logprobs, dict), "`logprobs` is not an object")
+                logprobs = logprobs.get("content")
             else:
-                text += choice.get("text") or ""
-                logprobs = (choice.get("logprobs") or {}).get("tokens")
+                text += _text(choice.get("text"))
+                logprobs = choice.get("logprobs") or {}
+                _expect(isinstance(logprobs, dict), "`logprobs` is not an object")
+                logprobs = logprobs.get("tokens")
             if isinstance(logprobs, list):
                 num_logprobs = (num_logprobs or 0) + len(logprobs)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         cum = None
         usage = obj.get("usage")
         if isinstance(usage, dict):
-            cum = usage.get("completion_tokens")
+            cum = _count(usage.get("completion_tokens"), "completion_tokens")
             self.completion_tokens = cum if cum is not None else self.completion_tokens
-            self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
+            prompt = _count(usage.get("prompt_tokens"), "prompt_tokens")
+            self.prompt_tokens = prompt if prompt is not None else self.prompt_tokens
         self.fingerprint = obj.get("system_fingerprint") or self.fingerprint
         queue_time_s = _queue_time_s(obj)
         self.queue_time_s = queue_time_s if queue_time_s is not None else self.queue_time_s
@@ -148,6 +161,22 @@ class _Stream:
         self.events.append(StreamEvent(t_s, len(text), cum, num_logprobs))
         if text:
             self.texts.append(text)
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"malformed stream event: {what}")
+
+
+def _text(value) -> str:
+    _expect(value is None or isinstance(value, str), "a text field is not a string")
+    return value or ""
+
+
+def _count(value, name: str) -> int | None:
+    ok = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+    _expect(ok, f"usage.{name} is not a non-negative integer")
+    return value
 
 
 async def send_request(

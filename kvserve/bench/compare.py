@@ -28,7 +28,14 @@ def load_run(path: str | Path) -> tuple[dict, list[RequestRecord]]:
         raise BenchError(
             f"{run} is not a bench run directory: needs summary.json and requests.jsonl{hint}"
         )
-    summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    try:
+        summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:  # fuzzing: an empty or cut summary gave a traceback
+        raise BenchError(
+            f"{run}/summary.json is not valid JSON ({exc}): an interrupted run?"
+        ) from None
+    if not isinstance(summary, dict):
+        raise BenchError(f"{run}/summary.json is not a bench summary (not a JSON object)")
     return summary, read_jsonl(run / "requests.jsonl")
 
 

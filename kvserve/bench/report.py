@@ -23,8 +23,12 @@ LATENCY_ROWS = (
 )
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.1f}"
+def _ms(x: float | str | None) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):  # summary.json writes a non-finite value as text ("inf", "nan")
+        return x
+    return f"{x * 1e3:.1f}"
 
 
 def _num(x: float | None, fmt: str = ".2f") -> str:

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import math
 import socket
 import sys
 import time
@@ -78,10 +79,13 @@ class ServeConfig:
             raise BenchError("give --num-requests N or --duration SECONDS")
         if self.num_requests is not None and self.num_requests < 1:
             raise BenchError("--num-requests must be >= 1")
-        if self.duration_s is not None and self.duration_s <= 0:
-            raise BenchError("--duration must be > 0")
+        if self.duration_s is not None and not 0 < self.duration_s < math.inf:  # NaN fails it too
+            raise BenchError(f"--duration must be a finite number > 0, got {self.duration_s}")
         if self.num_warmup < 0:
             raise BenchError("--warmup must be >= 0")
+        if self.prefill_tok_s is not None and not 0 < self.prefill_tok_s < math.inf:
+            # fuzzing: -5 gave "prefill ~-4.00 s (share -943%)", and 0 counted as not given
+            raise BenchError(f"--prefill-speed must be > 0 tokens/s, got {self.prefill_tok_s:g}")
         if not self.arrivals.is_open_loop and self.num_requests is None:
             raise BenchError("a closed loop with --duration needs --num-requests as an upper bound")
         if (self.sweep_rates or self.find_capacity) and self.arrivals.kind not in ("gamma", "inf"):
@@ -392,7 +396,10 @@ def execute_run(
     summary = json_safe(summary)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(run_dir / "requests.jsonl", records)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    # atomically: a summary.json is never cut short (bench compare reads it)
+    partial = run_dir / "summary.json.partial"
+    partial.write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    partial.replace(run_dir / "summary.json")
     if cfg.save_outputs:
         with open(run_dir / "outputs.jsonl", "w", encoding="utf-8") as f:
             for rec, text in zip(records, result.texts, strict=True):

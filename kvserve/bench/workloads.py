@@ -47,7 +47,7 @@ class LengthDist:
             raise BenchError(f"fixed length must be >= 1, got {self.a}")
         if self.kind == "uniform" and not 1 <= self.a <= self.b:
             raise BenchError(f"uniform lengths need 1 <= low <= high, got {self.a}, {self.b}")
-        if self.kind == "lognormal" and (self.a <= 0 or self.b < 0):
+        if self.kind == "lognormal" and not (0 < self.a < math.inf and 0 <= self.b < math.inf):
             raise BenchError(f"lognormal needs median > 0 and sigma >= 0, got {self.a}, {self.b}")
         if self.low < 1 or (self.high is not None and self.high < self.low):
             raise BenchError(f"clip range [{self.low}, {self.high}] is invalid")
@@ -219,6 +219,9 @@ def load_sharegpt(path: str | Path) -> list[tuple[str, str]]:
         if not isinstance(entry, dict):
             continue
         turns = entry.get("conversations") or entry.get("messages") or []
+        if not isinstance(turns, list):  # fuzzing: {"conversations": 5} raised a TypeError
+            continue
+        turns = [t for t in turns if isinstance(t, dict)]
         roles = [str(t.get("from", t.get("role", ""))).lower() for t in turns]
         texts = [t.get("value", t.get("content")) for t in turns]
         for k in range(len(turns) - 1):

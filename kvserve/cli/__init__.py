@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 from kvserve._version import __version__
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         module.register(subparsers)
     show_defaults(parser)
+    finite_floats_only(parser)
     return parser
 
 
@@ -62,6 +64,27 @@ def shows_default(action: argparse.Action) -> bool:
         return False
     text = action.help
     return "%(default)" not in text and "default" not in text and str(action.default) not in text
+
+
+def finite_float(text: str) -> float:
+    """argparse type for every float option: a finite number (fuzzing: "nan" passed checks written
+    as `x <= 0`, and hung `simulate --burstiness nan`; "inf" overflowed `bench --duration`). Options
+    that mean something by inf (a request rate) parse their own text."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def finite_floats_only(parser: argparse.ArgumentParser) -> None:
+    """Give every option declared with `type=float`, in every sub-command, `finite_float`."""
+    for sub in _subparsers(parser):
+        for action in sub._actions:
+            if action.type is float:
+                action.type = finite_float
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KVServeError as exc:  # bad input the user can fix: a message, not a traceback
+        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # fuzzing: an output path that cannot be created gave a traceback
         print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

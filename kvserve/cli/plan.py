@@ -398,7 +398,9 @@ def run(args: argparse.Namespace) -> int:
         data = plan.to_dict()
         if others:
             data["compare"] = [compare_row(p) for p in others]
-        print(json.dumps(data, indent=2))
+        from kvserve.bench.summary import json_safe
+
+        print(json.dumps(json_safe(data), indent=2, allow_nan=False))
     else:
         print(render_text(plan), end="")
         if others:

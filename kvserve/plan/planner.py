@@ -69,6 +69,10 @@ class Assumptions:
             raise PlanError("the bandwidth fraction must be in (0, 1]")
         if self.utilisation is not None and not 0 < self.utilisation <= 1:
             raise PlanError("utilisation must be in (0, 1]")
+        if not 0 <= self.overhead_bytes < math.inf:  # fuzzing: NaN crashed, -100 GB was accepted
+            raise PlanError(
+                f"the runtime overhead must be >= 0 GB, got {self.overhead_bytes / 1e9:g}"
+            )
 
     def resolved(self, hardware: HardwareProfile) -> Assumptions:
         if self.bandwidth_fraction is not None:
@@ -85,6 +89,15 @@ class Prices:
     power_w: float | None = None  # None: the profile's
     electricity_usd_per_kwh: float = 0.15
     amortisation_years: float = 3.0
+
+    def __post_init__(self) -> None:
+        # fuzzing: --years 0 divided by zero; negative prices and powers were accepted
+        if not 0 < self.amortisation_years < math.inf:
+            raise PlanError(f"amortisation years must be > 0, got {self.amortisation_years:g}")
+        for name in ("price_per_hour_usd", "device_cost_usd", "power_w", "electricity_usd_per_kwh"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise PlanError(f"{name.replace('_', ' ')} must be >= 0, got {value:g}")
 
     def hourly_usd(self, hardware: HardwareProfile) -> tuple[float | None, str]:
         """(USD per device-hour, how it was derived). Owned devices pay full power every hour."""

@@ -1,0 +1,127 @@
+"""Hostile input to the command-line tools (fuzzing, session 1204d): a one-line error and exit 2, never
+a traceback or a hang; a malformed answer from a server fails its own request, not the bench run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from kvserve.bench.client import ClientConfig, _Stream, send_request
+from kvserve.bench.records import RequestSpec
+from kvserve.cli import _subparsers, build_parser, finite_float, main
+
+
+def test_no_float_option_takes_nan_or_inf():
+    """`simulate --burstiness nan` spun for ever; `bench --duration inf` overflowed; `plan --years nan`
+    printed invalid JSON. Every option declared `type=float` now parses through `finite_float`."""
+    parser = build_parser()
+    floats = [a for sub in _subparsers(parser) for a in sub._actions if a.type is finite_float]
+    assert len(floats) > 50
+    assert not [a for sub in _subparsers(parser) for a in sub._actions if a.type is float]
+    for text in ("nan", "inf", "-inf", "NaN", "x"):
+        with pytest.raises(SystemExit) as info:
+            main(["simulate", "SmolLM2-135M", "--hardware", "h100-sxm", "--burstiness", text])
+        assert info.value.code == 2
+    assert finite_float("1e3") == 1000.0
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--years", "0", "--device-cost", "1000"], "amortisation years must be > 0"),
+        (["--overhead-gb", "-100"], "runtime overhead must be >= 0"),
+        (["--price-per-hour", "-3"], "price per hour usd must be >= 0"),
+        (["--power-w", "-1", "--device-cost", "1000"], "power w must be >= 0"),
+    ],
+)
+def test_plan_refuses_impossible_numbers(args, fragment, capsys):
+    assert main(["plan", "SmolLM2-135M", *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_plan_json_is_strict(capsys):
+    assert main(["plan", "SmolLM2-135M", "--json"]) == 0
+    json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(name))
+
+
+def test_an_output_path_that_cannot_be_made_is_a_one_line_error(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    args = ["simulate", "SmolLM2-135M", "--hardware", "h100-sxm", "--num-requests", "3",
+            "--input-len", "16", "--output-len", "4", "--output", str(blocker / "x.json")]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve simulate: error:") and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "event, what",
+    [
+        ("[1, 2, 3]", "not a JSON object"),
+        ('{"choices": [{"delta": "x"}]}', "`delta` is not an object"),
+        ('{"choices": {"0": {}}}', "`choices` is not a list"),
+        ('{"choices": [], "usage": {"completion_tokens": "3"}}', "usage.completion_tokens"),
+        ('{"choices": [{"text": 5}]}', "a text field is not a string"),
+    ],
+)
+def test_a_malformed_event_is_a_value_error(event, what):
+    """These crashed the whole run with an AttributeError or a TypeError, and its directory stayed
+    empty; `send_request` records a ValueError as its request's failure."""
+    stream = _Stream("completions" if "text" in event else "chat")
+    with pytest.raises(ValueError, match=what):
+        stream.feed(0.0, event)
+
+
+def test_a_server_sending_a_malformed_event_fails_that_request_only():
+    body = 'data: {"choices": [{"delta": {"content": "a"}}]}\n\ndata: [1, 2]\n\n'
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(
+            200, text=body, headers={"content-type": "text/event-stream"}
+        )
+    )
+    cfg = ClientConfig(base_url="http://test", model="m", endpoint="chat")
+    spec = RequestSpec(index=0, prompt="hi", num_prompt_tokens=1, max_tokens=4)
+
+    async def run():
+        async with httpx.AsyncClient(base_url="http://test", transport=transport) as http:
+            return await send_request(http, cfg, spec, "r0", "measured", 0.0, 0.0, {})
+
+    record, text = asyncio.run(run())
+    assert record.outcome == "failed" and "not a JSON object" in record.error
+    assert text == "a"  # what arrived before the bad event is kept
+
+
+def test_bench_library_checks_refuse_nan(tmp_path):
+    """The checks were written `x <= 0`, which NaN passes."""
+    from kvserve.bench.arrivals import ArrivalSpec
+    from kvserve.bench.records import BenchError
+    from kvserve.bench.workloads import LengthDist
+
+    with pytest.raises(BenchError, match="burstiness"):
+        ArrivalSpec("gamma", 1.0, float("nan"))
+    with pytest.raises(BenchError, match="lognormal"):
+        LengthDist.parse("lognormal:5:nan")
+    with pytest.raises(BenchError, match="--timeout"):
+        ClientConfig(base_url="http://x", model="m", timeout_s=float("nan"))
+
+
+def test_a_sharegpt_file_with_odd_turns_is_read_or_refused_cleanly(tmp_path):
+    from kvserve.bench.workloads import load_sharegpt
+
+    path = tmp_path / "d.json"
+    good = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    path.write_text(json.dumps([{"conversations": 5}, {"conversations": [1, "x"]}, good]))
+    assert load_sharegpt(path) == [("q", "a")]
+
+
+def test_bench_compare_says_a_cut_summary_is_not_a_run(tmp_path, capsys):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text("")
+        (tmp_path / name / "requests.jsonl").write_text("")
+    assert main(["bench", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "summary.json is not valid JSON" in capsys.readouterr().err
