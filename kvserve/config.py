@@ -118,6 +118,10 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json is missing the key {exc.args[0]!r}") from exc
+        except (ValueError, TypeError, ZeroDivisionError) as exc:  # fuzzing: "abc", null, 0 heads
+            raise ModelLoadError(
+                f"config.json has a value of the wrong type or range: {exc}"
+            ) from exc
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -126,7 +130,13 @@ class ModelConfig:
             raise ModelLoadError(
                 f"{model_dir}: no config.json (expected a Hugging Face model directory)"
             )
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as exc:  # fuzzing: a traceback
+            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path} is not a JSON object")
+        return cls.from_dict(raw)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,12 @@ def read_documents(path: str | Path) -> list[str]:
             '{"text": "..."} object per line, or a plain-text file)',
             "data",
         )
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:  # fuzzing: a traceback
+        raise InvalidRequestError(
+            f"data file {str(path)!r} is not UTF-8 text: {exc}", "data"
+        ) from None
     if path.suffix != ".jsonl":
         return [text]
     documents = []

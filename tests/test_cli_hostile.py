@@ -125,3 +125,117 @@ def test_bench_compare_says_a_cut_summary_is_not_a_run(tmp_path, capsys):
         (tmp_path / name / "requests.jsonl").write_text("")
     assert main(["bench", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "summary.json is not valid JSON" in capsys.readouterr().err
+
+
+# --- round 2: generate, serve, quantize, eval, check (fuzzing, session 1204d) ---------------------
+
+
+def _demo_copy(tmp_path):
+    import shutil
+
+    from kvserve.models import default_model_dir
+
+    copy = tmp_path / "model"
+    shutil.copytree(default_model_dir(), copy)
+    return copy
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("{not json", "is not valid JSON"),
+        ("[1, 2]", "is not a JSON object"),
+        ('{"model_type": "llama", "hidden_size": "abc"}', "wrong type or range"),
+    ],
+)
+def test_a_bad_config_json_is_a_model_load_error(tmp_path, text, fragment):
+    from kvserve.config import ModelConfig
+    from kvserve.core.errors import ModelLoadError
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=fragment):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_bad_model_files_are_model_load_errors(tmp_path):
+    from kvserve.config import ModelConfig
+    from kvserve.core.errors import ModelLoadError
+    from kvserve.engine.args import stop_token_ids
+    from kvserve.model.loader import read_checkpoint
+
+    model = _demo_copy(tmp_path)
+    (model / "generation_config.json").write_text("{cut")
+    with pytest.raises(ModelLoadError, match="generation config"):
+        stop_token_ids(model, ModelConfig.from_dir(model), None)
+    (model / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="not a readable safetensors file"):
+        read_checkpoint(model)
+
+
+def test_engine_options_refused_before_loading():
+    import argparse
+
+    from kvserve.core.errors import InvalidRequestError
+    from kvserve.engine.args import EngineArgs, _check_device
+    from kvserve.options import parse_bytes
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes("infGiB")  # OverflowError before
+    with pytest.raises(InvalidRequestError, match="is not a device"):
+        _check_device("foo")
+    with pytest.raises(InvalidRequestError, match="speculative-method draft"):
+        EngineArgs(
+            model="kvserve-demo", speculative_method="ngram", speculative_model="/does/not/exist"
+        ).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--max-n", "0"], "--max-n must be >= 1"),
+        (["--api-key", "a:"], "empty secret"),
+        (["--port", "70000"], "--port must be in [0, 65535]"),
+        (["--request-timeout", "0"], "--request-timeout must be > 0"),
+        (["--max-waiting", "0"], "--max-waiting must be >= 1"),
+    ],
+)
+def test_serve_refuses_bad_flags_before_binding(args, fragment, capsys):
+    assert main(["serve", "kvserve-demo", *args]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("template, fragment", [("{% if %}", "line 1"), ("  \n", "is empty")])
+def test_serve_compiles_its_chat_template_at_start(tmp_path, template, fragment, capsys):
+    """A broken template gave every chat request a 400 blaming the client's messages; an empty file
+    was silently the tokenizer's own template."""
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    assert main(["serve", "kvserve-demo", "--chat-template", str(path)]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_quantize_refuses_before_writing(tmp_path, capsys):
+    out = tmp_path / "out"
+    smooth = ["--weights", "w8a8", "--method", "smoothquant", "--alpha", "50"]
+    assert main(["quantize", "kvserve-demo", "--out", str(out), *smooth]) == 2
+    assert "--alpha must be in [0, 1]" in capsys.readouterr().err  # it wrote NaN scales
+    mixed = ["--weights", "linear=int8,head=int4"]
+    assert main(["quantize", "kvserve-demo", "--out", str(out), *mixed]) == 2
+    assert "kvserve quantize: error:" in capsys.readouterr().err  # on stderr, not stdout
+    assert not out.exists()  # it left model.safetensors behind
+    assert main(["quantize", "kvserve-demo", "--out", str(out), "--weights", "head=int8"]) == 2
+    assert "quantises no tensor" in capsys.readouterr().err  # the demo's head is tied
+
+
+def test_eval_and_check_inputs(tmp_path):
+    from kvserve.cli.check import read_prompts
+
+    for window in ("1", "0"):
+        with pytest.raises(SystemExit):  # argparse: before the model loads
+            main(["eval", "perplexity", "kvserve-demo", "--data", "x.txt", "--window", window])
+    prompts = tmp_path / "p.jsonl"
+    for bad in ('{"prompt_token_ids": 5}', '{"prompt_token_ids": [1.7, true]}'):
+        prompts.write_text(bad + "\n")
+        with pytest.raises(ValueError, match="must be a list of integers"):
+            read_prompts(str(prompts))

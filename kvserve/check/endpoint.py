@@ -42,7 +42,7 @@ class EndpointCheck:
         try:
             data = self.http.get("/v1/models").json()["data"]
             return data[0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError) as exc:
             raise EndpointError(f"{self.base_url}/v1/models lists no model: {exc}") from exc
 
     def _one(self, prompt: Prompt) -> Trace:
@@ -60,17 +60,23 @@ class EndpointCheck:
             raise EndpointError(f"{type(exc).__name__}: {exc}") from exc
         if resp.status_code != 200:
             raise EndpointError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-        doc = resp.json()
-        lp = doc["choices"][0]["logprobs"]
-        positions = tuple(
-            Position(tok, float(chosen), {k: float(v) for k, v in top.items()})
-            for tok, chosen, top in zip(
-                lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+        try:  # fuzzing: an answer of the wrong shape gave a KeyError or TypeError traceback
+            doc = resp.json()
+            lp = doc["choices"][0]["logprobs"]
+            positions = tuple(
+                Position(tok, float(chosen), {k: float(v) for k, v in top.items()})
+                for tok, chosen, top in zip(
+                    lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+                )
             )
-        )
-        usage = doc.get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return Trace(positions, int(cached))
+            usage = doc.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            return Trace(positions, int(cached))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise EndpointError(
+                f"the completion is not an OpenAI completion with logprobs "
+                f"({type(exc).__name__}: {exc}): {resp.text[:200]}"
+            ) from None
 
     def _together(self, prompts: list[Prompt]) -> list[Trace]:
         """Send all at once (one thread each) so that the server batches them."""

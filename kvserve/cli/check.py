@@ -44,6 +44,9 @@ def register(subparsers: Any) -> None:
     b.add_argument("model", nargs="?", help="model directory or kvserve-demo (offline)")
     b.add_argument("--endpoint", metavar="URL", help="check a running server instead")
     b.add_argument("--served-model", default=None, help="model name on the server (its first)")
+    b.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for each answer (--endpoint)"
+    )
     b.add_argument("--prompts", metavar="FILE", help="prompts (default: 8 built-in texts)")
     b.add_argument("--max-tokens", type=int, default=24, help="greedy tokens per prompt (24)")
     b.add_argument("--logprobs", type=int, default=5, help="top-k log probabilities (5)")
@@ -77,8 +80,13 @@ def read_prompts(path: str | None) -> list[str | list[int]]:
                 obj = json.loads(line)
             except ValueError as exc:
                 raise ValueError(f"{path}:{n}: not JSON: {exc}") from exc
+            ids = obj.get("prompt_token_ids")
             if "prompt_token_ids" in obj:
-                prompts.append([int(t) for t in obj["prompt_token_ids"]])
+                if not isinstance(ids, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):  # fuzzing: 5 or null gave a TypeError traceback; [1.7, true] became [1, 1]
+                    raise ValueError(f'{path}:{n}: "prompt_token_ids" must be a list of integers')
+                prompts.append(list(ids))
             elif isinstance(obj.get("prompt"), str):
                 prompts.append(obj["prompt"])
             else:
@@ -117,7 +125,11 @@ def run(args: argparse.Namespace) -> int:
         if args.endpoint:
             from kvserve.check.endpoint import EndpointCheck
 
-            check = EndpointCheck(args.endpoint, args.served_model, prompts, cfg)
+            if not args.timeout > 0:
+                raise ValueError(f"--timeout must be > 0, got {args.timeout:g}")
+            check = EndpointCheck(
+                args.endpoint, args.served_model, prompts, cfg, timeout_s=args.timeout
+            )
             target = {"kind": "endpoint", "endpoint": args.endpoint, "model": check.model}
         else:
             if not args.model:

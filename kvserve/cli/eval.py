@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+
+
+def _at_least(low: int):
+    """argparse type: an integer >= low (fuzzing: --window 1 failed after the model loaded, and
+    --max-tokens 0 or -100 silently scored every token or dropped the last 100)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 def register(subparsers) -> None:
@@ -28,8 +45,10 @@ def register(subparsers) -> None:
         required=True,
         help='.jsonl with one {"text": "..."} object per line (documents), or a plain-text file',
     )
-    ppl.add_argument("--window", type=int, default=512, help="window length in tokens")
-    ppl.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens")
+    ppl.add_argument("--window", type=_at_least(2), default=512, help="window length in tokens")
+    ppl.add_argument(
+        "--max-tokens", type=_at_least(1), default=None, help="use only the first N tokens"
+    )
     ppl.add_argument("--unigram-train", default=None, help="fit a unigram baseline on this file")
     ppl.add_argument("--json", default=None, help="write the result as JSON to this file")
     ppl.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -59,11 +78,13 @@ def register(subparsers) -> None:
     cmp.add_argument(
         "--candidate-calib", default=None, help="calibration text for --candidate-method"
     )
-    cmp.add_argument("--window", type=int, default=256, help="window length in tokens")
-    cmp.add_argument("--max-tokens", type=int, default=None, help="use only the first N tokens")
-    cmp.add_argument("--num-prompts", type=int, default=8, help="greedy-agreement prompts")
+    cmp.add_argument("--window", type=_at_least(2), default=256, help="window length in tokens")
     cmp.add_argument(
-        "--greedy-tokens", type=int, default=32, help="greedy tokens compared per prompt"
+        "--max-tokens", type=_at_least(1), default=None, help="use only the first N tokens"
+    )
+    cmp.add_argument("--num-prompts", type=_at_least(1), default=8, help="greedy-agreement prompts")
+    cmp.add_argument(
+        "--greedy-tokens", type=_at_least(1), default=32, help="greedy tokens compared per prompt"
     )
     cmp.add_argument("--max-kl-mean", type=float, default=None, help="pass bound on mean KL")
     cmp.add_argument("--min-top1", type=float, default=None, help="pass bound on top-1 agreement")
@@ -95,17 +116,22 @@ def run_perplexity(args: argparse.Namespace) -> int:
     documents = read_documents(args.data)  # before the model loads: a bad file fails at once
     llm = LLM(args.model, device=args.device)
     if llm.tokenizer is None:
-        print("error: the model has no tokenizer")
+        print("kvserve eval: error: the model has no tokenizer", file=sys.stderr)
         return 2
     if args.window > llm.engine.max_model_len:
         print(
-            f"error: --window {args.window} exceeds the model's context {llm.engine.max_model_len}"
+            f"kvserve eval: error: --window {args.window} exceeds the model's context "
+            f"{llm.engine.max_model_len}",
+            file=sys.stderr,
         )
         return 2
     ids = token_stream(llm.tokenizer, documents)
     if args.max_tokens:
         ids = ids[: args.max_tokens]
     windows = fixed_windows(ids, args.window)
+    if not windows:  # fuzzing: an empty file divided by zero
+        print(f"kvserve eval: error: {args.data} holds fewer than 2 tokens", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     total_nll, num_scored = 0.0, 0
     for window in progress(windows, len(windows), "perplexity"):
@@ -163,7 +189,7 @@ def run_compare(args: argparse.Namespace) -> int:
             thresholds=Thresholds(args.max_kl_mean, args.min_top1, args.max_ppl_ratio),
         )
     except KVServeError as exc:
-        print(f"error: {exc}")
+        print(f"kvserve eval: error: {exc}", file=sys.stderr)
         return 2
     text = json.dumps(report, indent=2)
     if args.json:

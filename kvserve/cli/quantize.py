@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 
 def register(subparsers) -> None:
@@ -38,6 +39,12 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.alpha <= 1:  # fuzzing: 50 or -3 wrote a checkpoint of NaN and inf scales
+        print(
+            f"kvserve quantize: error: --alpha must be in [0, 1], got {args.alpha:g}",
+            file=sys.stderr,
+        )
+        return 2
     from kvserve.core.errors import KVServeError
     from kvserve.models import resolve_model
     from kvserve.quant.methods import quantize_checkpoint
@@ -53,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             alpha=args.alpha,
         )
     except KVServeError as exc:
-        print(f"error: {exc}")
+        print(f"kvserve quantize: error: {exc}", file=sys.stderr)
         return 2
     summary = {k: v for k, v in report.items() if k != "tensors"}
     print(json.dumps(summary, indent=2))

@@ -8,6 +8,7 @@ import signal
 import threading
 from pathlib import Path
 
+from kvserve.core.errors import InvalidRequestError
 from kvserve.engine.args import MODEL_HELP, EngineArgs
 from kvserve.options import HelpFormatter
 from kvserve.server.limits import RequestLimits
@@ -164,7 +165,6 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from kvserve.core.errors import InvalidRequestError
     from kvserve.engine.faults import FaultInjection
     from kvserve.models import builtin_name, resolve_model
     from kvserve.server.app import build_app
@@ -184,14 +184,19 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args, model=str(model_dir))
     options = engine_args.options()
     config = engine_args.create_engine_config()  # fail fast on bad options, before binding
-    chat_template = Path(args.chat_template).read_text() if args.chat_template else None
-    limits = RequestLimits(
-        max_request_bytes=args.max_request_bytes,
-        max_json_depth=args.max_json_depth,
-        max_n=args.max_n,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_chars=args.max_stop_chars,
-    )
+    chat_template = _read_chat_template(args.chat_template) if args.chat_template else None
+    _check_serving_numbers(args)
+    try:  # fuzzing: these raised ValueError tracebacks; a bad flag is a one-line error
+        limits = RequestLimits(
+            max_request_bytes=args.max_request_bytes,
+            max_json_depth=args.max_json_depth,
+            max_n=args.max_n,
+            max_stop_strings=args.max_stop_strings,
+            max_stop_chars=args.max_stop_chars,
+        )
+        api_keys = parse_api_keys(args.api_key)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), "serve") from None
     serving = ServingOptions(
         served_model_name=args.served_model_name
         or builtin_name(model_dir)
@@ -232,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(
         load,
         serving,
-        api_keys=parse_api_keys(args.api_key),
+        api_keys=api_keys,
         engine_options=options,
         on_fatal=lambda: holder["server"].request_exit(),
         on_loaded=notice.loaded,
@@ -255,6 +260,39 @@ def run(args: argparse.Namespace) -> int:
     if state.dead_reason is not None:
         return 1  # a supervisor should restart us
     return 0
+
+
+def _read_chat_template(path: str) -> str:
+    """The template file's text, compiled once here: a broken template is a start-up error, not a 400
+    on every chat request that blames the client's messages (fuzzing), and an empty file is not
+    silently the tokenizer's own template."""
+    import jinja2
+
+    text = Path(path).read_text(encoding="utf-8")
+    if not text.strip():
+        raise InvalidRequestError(f"--chat-template {path} is empty", "chat_template")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise InvalidRequestError(
+            f"--chat-template {path}: line {exc.lineno}: {exc.message}", "chat_template"
+        ) from None
+    return text
+
+
+def _check_serving_numbers(args: argparse.Namespace) -> None:
+    """Ranges argparse's types do not express (fuzzing: --request-timeout 0 answered every request
+    504, --max-waiting 0 answered every request 400, --port 70000 failed inside uvicorn)."""
+    checks = (
+        (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0"),
+        (args.grace_period >= 0, "--grace-period must be >= 0"),
+        (args.max_waiting is None or args.max_waiting >= 1, "--max-waiting must be >= 1"),
+        (args.max_waiting_grammars >= 1, "--max-waiting-grammars must be >= 1"),
+        (0 <= args.port <= 65535, "--port must be in [0, 65535]"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise InvalidRequestError(message, "serve")
 
 
 class _Server:

@@ -248,6 +248,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         """Resolve the model (a built-in name or a directory), read its config, build `EngineConfig`."""
+        _check_device(self.device)
         model_dir = resolve_model(self.model)
         model = ModelConfig.from_dir(model_dir)
         limit = model.max_position_embeddings
@@ -305,6 +306,11 @@ class EngineArgs:
             draft_dir = resolve_model(self.speculative_model, role="draft model")
             draft = ModelConfig.from_dir(draft_dir)
             check_same_vocabulary(model_dir, draft_dir)
+        elif self.speculative_model is not None:  # fuzzing: silently ignored, never even checked
+            raise InvalidRequestError(
+                f"--speculative-model is for --speculative-method draft, not {method}",
+                "speculative_model",
+            )
         return SpeculativeConfig(
             method=method,
             num_speculative_tokens=self.num_speculative_tokens,
@@ -318,6 +324,27 @@ class EngineArgs:
 def engine_option_defaults() -> dict:
     """Each option's default, by name (docs, tests)."""
     return {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
+
+
+def _check_device(device: str) -> None:
+    """cpu, cuda or cuda:N that this torch can use (fuzzing: `--device foo` or `cuda` without CUDA
+    failed with a traceback once the model loaded)."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidRequestError(
+            f"--device {device!r} is not a device: use cpu, cuda or cuda:N", "device"
+        ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidRequestError(f"--device {device!r}: kvserve runs on cpu or cuda", "device")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (dev.index is not None and dev.index >= count):
+            raise InvalidRequestError(
+                f"--device {device!r}: this machine's torch sees {count} CUDA device(s)", "device"
+            )
 
 
 def resolve_dtype(dtype: str, device: str, model: ModelConfig) -> str:
@@ -366,16 +393,27 @@ def load_tokenizer(model_dir: str | Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+    ) as exc:  # fuzzing: a malformed tokenizer.json's traceback
+        raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {exc}") from None
 
 
 def stop_token_ids(model_dir: str | Path, model: ModelConfig, tokenizer) -> frozenset[int]:
     """EOS ids from generation_config.json, config.json and the tokenizer (Llama 3 lists several)."""
     ids = set(model.eos_token_ids)
     gen_path = Path(model_dir) / "generation_config.json"
-    if gen_path.is_file():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(int(i) for i in ids)
+    try:  # fuzzing: a malformed generation_config.json gave a traceback
+        if gen_path.is_file():
+            gen = json.loads(gen_path.read_text(encoding="utf-8"))
+            eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return frozenset(int(i) for i in ids)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{gen_path}: not a usable generation config: {exc}") from None

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvserve.config import ModelConfig
@@ -60,11 +60,14 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     from kvserve.progress import progress
 
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            names = list(f.keys())
-            for name in progress(names, len(names), f"loading {path.name}"):
-                if not name.endswith(_IGNORED_SUFFIXES):
-                    tensors[name] = f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                names = list(f.keys())
+                for name in progress(names, len(names), f"loading {path.name}"):
+                    if not name.endswith(_IGNORED_SUFFIXES):
+                        tensors[name] = f.get_tensor(name)
+        except SafetensorError as exc:  # fuzzing: a corrupt file's traceback
+            raise ModelLoadError(f"{path}: not a readable safetensors file: {exc}") from None
     return tensors
 
 

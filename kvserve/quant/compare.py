@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.core.errors import InvalidRequestError
+
 EVALUATION_NAME = "kvserve_evaluation.json"
 
 
@@ -96,9 +98,18 @@ def compare(
         **options,
     )
     if ref.tokenizer is None:
-        raise ValueError(f"{ref_dir} has no tokenizer")
+        raise InvalidRequestError(f"{ref_dir} has no tokenizer", "reference")
     ids = token_stream(ref.tokenizer, read_documents(data))[:max_tokens]
     windows = fixed_windows(ids, min(window, ref.engine.max_model_len))
+    if not windows:  # fuzzing: an empty file gave an IndexError
+        raise InvalidRequestError(f"{data} holds fewer than 2 tokens", "data")
+    ref_vocab, cand_vocab = ref.engine.config.model.vocab_size, cand.engine.config.model.vocab_size
+    if ref_vocab != cand_vocab:  # fuzzing: a tensor-size RuntimeError from the KL
+        raise InvalidRequestError(
+            f"the reference's vocabulary ({ref_vocab}) and the candidate's ({cand_vocab}) differ: "
+            "compare models that share a tokenizer",
+            "candidate",
+        )
     stats = [
         window_stats(ref.engine.score(list(w)), cand.engine.score(list(w)), list(w))
         for w in windows

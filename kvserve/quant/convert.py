@@ -77,7 +77,6 @@ def write_artifact(
     """Write `out_dir`: float tensors as they were, `quantized` (HF weight name -> codes) in the
     compressed-tensors layout, config.json with quantization_config, tokenizer files, the report."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     report_tensors = {}
     for name, tensor in checkpoint.items():
@@ -88,9 +87,11 @@ def write_artifact(
         tensors.update(compressed_tensors(name[: -len(".weight")], qt))
         err = ((qt.dequantize() - tensor.float()).norm() / tensor.float().norm()).item()
         report_tensors[name] = {"scheme": qt.scheme.name, "relative_error": err}
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((model_dir / "config.json").read_text())
+    # before anything is written (fuzzing: a refused scheme left --out holding model.safetensors)
     config["quantization_config"] = build_quantization_config(scheme, method)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in _COPIED:
         if (model_dir / name).is_file():
