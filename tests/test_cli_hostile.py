@@ -215,6 +215,16 @@ def test_serve_compiles_its_chat_template_at_start(tmp_path, template, fragment,
     assert fragment in capsys.readouterr().err
 
 
+def test_a_template_using_transformers_extensions_compiles(tmp_path):
+    """{% break %} and {% generation %} are transformers' extensions, not plain jinja2's: review."""
+    from kvserve.cli.serve import _read_chat_template
+
+    text = "{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% break %}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(text)
+    assert _read_chat_template(str(path)) == text
+
+
 def test_quantize_refuses_before_writing(tmp_path, capsys):
     out = tmp_path / "out"
     smooth = ["--weights", "w8a8", "--method", "smoothquant", "--alpha", "50"]

@@ -271,8 +271,12 @@ def _read_chat_template(path: str) -> str:
     text = Path(path).read_text(encoding="utf-8")
     if not text.strip():
         raise InvalidRequestError(f"--chat-template {path} is empty", "chat_template")
+    try:  # transformers' own compiler: its extensions ({% break %}, {% generation %}) included
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_
+    except ImportError:  # another transformers: jinja2 with the loop controls it enables
+        compile_ = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse
     try:
-        jinja2.Environment().parse(text)
+        compile_(text)
     except jinja2.TemplateSyntaxError as exc:
         raise InvalidRequestError(
             f"--chat-template {path}: line {exc.lineno}: {exc.message}", "chat_template"
