@@ -249,3 +249,16 @@ def test_eval_and_check_inputs(tmp_path):
         prompts.write_text(bad + "\n")
         with pytest.raises(ValueError, match="must be a list of integers"):
             read_prompts(str(prompts))
+
+
+def test_eval_compare_record_never_writes_into_a_builtin_or_a_float_model(tmp_path, capsys):
+    """fuzzing (noted): `--record` with kvserve-demo as the candidate would write into the package."""
+    data = tmp_path / "d.txt"
+    data.write_text("hello world " * 20)
+    base = ["eval", "compare", "kvserve-demo", "kvserve-demo", "--data", str(data), "--record"]
+    assert main(base) == 2
+    assert "built-in" in capsys.readouterr().err
+    copy = _demo_copy(tmp_path)
+    assert main([*base[:3], str(copy), *base[4:], "--candidate-quantization", "int8"]) == 2
+    assert "--candidate-quantization" in capsys.readouterr().err
+    assert not (copy / "kvserve_evaluation.json").exists()

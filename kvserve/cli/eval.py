@@ -169,12 +169,25 @@ def run_perplexity(args: argparse.Namespace) -> int:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from kvserve.core.errors import KVServeError
-    from kvserve.models import resolve_model
+    from kvserve.core.errors import InvalidRequestError, KVServeError
+    from kvserve.models import builtin_name, resolve_model
     from kvserve.quant.compare import EVALUATION_NAME, Thresholds, compare
 
     try:
         reference, candidate = resolve_model(args.reference), resolve_model(args.candidate)
+        # --record writes into the candidate's directory: not into the installed package (fuzzing),
+        # and not into a float model that is quantised only at load (its report is not the dir's)
+        if args.record and builtin_name(candidate):
+            raise InvalidRequestError(
+                f"--record would write into the built-in {args.candidate!r}: copy it first",
+                "record",
+            )
+        if args.record and args.candidate_quantization:
+            raise InvalidRequestError(
+                "--record describes a candidate directory; with --candidate-quantization the "
+                "directory holds the float model (write the report with --json instead)",
+                "record",
+            )
         report = compare(
             reference,
             candidate,
