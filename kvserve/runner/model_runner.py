@@ -7,7 +7,6 @@ scheduler: block ids arrive in the output it is given.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -377,19 +376,15 @@ class ModelRunner:
             rows.append((request_id, step, len(state.output_token_ids) + step))
         batch = self.sampling_batch(rows)
         processed, probs = self.sampler.prepare(logits, batch)
-        seeded = [i for i, (request_id, _) in enumerate(keys)
-                  if self.states[request_id].generator is not None and probs is not None
-                  and not self.states[request_id].params.greedy]  # fmt: skip
-        if seeded:  # drafted with the uniform the target's verification will use there
-            batch = dataclasses.replace(
-                batch,
-                generators=[None if i in seeded else g for i, g in enumerate(batch.generators)],
-            )  # their generators are not touched: the draws are peeked
-        tokens = self.sampler.sample(processed, probs, batch)
-        for i in seeded:
-            request_id, step = keys[i]
-            u = peek_uniforms(self.states[request_id].generator, step + 1)[step:]
-            tokens[i] = invert_cdf(probs[i : i + 1], u)[0]
+        # A seeded request drafts with the uniform the target's verification will use at that
+        # position, peeked: its generator advances by emitted tokens only (`_verify`).
+        uniforms = {}
+        if probs is not None:
+            for i, (request_id, step) in enumerate(keys):
+                state = self.states[request_id]
+                if state.generator is not None and not state.params.greedy:
+                    uniforms[i] = float(peek_uniforms(state.generator, step + 1)[step])
+        tokens = self.sampler.sample(processed, probs, batch, uniforms)
         for (request_id, _), token in zip(keys, tokens.tolist(), strict=True):
             # Later draft steps must see the grammar state after this proposal.
             state = self.states[request_id]

@@ -223,17 +223,29 @@ class Sampler:
         return processed, filter_logits(processed, batch).softmax(dim=-1)
 
     def sample(
-        self, processed: torch.Tensor, probs: torch.Tensor | None, batch: SamplingBatch
+        self,
+        processed: torch.Tensor,
+        probs: torch.Tensor | None,
+        batch: SamplingBatch,
+        uniforms: dict[int, float] | None = None,
     ) -> torch.Tensor:
-        """One token per row: argmax for greedy rows, a draw from `probs` for the others. [R]"""
+        """One token per row: argmax for greedy rows, a draw from `probs` for the others. [R]
+        `uniforms`: rows whose draw uses this uniform instead of one taken from a generator (a
+        draft's proposals for seeded requests: kvserve.runner.model_runner `_sample_draft_rows`)."""
         token_ids = greedy_argmax(processed)
         if probs is not None:
-            rows = batch.random_rows()
-            generators = [batch.generators[i] for i in rows]
-            random_rows = torch.tensor(rows, dtype=torch.long, device=token_ids.device)
-            token_ids[random_rows] = sample_categorical(
-                probs[random_rows], generators, self.generator
-            )
+            given = uniforms or {}
+            rows = [i for i in batch.random_rows() if i not in given]
+            if rows:
+                generators = [batch.generators[i] for i in rows]
+                random_rows = torch.tensor(rows, dtype=torch.long, device=token_ids.device)
+                token_ids[random_rows] = sample_categorical(
+                    probs[random_rows], generators, self.generator
+                )
+            if given:
+                fixed = torch.tensor(list(given), dtype=torch.long, device=token_ids.device)
+                u = torch.tensor(list(given.values()), dtype=torch.float64, device=probs.device)
+                token_ids[fixed] = invert_cdf(probs[fixed], u)
         return token_ids
 
     def __call__(

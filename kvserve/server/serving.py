@@ -168,22 +168,23 @@ class OpenAIServing(JobAccounting):
             room = 1 if params.max_tokens is None else max(params.max_tokens, 1)
             # Shorter texts could fit (or are cheap to tokenise: the engine's check names them exactly).
             at_least = bound.at_least(text, max(limit, (limit - room) * bound.longest_token))
-            how = f"{len(text)} characters; no token of this tokenizer covers more than {bound.longest_token}"
-            if at_least >= limit:
-                raise ContextLengthError(
-                    f"the prompt has at least {at_least} tokens ({how}); this model's context is "
-                    f"{limit} tokens, which leaves no room for output",
-                    param,
-                )
-            # room is max_tokens here (without it, room 1 fits); at_least 0: not worked out, the
-            # engine names the exact count (fuzzing: "at least 0 tokens" for a huge max_tokens)
+            # at_least 0: not worked out, and the engine names the exact count (fuzzing: "at least
+            # 0 tokens" for a huge max_tokens); room is max_tokens when given, else 1
             if at_least and at_least + room > limit:
+                how = f"{len(text)} characters; no token of this tokenizer covers more than "
+                how += str(bound.longest_token)
+                if at_least >= limit:
+                    raise ContextLengthError(
+                        f"the prompt has at least {at_least} tokens ({how}); this model's context "
+                        f"is {limit} tokens, which leaves no room for output",
+                        param,
+                    )
                 raise ContextLengthError(
                     f"prompt (at least {at_least} tokens: {how}) + max_tokens ({room}) = at least "
                     f"{at_least + room} exceeds this model's context of {limit} tokens",
                     "max_tokens",
                 )
-        return self.encode(text, add_special_tokens)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
         limits = self.options.limits
