@@ -20,7 +20,8 @@ calls (a few minutes each):
 Engines: `kvserve` (kvserve serve, its defaults, --no-prefix-caching), `kvserve-fixed` (the same
 with --thread-policy fixed: every step on both threads), `llamacpp` (llama-server
 --no-cache-prompt, `--llama-parallel` slots), `vllm` (vLLM CPU as it comes), `vllm-bind01` (vLLM
-with VLLM_CPU_OMP_THREADS_BIND=0-1: its compute threads on both cores). `--kvserve-args` adds
+with VLLM_CPU_OMP_THREADS_BIND=0-1: its compute threads on both cores), `vllm-bind01-bf16` (the same
+in bf16, vLLM's own dtype on CPU when not told: the issue's configuration; the others run fp32). `--kvserve-args` adds
 options to the kvserve servers (`"--kvserve-args=--max-num-batched-tokens 512"`) and `--suffix`
 names the variant in the JSON (`--suffix=-b512`: kvserve-b512); both need `=`, as their values
 start with a dash.
@@ -48,7 +49,7 @@ from tests.server_utils import free_port  # noqa: E402
 
 LLAMA_BIN = "/tmp/kv/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 SLO = "ttft=2s,worst_gap=500ms"
-ENGINES = ("kvserve", "kvserve-fixed", "llamacpp", "vllm", "vllm-bind01")
+ENGINES = ("kvserve", "kvserve-fixed", "llamacpp", "vllm", "vllm-bind01", "vllm-bind01-bf16")
 
 
 def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, str]]:
@@ -69,11 +70,14 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, s
     if engine.startswith("vllm"):
         env |= {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
         env.pop("PYTHONPATH", None)  # vLLM's venv, not kvserve's
-        if engine == "vllm-bind01":
+        if engine.startswith("vllm-bind01"):
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1"
+        # vLLM's own dtype on CPU is bf16 (`--dtype auto`); -bf16 keeps it, the others ask for the
+        # checkpoint's fp32 so that every engine computes on the same weights.
+        dtype = "bfloat16" if engine.endswith("-bf16") else "float32"
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
                "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
-               "--no-enable-prefix-caching", "--max-model-len", "2048", "--dtype", "float32"]  # fmt: skip
+               "--no-enable-prefix-caching", "--max-model-len", "2048", "--dtype", dtype]  # fmt: skip
         return cmd, env
     raise ValueError(f"unknown engine {engine!r} (known: {', '.join(ENGINES)})")
 

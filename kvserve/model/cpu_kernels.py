@@ -28,7 +28,7 @@ from kvserve.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c")
+_SOURCES = ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c", "bf16dot.c")
 _HEADERS = ("decode_step.h", "paged_attention.h", "vexp.h", "half.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
@@ -113,6 +113,9 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
         "decode_f32_max_rows": ([], _INT),
         "decode_step_max_rows": ([_PTR], _INT),
         "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
+        # bf16dot.c
+        "decode_has_bf16_insn": ([], _INT),
+        "decode_set_bf16_insn": ([_INT], None),
         "decode_layers": ([_PTR, _PTR, _INT, _PTR, _PTR, _PTR, _PTR, _INT, _PTR, _INT], _INT),
         # model, ids, positions, M, embed kind, table, vocab, cos, sin, max positions, hidden, slots,
         # block table, max blocks, context lengths, threads

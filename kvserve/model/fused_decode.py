@@ -26,7 +26,7 @@ import torch
 from kvserve.model import cpu_kernels
 
 _PTR, _INT, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_LIN_F32, _LIN_Q8, _LIN_Q4, _LIN_BF16 = 0, 1, 2, 3
+_LIN_F32, _LIN_Q8, _LIN_Q4, _LIN_BF16, _LIN_BF16DOT = 0, 1, 2, 3, 4
 FPANEL = 16  # output columns per panel of the fp32 layout (csrc/decode_step.h)
 ISA_NAMES = {3: "avx512", 2: "avx2", 0: "scalar"}  # 3: AVX-512 F/BW/VL with VNNI
 
@@ -133,10 +133,13 @@ def linear_descriptor(module: torch.nn.Module, keep: list) -> _Linear | None:
     from kvserve.model.qlinear import QuantLinear
 
     if isinstance(module, PackedLinear) and module.panels is not None:
-        w = module.panels  # [P, K, 16] fp32 or bf16 (csrc/decode_step.h)
+        w = module.panels  # [P, K, 16] fp32 or bf16, or bf16 pairs [P, Kp / 2, 16, 2]
         bias = None if module.bias is None else module.bias.float().contiguous()
         keep += [w, bias]
         n, k = module.out_features, module.in_features
+        if w.dim() == 4:  # bf16 products (csrc/bf16dot.c)
+            return _Linear(_LIN_BF16DOT, n, k, 2 * w.shape[1], 1, 1, 0, 0, w.data_ptr(), None, None,
+                           _ptr(bias))  # fmt: skip
         kind = _LIN_BF16 if w.dtype == torch.bfloat16 else _LIN_F32
         return _Linear(kind, n, k, k, 1, 1, 0, 0, w.data_ptr(), None, None, _ptr(bias))
     if isinstance(module, QuantLinear) and module.layout == "panel":
@@ -161,6 +164,38 @@ def f32_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     padded = torch.zeros(-(-n // FPANEL) * FPANEL, k, dtype=dtype)
     padded[:n] = weight.detach()
     return padded.view(-1, FPANEL, k).transpose(1, 2).contiguous()  # [P, K, 16]
+
+
+def bf16_pair_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> the bf16 products' layout [ceil(N / 16), Kp / 2, 16, 2] of csrc/decode_step.h
+    (K padded to an even Kp): panel p, pair j holds columns 16p .. 16p + 15 at inputs 2j, 2j + 1 (one
+    64-byte line). The weights are rounded to bf16 (nearest, ties to even) and subnormals flushed to
+    zero, as vdpbf16ps reads them (csrc/bf16dot.c)."""
+    n, k = weight.shape
+    w = weight.detach().float()
+    w = torch.where(w.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(w), w)
+    padded = torch.zeros(-(-n // FPANEL) * FPANEL, k + k % 2, dtype=torch.bfloat16)
+    padded[:n, :k] = w.to(torch.bfloat16)
+    # [Np, Kp] -> [P, 16, Kp / 2, 2] -> [P, Kp / 2, 16, 2]
+    return padded.view(-1, FPANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
+
+
+def pair_panel_rows(panels: torch.Tensor, rows: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """Rows `rows` [T] of the matrix behind `bf16_pair_panels` [P, Kp / 2, 16, 2]: [T, num_cols] bf16."""
+    picked = panels[rows // FPANEL, :, rows % FPANEL, :]  # [T, Kp / 2, 2]
+    return picked.reshape(rows.shape[0], -1)[:, :num_cols]
+
+
+def bf16_insn() -> bool:
+    """Whether the bf16 products run on vdpbf16ps here (AVX512_BF16); else the same arithmetic on
+    fp32 multiply-adds (AVX-512 F) or the portable loops."""
+    library = cpu_kernels.load_kernel()
+    return library is not None and isa() == "avx512" and bool(library.decode_has_bf16_insn())
+
+
+def set_bf16_insn(enabled: bool) -> None:
+    """Use vdpbf16ps where the CPU has it (the default), or its emulation (tests compare the two)."""
+    cpu_kernels.load_kernel().decode_set_bf16_insn(int(enabled))
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

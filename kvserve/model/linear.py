@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model import fused_decode
@@ -61,10 +62,17 @@ class PackedLinear(nn.Module):
     kept. Without the C kernels (or for other dtypes) W is reordered once into oneDNN's blocked
     layout (`packed`, an opaque tensor held as a plain attribute: no state_dict entry)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, bf16_products: bool = False
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
+        self.bf16_products = bf16_products
+        self._desc = None
+        if bf16_products:
+            self._init_bf16_products(weight)
+            return
         use_panels = fused_decode.max_rows() > 0 and weight.dtype == torch.float32
         # [P, in, 16]: bf16 when every weight is a bf16 value (a bf16 checkpoint): the same products
         # from half the bytes (the kernels widen each weight back to its fp32 value)
@@ -85,12 +93,28 @@ class PackedLinear(nn.Module):
             if self.small_rows == -1
             else torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS_HINT)
         )
-        self._desc = None
         if self.panels is not None:
             self._keep: list = []
             self._desc = fused_decode.linear_descriptor(self, self._keep)
 
+    def _init_bf16_products(self, weight: torch.Tensor) -> None:
+        """bf16 products, fp32 sums (`--matmul-precision bf16`, csrc/bf16dot.c): the weights rounded
+        to bf16 once, in the pair layout (`fused_decode.bf16_pair_panels`), and each input row rounded
+        to bf16 by the kernel. Without the C kernels the same products come from torch (its own
+        summation order)."""
+        self.small_rows, self.packed = -1, None
+        if fused_decode.max_rows() > 0:
+            self.panels = fused_decode.bf16_pair_panels(weight)
+            self._keep = []
+            self._desc = fused_decode.linear_descriptor(self, self._keep)
+        else:
+            self.panels = None
+            self.weight_bf16 = weight.detach().to(torch.bfloat16)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_products and self._desc is None:
+            rows = x.float().to(torch.bfloat16).float()
+            return F.linear(rows, self.weight_bf16.float(), self.bias).to(x.dtype)
         if self._desc is not None and (
             self.small_rows == -1 or (x.dim() == 2 and x.shape[0] <= self.small_rows)
         ):
@@ -132,20 +156,25 @@ class TransposedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def cpu_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
-    """The fastest available CPU module computing x W^T + b for `weight` [out, in]."""
+def cpu_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_products: bool = False
+) -> nn.Module:
+    """The fastest available CPU module computing x W^T + b for `weight` [out, in] (`bf16_products`:
+    bf16(x) bf16(W)^T + b, sums in fp32)."""
+    if bf16_products:
+        return PackedLinear(weight.float(), bias, bf16_products=True)
     if weight.dtype == torch.float32 and onednn_available():
         return PackedLinear(weight, bias)
     return TransposedLinear(weight, bias)
 
 
-def use_cpu_linears(module: nn.Module) -> nn.Module:
+def use_cpu_linears(module: nn.Module, bf16_products: bool = False) -> nn.Module:
     """Replace every nn.Linear below `module` by `cpu_linear` of the same weights."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, cpu_linear(child.weight, child.bias))
+            setattr(module, name, cpu_linear(child.weight, child.bias, bf16_products))
         else:
-            use_cpu_linears(child)
+            use_cpu_linears(child, bf16_products)
     return module
 
 
@@ -195,6 +224,16 @@ def apply_weight_scheme(model: nn.Module, scheme: WeightScheme) -> None:
     A tied head follows `embed` unless `head` is named. Unquantised parts are left for
     `use_cpu_weights`."""
     device = model.embed_tokens.weight.device
+    tied = model.lm_head is None
+    if device.type == "cpu":  # bf16 products: a CPU kernel (elsewhere bf16 is the model's dtype)
+        if scheme.bf16_products("linear"):
+            use_cpu_linears(model.layers, bf16_products=True)
+        if scheme.bf16_products("head") or (
+            tied and scheme.head is None and scheme.bf16_products("embed")
+        ):
+            weight = model.embed_tokens.weight if tied else model.lm_head.weight
+            model.cpu_head = cpu_linear(weight, None, bf16_products=True)
+            model.lm_head = None
     if (linear := scheme.for_class("linear")) is not None:
         cfg = model.config
         kv_rows = cfg.num_kv_heads * cfg.head_dim
@@ -203,7 +242,6 @@ def apply_weight_scheme(model: nn.Module, scheme: WeightScheme) -> None:
             "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size),
         }
         quantize_linears(model.layers, linear, device, splits)
-    tied = model.lm_head is None
     head = scheme.for_class("head") or (scheme.for_class("embed") if tied else None)
     if head is not None:
         weight = model.embed_tokens.weight if tied else model.lm_head.weight

@@ -177,7 +177,7 @@ def load_model(
         left = [n for n, p in model.named_parameters() if p.is_meta]
         if left:  # a quantised weight whose module is not a linear kvserve can run quantised
             raise ModelLoadError(f"{model_dir}: no quantised kernel for {left[:4]}")
-    if scheme is not None and scheme.is_quantized:
+    if scheme is not None and (scheme.is_quantized or scheme.runs_bf16):
         apply_weight_scheme(model, scheme)
         log_kernels(model, quantization)
     unused = sorted(set(checkpoint) - used)

@@ -34,6 +34,11 @@ from kvserve.quant.scheme import ACT_NONE, QuantizationError, TensorScheme, Weig
 def check_tensor_parallel_scheme(scheme: WeightScheme, layout: TensorParallelLayout) -> None:
     """Raise QuantizationError when `scheme` cannot shard exactly over `layout`."""
     world = layout.world_size
+    if scheme.runs_bf16:
+        raise QuantizationError(
+            f"{scheme.name}: bf16 products run on one rank only for now; with tensor parallelism "
+            f"use fp32 or an integer format"
+        )
     if scheme.for_class("embed") is not None:
         raise QuantizationError(
             f"{scheme.name}: a quantised embedding table cannot be tensor-parallel yet (the "

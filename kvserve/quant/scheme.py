@@ -8,7 +8,9 @@ A scheme string names one tensor format, or one per tensor class (docs/quantizat
 - `int4` is per output channel; `int4-pt`: one scale for the whole tensor (the seed's catastrophe).
 - `w8a8`: int8 weights per channel, activations quantised to int8 per token at run time;
   `w8a8-pt`: one activation scale per tensor (the whole batch), as SmoothQuant's static scheme.
-- `fp32`, `bf16`, `fp16`: unquantised.
+- `fp32`, `fp16`: unquantised. `bf16`: on CPU, weights stored in bf16 and multiplied by activations
+  rounded to bf16, sums in fp32 (llama.cpp's BF16 matmul; AVX512_BF16 runs it natively); elsewhere
+  unquantised. It applies to the block linears and the head (a lookup table stays as it is).
 - `linear=int4-g64,embed=int8,head=fp32`: per class; `mixed` is plan's mixed format. A single name
   quantises the block linears only: the embedding and the head keep the model's dtype (what GPTQ and
   AWQ checkpoints ship).
@@ -144,6 +146,16 @@ class WeightScheme:
     @property
     def is_quantized(self) -> bool:
         return any(self.for_class(c) is not None for c in CLASSES)
+
+    def bf16_products(self, cls: str) -> bool:
+        """Whether class `cls` is named `bf16`: on CPU its weights are stored in bf16 and multiplied
+        by activations rounded to bf16, the sums in fp32 (llama.cpp's BF16; docs/quantization.md)."""
+        scheme = getattr(self, cls)
+        return scheme is not None and scheme.name == "bf16"
+
+    @property
+    def runs_bf16(self) -> bool:
+        return self.bf16_products("linear") or self.bf16_products("head")
 
 
 def parse_weight_scheme(text: str) -> WeightScheme:

@@ -520,8 +520,9 @@ int decode_guided(void) { return g_guided; }
 long long decode_claim_min_panels(const Linear *L, int M) {
     if (M > CLAIM_FEW_ROWS) return GUIDED_MIN_PANELS;
     const long long panel_bytes =
-        LIN_IS_FLOAT(L->kind) ? (long long)L->k * FPANEL * (L->kind == LIN_BF16 ? 2 : 4)
-                              : (long long)L->kp * QPANEL / (L->kind == LIN_Q4 ? 2 : 1);
+        LIN_IS_FLOAT(L->kind)       ? (long long)L->k * FPANEL * (L->kind == LIN_BF16 ? 2 : 4)
+        : L->kind == LIN_BF16DOT ? (long long)L->kp * FPANEL * 2
+                                 : (long long)L->kp * QPANEL / (L->kind == LIN_Q4 ? 2 : 1);
     const long long k = (CLAIM_MIN_BYTES + panel_bytes - 1) / panel_bytes;
     return k < GUIDED_MIN_PANELS ? GUIDED_MIN_PANELS : (k + 1) & ~1LL;
 }
@@ -571,6 +572,7 @@ static void f32_linear(const Linear *L, const float *x, int M, float *y, int isa
  * and the forking step's projections. 0 on success, -2 when a buffer cannot be had. */
 static int run_linear(const Linear *L, const float *x, int M, float *y, int num_threads) {
     const int isa = decode_isa();
+    if (L->kind == LIN_BF16DOT) return bf16dot_linear_x(L, x, M, y, isa, num_threads);
     if (!LIN_IS_FLOAT(L->kind)) return q_linear_x(L, x, M, y, isa, num_threads);
     f32_linear(L, x, M, y, isa, num_threads);
     return 0;
@@ -638,11 +640,16 @@ static void step_barrier(StepBarrier *b, int team) {
  * by every thread into its own `acts` (the same bits) */
 static void linear_share(const Linear *L, const float *x, int M, float *y, Acts *acts, int isa,
                          int tid, int nt) {
-    const int width = LIN_IS_FLOAT(L->kind) ? FPANEL : QPANEL;
+    const int width = LIN_WIDTH(L->kind);
     const int64_t panels = (L->n + width - 1) / width;
     const int p0 = (int)(panels * tid / nt), p1 = (int)(panels * (tid + 1) / nt);
     if (LIN_IS_FLOAT(L->kind)) {
         f32_panels(L, x, M, y, isa, p0, p1);
+        return;
+    }
+    if (L->kind == LIN_BF16DOT) {
+        bf16_round_rows(x, 0, M, L->k, L->kp, acts->pairs);
+        bf16dot_panels(L, acts->pairs, M, y, isa, p0, p1);
         return;
     }
     quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
@@ -656,14 +663,16 @@ static void linear_share(const Linear *L, const float *x, int M, float *y, Acts 
  * Each panel is still computed by one thread in one order: the bits do not depend on who takes it. */
 static void linear_guided(const Linear *L, const float *x, int M, float *y, Acts *acts, int isa,
                           int nt, atomic_llong *next, int64_t *base) {
-    const int width = LIN_IS_FLOAT(L->kind) ? FPANEL : QPANEL;
+    const int width = LIN_WIDTH(L->kind);
     const int64_t panels = (L->n + width - 1) / width, begin = *base, end = begin + panels;
     *base = end;
-    if (!LIN_IS_FLOAT(L->kind)) quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
+    if (L->kind == LIN_BF16DOT) bf16_round_rows(x, 0, M, L->k, L->kp, acts->pairs);
+    else if (!LIN_IS_FLOAT(L->kind)) quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
     const long long min_k = decode_claim_min_panels(L, M);
     for (long long c, k; decode_claim_panels(next, end, nt, min_k, &c, &k);) {
         const int p0 = (int)(c - begin), p1 = (int)(c + k - begin);
         if (LIN_IS_FLOAT(L->kind)) f32_panels(L, x, M, y, isa, p0, p1);
+        else if (L->kind == LIN_BF16DOT) bf16dot_panels(L, acts->pairs, M, y, isa, p0, p1);
         else q_linear_panels(L, acts, M, y, isa, p0, p1);
     }
 }

@@ -10,16 +10,20 @@
 #define QPANEL 8 /* output columns interleaved in one panel of the quantised layout */
 #define FPANEL 16 /* output columns interleaved in one panel of the fp32 layout */
 
-enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2, LIN_BF16 = 3 };
+enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2, LIN_BF16 = 3, LIN_BF16DOT = 4 };
 /* fp32 arithmetic on the fp32 panel layout: weights stored as fp32, or as bf16 bits (each one an fp32
  * whose low 16 bits are zero, so widening it is exact) */
 #define LIN_IS_FLOAT(kind) ((kind) == LIN_F32 || (kind) == LIN_BF16)
+/* output columns per panel: 16 for the float layouts and bf16 products, 8 for the integer ones */
+#define LIN_WIDTH(kind) (LIN_IS_FLOAT(kind) || (kind) == LIN_BF16DOT ? FPANEL : QPANEL)
 
 /* One linear y [M, N] = x [M, K] W^T + b.
  * fp32: the panel layout w[p][k][c] (fp32) = W[16p + c][k], N padded to a multiple of 16 columns
  *   (zeros), K as it is: one 64-byte line per input holds the panel's 16 columns.
  * bf16 (LIN_BF16): the same layout of uint16 bf16 bits, 32 bytes per input; the arithmetic is the fp32
  *   one on the widened weights, so it gives the bits the fp32 layout of the same values gives.
+ * bf16 products (LIN_BF16DOT, bf16dot.c): w[p][j][c][t] (bf16 bits) = W[16p + c][2j + t], K padded to
+ *   an even kp (zeros): one 64-byte line per pair of inputs; the activations are rounded to bf16 too.
  * int8 / int4 (qgemv.c): the panel-interleaved layout, N padded to Np = a multiple of 8 columns and
  *   K to Kp = a multiple of 32 inputs (zeros). Panel p holds columns 8p .. 8p + 7.
  *   int8: w[p][b][j][c][t] (int8) = code of column 8p + c, input 32b + 4j + t (j < 8, t < 4): one
@@ -45,6 +49,7 @@ typedef struct {
     int8_t *abs;     /* [M, Kp]: |codes| */
     float *scale;    /* [M, nb] */
     float *sum;      /* [M, nb]: sum of the block's codes */
+    uint32_t *pairs; /* [M, Kp / 2]: bf16 products' activations (bf16dot.c) */
 } Acts;
 
 int alloc_acts(Acts *a, int rows, int max_kp);
@@ -54,6 +59,11 @@ void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int 
 int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads);
 /* panels [p0, p1) of the same, on the calling thread (the fused step's one-region mode) */
 void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, int p0, int p1);
+/* bf16dot.c: rows [m0, m1) of x [M, K] as bf16 pairs [M, Kp / 2]; panels [p0, p1) on this thread; the
+ * whole linear in one parallel region */
+void bf16_round_rows(const float *x, int m0, int m1, int K, int Kp, uint32_t *pairs);
+void bf16dot_panels(const Linear *L, const uint32_t *xp, int M, float *y, int isa, int p0, int p1);
+int bf16dot_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads);
 /* decode_step.c: whether linears hand their panels out in chunks (decode_set_guided), and the next
  * chunk (at least min_k panels) of a shared counter's [*next, end) for one of `nt` threads; 0 when
  * none is left */

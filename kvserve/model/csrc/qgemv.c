@@ -34,10 +34,11 @@ int alloc_acts(Acts *a, int rows, int max_kp) {
     a->abs = malloc((size_t)rows * max_kp);
     a->scale = malloc(sizeof(float) * rows * (max_kp / QBLOCK));
     a->sum = malloc(sizeof(float) * rows * (max_kp / QBLOCK));
-    return a->codes && a->abs && a->scale && a->sum;
+    a->pairs = malloc(sizeof(uint32_t) * rows * (max_kp / 2));
+    return a->codes && a->abs && a->scale && a->sum && a->pairs;
 }
 
-void free_acts(Acts *a) { free(a->codes), free(a->abs), free(a->scale), free(a->sum); }
+void free_acts(Acts *a) { free(a->codes), free(a->abs), free(a->scale), free(a->sum), free(a->pairs); }
 
 /* Rounds 32 values of one block with scale d = amax / 127: codes, |codes|; returns the codes' sum. */
 static int32_t round_block(const float *row, int n, float amax, int8_t *q, int8_t *qa, float *d_out,
