@@ -187,6 +187,8 @@ def speed(args: argparse.Namespace) -> dict:
         set_max_isa(args.isa)  # cap the native kernels' instruction set (an A B of two levels)
     peers = {"fp32": "f32", "int8": "Q8_0", "linear=int8,head=int8": "Q8_0"}
     peers |= {"int4-g32": "Q4_0", "linear=int4-g32,head=int8": "Q4_0"}
+    # bf16 products: llama.cpp's BF16 GGUF (convert_hf_to_gguf.py --outtype bf16) runs the same ones
+    peers |= {"linear=bf16,head=bf16": "BF16"}
     rows = []
     bin_dir = Path(args.llama_bin) if args.llama_bin else None
     for fmt in args.formats.split(";"):

@@ -16,6 +16,7 @@ from kvserve import LLM
 from kvserve.model import fused_decode
 from kvserve.model.linear import PackedLinear
 from kvserve.model.parallel_quant import check_tensor_parallel_scheme
+from kvserve.model.qlinear import kernel_summary
 from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
 
 needs_kernel = pytest.mark.skipif(
@@ -106,6 +107,8 @@ def test_a_model_with_bf16_products_matches_transformers_with_bf16_linears(check
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * len(model.layers) + 1 and all(m.bf16_products for m in linears)
+    expected_kernel = "bf16dot-avx512bf16" if fused_decode.bf16_insn() else linears[0].kernel
+    assert kernel_summary(model) == {expected_kernel: len(linears)}
     logits = llm.engine.score(PROMPT)
 
     def bf16_linear(module, args, kwargs=None):
@@ -167,3 +170,9 @@ def test_bf16_names_the_products_and_tensor_parallel_refuses_them():
     assert not parse_weight_scheme("fp32").runs_bf16
     with pytest.raises(QuantizationError, match="one rank"):
         check_tensor_parallel_scheme(scheme, SimpleNamespace(world_size=2))  # refused first
+
+
+def test_dtype_bfloat16_on_cpu_points_to_the_bf16_products(llama_dir, caplog):
+    with caplog.at_level("WARNING", logger="kvserve.model.loader"):
+        LLM(str(llama_dir), num_blocks=16, dtype="bfloat16")
+    assert any("--quantization linear=bf16,head=bf16" in r.getMessage() for r in caplog.records)

@@ -112,7 +112,8 @@ class EngineArgs:
     seed: int = _option(0, "engine random seed", type=int)
     quantization: str | None = _option(
         None,
-        "quantise weights at load: int8, int4-g128, w8a8, linear=int4-g64,head=int8, ... "
+        "quantise weights at load: int8, int4-g128, w8a8, linear=bf16,head=bf16 (bf16 products, "
+        "fp32 sums), linear=int4-g64,head=int8, ... "
         "(docs/quantization.md)",
         optional=True,
     )

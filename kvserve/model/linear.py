@@ -111,6 +111,19 @@ class PackedLinear(nn.Module):
             self.panels = None
             self.weight_bf16 = weight.detach().to(torch.bfloat16)
 
+    @property
+    def kernel(self) -> str:
+        """What runs the bf16 products: vdpbf16ps ("bf16dot-avx512bf16"), its emulation on AVX-512
+        FMAs, the portable loops ("bf16dot-scalar", slower than fp32), or torch without the C
+        kernels; "" for an fp32 linear."""
+        if not self.bf16_products:
+            return ""
+        if self._desc is None:
+            return "bf16dot-torch"
+        if fused_decode.bf16_insn():
+            return "bf16dot-avx512bf16"
+        return "bf16dot-avx512" if fused_decode.isa() == "avx512" else "bf16dot-scalar"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_products and self._desc is None:
             rows = x.float().to(torch.bfloat16).float()

@@ -214,9 +214,10 @@ class QuantEmbedding(nn.Module):
 
 
 def kernel_summary(model: nn.Module) -> dict[str, int]:
-    """How many quantised linears run on each kernel (e.g. {"kvq-int8-avx2": 120})."""
+    """How many quantised linears run on each kernel (e.g. {"kvq-int8-avx2": 120}), bf16 products
+    included (PackedLinear: "bf16dot-avx512bf16" where vdpbf16ps runs)."""
     counts: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, QuantLinear) or getattr(module, "bf16_products", False):
             counts[module.kernel] = counts.get(module.kernel, 0) + 1
     return dict(sorted(counts.items()))
