@@ -98,7 +98,7 @@ class PackedLinear(nn.Module):
             self._desc = fused_decode.linear_descriptor(self, self._keep)
 
     def _init_bf16_products(self, weight: torch.Tensor) -> None:
-        """bf16 products, fp32 sums (`--matmul-precision bf16`, csrc/bf16dot.c): the weights rounded
+        """bf16 products, fp32 sums (`--quantization linear=bf16`, csrc/bf16dot.c): the weights rounded
         to bf16 once, in the pair layout (`fused_decode.bf16_pair_panels`), and each input row rounded
         to bf16 by the kernel. Without the C kernels the same products come from torch (its own
         summation order)."""
@@ -112,7 +112,7 @@ class PackedLinear(nn.Module):
             self.weight_bf16 = weight.detach().to(torch.bfloat16)
 
     @property
-    def kernel(self) -> str:
+    def products_kernel(self) -> str:
         """What runs the bf16 products: vdpbf16ps ("bf16dot-avx512bf16"), its emulation on AVX-512
         FMAs, the portable loops ("bf16dot-scalar", slower than fp32), or torch without the C
         kernels; "" for an fp32 linear."""

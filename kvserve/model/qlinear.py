@@ -218,6 +218,8 @@ def kernel_summary(model: nn.Module) -> dict[str, int]:
     included (PackedLinear: "bf16dot-avx512bf16" where vdpbf16ps runs)."""
     counts: dict[str, int] = {}
     for module in model.modules():
-        if isinstance(module, QuantLinear) or getattr(module, "bf16_products", False):
+        if isinstance(module, QuantLinear):
             counts[module.kernel] = counts.get(module.kernel, 0) + 1
+        elif getattr(module, "bf16_products", False):  # a PackedLinear with bf16 products
+            counts[module.products_kernel] = counts.get(module.products_kernel, 0) + 1
     return dict(sorted(counts.items()))
