@@ -109,7 +109,9 @@ def test_a_model_with_bf16_products_matches_transformers_with_bf16_linears(check
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * len(model.layers) + 1 and all(m.bf16_products for m in linears)
-    expected_kernel = "bf16dot-avx512bf16" if fused_decode.bf16_insn() else linears[0].products_kernel
+    expected_kernel = (
+        "bf16dot-avx512bf16" if fused_decode.bf16_insn() else linears[0].products_kernel
+    )
     assert kernel_summary(model) == {expected_kernel: len(linears)}
     logits = llm.engine.score(PROMPT)
 
