@@ -25,7 +25,7 @@ runs on one thread fewer while a neighbour takes CPU time from the team, kvserve
 variable each (adaptive policy). `thread_changes` counts the team's changes of size.
 
     PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/neighbour.py --model /tmp/kv/smol-gpt2 \
-        [--rounds 2] [--settings libgomp,kvserve] [--target server] [--out FILE]
+        [--rounds 2] [--settings libgomp,kvserve] [--target server] [--quantization FMT] [--out FILE]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> dict:
     from kvserve import LLM, SamplingParams
 
     llm = LLM(args.model, kv_cache_memory_bytes=256 * 1024**2, enable_prefix_caching=False,
-              thread_policy=args.thread_policy)  # fmt: skip
+              thread_policy=args.thread_policy, quantization=args.quantization)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
@@ -108,6 +108,8 @@ def worker(args: argparse.Namespace) -> dict:
 def serve_case(args: argparse.Namespace, env: dict[str, str], policy: str) -> dict:
     """One `kvserve serve` under `env`, loaded by `kvserve bench serve`; its TPOT p50."""
     serve_args = ("--no-prefix-caching", "--thread-policy", policy)
+    if args.quantization:
+        serve_args += ("--quantization", args.quantization)
     with running_server(args.model, *serve_args, timeout_s=300, env=env) as (url, _):
         threads = httpx.get(f"{url}/debug/steps?since=1000000000").json()["engine"].get("threads")
         with tempfile.TemporaryDirectory() as out:
@@ -145,6 +147,8 @@ def run_case(args: argparse.Namespace, name: str, case: str) -> dict:
                "--new-tokens", str(args.new_tokens), "--thread-policy", policy]  # fmt: skip
         if name in KVSERVE_DEFAULTS:
             cmd.append("--kvserve-defaults")
+        if args.quantization:
+            cmd += ["--quantization", args.quantization]
         env = base | SETTINGS[name]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -174,6 +178,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--quantization", default=None, help="kvserve's --quantization (a format)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--target", choices=["offline", "server"], default="offline")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -218,7 +223,7 @@ def main() -> None:
         print(f"| {row['setting']} | {cells[0]} ms | {cells[1]} ms | {ratios[0]} | {cells[2]} ms "
               f"| {ratios[1]} |")  # fmt: skip
     report = {"benchmark": "neighbour", "target": args.target, "model": args.model,
-              "rate_req_s": args.rate,
+              "rate_req_s": args.rate, "quantization": args.quantization,
               "num_requests": args.num_requests, "new_tokens": args.new_tokens,
               "rounds": args.rounds, "rows": rows, "runs": runs}  # fmt: skip
     write_report(args.out, report)

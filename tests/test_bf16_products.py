@@ -180,3 +180,60 @@ def test_dtype_bfloat16_on_cpu_points_to_the_bf16_products(llama_dir, caplog):
     with caplog.at_level("WARNING", logger="kvserve.model.loader"):
         LLM(str(llama_dir), num_blocks=16, dtype="bfloat16")
     assert any("--quantization linear=bf16,head=bf16" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "scheme, head",
+    [
+        ("embed=bf16", "bf16"),  # a tied head follows the table
+        ("linear=int8,embed=bf16", "bf16"),
+        ("linear=int8,embed=int8,head=bf16", "bf16"),  # a named head keeps its format
+        ("linear=int8,embed=int8,head=fp32", "fp32"),
+        ("linear=int8,embed=int8", "int8"),
+    ],
+)
+def test_a_tied_head_follows_the_table_unless_it_is_named(checkpoints, scheme, head):
+    from kvserve.model.qlinear import QuantEmbedding, QuantLinear
+
+    model_dir, _ = checkpoints["llama_tied"]
+    llm = LLM(str(model_dir), num_blocks=16, quantization=scheme)
+    model = llm.engine.runner.model
+    cpu_head = model.cpu_head
+    if head == "int8":
+        assert isinstance(cpu_head, QuantLinear)
+    else:
+        assert isinstance(cpu_head, PackedLinear)
+        assert cpu_head.bf16_products == (head == "bf16")
+    if "embed=int8" in scheme:
+        assert isinstance(model.embed_tokens, QuantEmbedding)
+    logits = llm.engine.score(PROMPT[:8])
+    assert torch.isfinite(logits).all()
+
+
+def test_the_torch_fallback_takes_a_bf16_bias_and_flushes_subnormals(monkeypatch):
+    monkeypatch.setattr(fused_decode, "max_rows", lambda: 0)  # as without a C compiler
+    w = torch.randn(5, 6)
+    bias = torch.randn(5).to(torch.bfloat16)  # a bf16 model's bias (Qwen2's q/k/v)
+    linear = PackedLinear(w, bias, bf16_products=True)
+    assert linear.products_kernel == "bf16dot-torch"
+    x = torch.randn(3, 6).to(torch.bfloat16)
+    expected = F.linear(x.float(), w.to(torch.bfloat16).float(), bias.float())
+    torch.testing.assert_close(linear(x).float(), expected.to(torch.bfloat16).float())
+    # a subnormal weight or activation counts as zero, as vdpbf16ps reads it
+    tiny = torch.zeros(1, 6)
+    tiny[0, 0] = 1e-39
+    big = torch.zeros(1, 6)
+    big[0, 0] = 1e20
+    assert PackedLinear(tiny, None, bf16_products=True)(big).item() == 0.0
+    assert PackedLinear(big, None, bf16_products=True)(tiny).item() == 0.0
+
+
+def test_quantize_refuses_bf16_products_and_the_warning_knows_them(llama_dir, caplog):
+    from kvserve.quant.convert import check_artifact_scheme
+
+    for text in (BF16, "linear=int8,head=bf16"):
+        with pytest.raises(QuantizationError, match="load-time"):
+            check_artifact_scheme(parse_weight_scheme(text))
+    with caplog.at_level("WARNING", logger="kvserve.model.loader"):
+        LLM(str(llama_dir), num_blocks=16, dtype="bfloat16", quantization=BF16)
+    assert not any("--quantization linear=bf16" in r.getMessage() for r in caplog.records)

@@ -180,12 +180,6 @@ def bf16_pair_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, FPANEL, padded.shape[1] // 2, 2).transpose(1, 2).contiguous()
 
 
-def pair_panel_rows(panels: torch.Tensor, rows: torch.Tensor, num_cols: int) -> torch.Tensor:
-    """Rows `rows` [T] of the matrix behind `bf16_pair_panels` [P, Kp / 2, 16, 2]: [T, num_cols] bf16."""
-    picked = panels[rows // FPANEL, :, rows % FPANEL, :]  # [T, Kp / 2, 2]
-    return picked.reshape(rows.shape[0], -1)[:, :num_cols]
-
-
 def bf16_insn() -> bool:
     """Whether the bf16 products run on vdpbf16ps here (AVX512_BF16); else the same arithmetic on
     fp32 multiply-adds (AVX-512 F) or the portable loops."""

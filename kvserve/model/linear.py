@@ -107,9 +107,9 @@ class PackedLinear(nn.Module):
             self.panels = fused_decode.bf16_pair_panels(weight)
             self._keep = []
             self._desc = fused_decode.linear_descriptor(self, self._keep)
-        else:
+        else:  # the bf16 values as fp32 (exact), subnormals flushed as the kernels read them
             self.panels = None
-            self.weight_bf16 = weight.detach().to(torch.bfloat16)
+            self.weight_bf16 = _flush_subnormals(weight.detach().float()).to(torch.bfloat16).float()
 
     @property
     def products_kernel(self) -> str:
@@ -126,8 +126,9 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_products and self._desc is None:
-            rows = x.float().to(torch.bfloat16).float()
-            return F.linear(rows, self.weight_bf16.float(), self.bias).to(x.dtype)
+            rows = _flush_subnormals(x.float()).to(torch.bfloat16).float()
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(rows, self.weight_bf16, bias).to(x.dtype)
         if self._desc is not None and (
             self.small_rows == -1 or (x.dim() == 2 and x.shape[0] <= self.small_rows)
         ):
@@ -135,6 +136,11 @@ class PackedLinear(nn.Module):
             y = fused_decode.small_linear(self._desc, rows)  # [M, out]
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _flush_subnormals(t: torch.Tensor) -> torch.Tensor:
+    """fp32 subnormals to zero: vdpbf16ps reads bf16 subnormals as zero (csrc/bf16dot.c)."""
+    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t)
 
 
 class PanelEmbedding(nn.Module):
@@ -255,10 +261,18 @@ def apply_weight_scheme(model: nn.Module, scheme: WeightScheme) -> None:
             "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size),
         }
         quantize_linears(model.layers, linear, device, splits)
-    head = scheme.for_class("head") or (scheme.for_class("embed") if tied else None)
+    # a named head keeps its own format (a float one included); else a tied head follows the table
+    if scheme.head is not None:
+        head = scheme.for_class("head")
+    else:
+        head = scheme.for_class("embed") if tied else None
     if head is not None:
         weight = model.embed_tokens.weight if tied else model.lm_head.weight
         model.cpu_head = make_linear(weight, None, head, device)
+        model.lm_head = None
+    elif tied and model.cpu_head is None and scheme.for_class("embed") is not None:
+        # a named float head whose tied table is quantised below: the head from the float table
+        model.cpu_head = make_linear(model.embed_tokens.weight, None, None, device)
         model.lm_head = None
     if (embed := scheme.for_class("embed")) is not None:
         table = model.embed_tokens.weight

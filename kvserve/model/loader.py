@@ -98,7 +98,8 @@ def load_model(
     block linears by a calibrated `quantization_method` (gptq, awq, smoothquant) on the text in
     `calib`, as `kvserve quantize` would write them, short scale groups allowed."""
     model_dir = Path(model_dir)
-    if torch.device(device).type == "cpu" and dtype in ("bfloat16", "float16"):
+    asks_bf16 = quantization is not None and parse_weight_scheme(quantization).runs_bf16
+    if torch.device(device).type == "cpu" and dtype in ("bfloat16", "float16") and not asks_bf16:
         # vLLM users reach for --dtype bfloat16 for speed; here it takes the per-op torch path
         logger.warning(
             "--dtype %s on CPU runs every op in %s through torch, without kvserve's fused kernels "

@@ -145,6 +145,11 @@ def check_artifact_scheme(scheme: WeightScheme) -> None:
             f"{scheme.name}: compressed-tensors checkpoints keep the embedding table in float; "
             "quantise embed at load time (--quantization) instead"
         )
+    if scheme.runs_bf16:
+        raise QuantizationError(
+            f"{scheme.name}: bf16 products are a load-time format (--quantization); an artifact "
+            "stores integer codes"
+        )
     if not scheme.is_quantized:
         raise QuantizationError(f"{scheme.name}: nothing to quantise")
 

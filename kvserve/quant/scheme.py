@@ -155,7 +155,8 @@ class WeightScheme:
 
     @property
     def runs_bf16(self) -> bool:
-        return self.bf16_products("linear") or self.bf16_products("head")
+        """Some class is `bf16`: the linears, the head, or the table (which a tied head follows)."""
+        return any(self.bf16_products(c) for c in CLASSES)
 
 
 def parse_weight_scheme(text: str) -> WeightScheme:

@@ -33,8 +33,8 @@ enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2, LIN_BF16 = 3, LIN_BF16DOT = 4 };
  *   scales [P, G, 8] fp16 (P = Np / 8, G groups of bpg blocks: the checkpoint's fp16 scales, so
  *   exact), zeros [P, G, 8] fp16 or NULL (symmetric int4: zero 8). w_min: some int8 code is -128 (takes the |w| x sign(x, w) order). */
 typedef struct {
-    int kind;     /* LIN_F32 | LIN_Q8 | LIN_Q4 | LIN_BF16 */
-    int n, k, kp; /* outputs, inputs, inputs padded to a multiple of 32 (quantised) */
+    int kind;     /* LIN_F32 | LIN_Q8 | LIN_Q4 | LIN_BF16 | LIN_BF16DOT */
+    int n, k, kp; /* outputs, inputs, inputs padded (quantised: to a multiple of 32; LIN_BF16DOT: even) */
     int groups, bpg, act_mode; /* scale groups per row, blocks per group, activation rounding mode */
     int w_min;
     const void *w;
