@@ -237,3 +237,17 @@ def test_quantize_refuses_bf16_products_and_the_warning_knows_them(llama_dir, ca
     with caplog.at_level("WARNING", logger="kvserve.model.loader"):
         LLM(str(llama_dir), num_blocks=16, dtype="bfloat16", quantization=BF16)
     assert not any("--quantization linear=bf16" in r.getMessage() for r in caplog.records)
+
+
+def test_the_manifest_names_what_runs_the_bf16_products(llama_dir):
+    from kvserve.server.manifest import build_manifest
+
+    manifest = build_manifest(
+        llama_dir, served_model_name="m", dtype="float32", chat_template=None,
+        engine_options={"quantization": BF16},
+    )  # fmt: skip
+    quant = manifest["quantization"]
+    assert quant["scheme"] == BF16
+    expected = "vdpbf16ps" if fused_decode.bf16_insn() else quant["bf16_products"]
+    assert quant["bf16_products"] == expected
+    assert quant["bf16_products"] in ("vdpbf16ps", "avx512-fma", "portable", "torch")
