@@ -188,6 +188,7 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--calibrate-budget-s", type=float, default=90.0)
     p.add_argument("--calibration", choices=("server", "offline"), default="server")
+    p.add_argument("--quantization", default=None, help="the server's --quantization (a format)")
     p.add_argument("--calibration-rates", default="1,inf", help="server calibration runs")
     p.add_argument("--calibration-requests", type=int, default=30)
     p.add_argument("--noise-seeds", type=int, default=5, help="replays at run speed (spread)")
@@ -207,6 +208,10 @@ def main() -> int:
         "--max-model-len",
         str(args.max_model_len),
     ]
+    if args.quantization:
+        if args.calibration == "offline":  # `simulate --calibrate` times the fp32 engine
+            p.error("--quantization needs --calibration server")
+        engine_args += ["--quantization", args.quantization]
     profile = out / "profile.json"
     if args.calibration == "offline":
         calibrate_offline(args, model, profile)
@@ -264,6 +269,7 @@ def main() -> int:
             "seed": args.seed,
         },
         "host": {"cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+        "quantization": args.quantization,
         "results": results,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

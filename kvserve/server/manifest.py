@@ -69,19 +69,6 @@ def fingerprint(manifest_sha256: str) -> str:
     return "fp_" + manifest_sha256[:16]
 
 
-def bf16_products_kernel() -> str:
-    """What runs `bf16` linears here (csrc/bf16dot.c): "vdpbf16ps" (AVX512_BF16), "avx512-fma"
-    (the same operations on fp32 FMAs), "portable" (scalar loops, slower than fp32) or "torch" (no
-    C kernels)."""
-    from kvserve.model import fused_decode
-
-    if not fused_decode.max_rows():
-        return "torch"
-    if fused_decode.bf16_insn():
-        return "vdpbf16ps"
-    return "avx512-fma" if fused_decode.isa() == "avx512" else "portable"
-
-
 def quantization_manifest(
     model_dir: Path, at_load: str | None, at_load_method: str = "rtn", calib: str | None = None
 ) -> dict | None:
@@ -118,6 +105,8 @@ def quantization_manifest(
         from kvserve.quant.scheme import parse_weight_scheme
 
         if parse_weight_scheme(at_load).runs_bf16:
+            from kvserve.quant.kernels import bf16_products_kernel
+
             out["bf16_products"] = bf16_products_kernel()
     if at_load and calib is not None:  # the codes depend on this text: it is part of the model
         out["calibration_sha256"] = sha256_file(Path(calib)) if Path(calib).is_file() else None
