@@ -166,14 +166,18 @@ def f32_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     return padded.view(-1, FPANEL, k).transpose(1, 2).contiguous()  # [P, K, 16]
 
 
+def flush_subnormals(t: torch.Tensor) -> torch.Tensor:
+    """fp32 subnormals to zero: vdpbf16ps reads bf16 subnormals as zero (csrc/bf16dot.c)."""
+    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t)
+
+
 def bf16_pair_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> the bf16 products' layout [ceil(N / 16), Kp / 2, 16, 2] of csrc/decode_step.h
     (K padded to an even Kp): panel p, pair j holds columns 16p .. 16p + 15 at inputs 2j, 2j + 1 (one
     64-byte line). The weights are rounded to bf16 (nearest, ties to even) and subnormals flushed to
     zero, as vdpbf16ps reads them (csrc/bf16dot.c)."""
     n, k = weight.shape
-    w = weight.detach().float()
-    w = torch.where(w.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(w), w)
+    w = flush_subnormals(weight.detach().float())
     padded = torch.zeros(-(-n // FPANEL) * FPANEL, k + k % 2, dtype=torch.bfloat16)
     padded[:n, :k] = w.to(torch.bfloat16)
     # [Np, Kp] -> [P, 16, Kp / 2, 2] -> [P, Kp / 2, 16, 2]

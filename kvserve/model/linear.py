@@ -50,6 +50,15 @@ def onednn_available() -> bool:
         return False
 
 
+# kvserve.quant.kernels.bf16_products_kernel() -> the load log's name (a "scalar" one is flagged slow)
+_PRODUCTS_KERNEL_NAMES = {
+    "vdpbf16ps": "bf16dot-avx512bf16",
+    "avx512-fma": "bf16dot-avx512",
+    "portable": "bf16dot-scalar",
+    "torch": "bf16dot-torch",
+}
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W laid out once for a packed CPU kernel.
 
@@ -109,7 +118,9 @@ class PackedLinear(nn.Module):
             self._desc = fused_decode.linear_descriptor(self, self._keep)
         else:  # the bf16 values as fp32 (exact), subnormals flushed as the kernels read them
             self.panels = None
-            self.weight_bf16 = _flush_subnormals(weight.detach().float()).to(torch.bfloat16).float()
+            self.weight_bf16 = (
+                fused_decode.flush_subnormals(weight.detach().float()).to(torch.bfloat16).float()
+            )
 
     @property
     def products_kernel(self) -> str:
@@ -118,15 +129,13 @@ class PackedLinear(nn.Module):
         kernels; "" for an fp32 linear."""
         if not self.bf16_products:
             return ""
-        if self._desc is None:
-            return "bf16dot-torch"
-        if fused_decode.bf16_insn():
-            return "bf16dot-avx512bf16"
-        return "bf16dot-avx512" if fused_decode.isa() == "avx512" else "bf16dot-scalar"
+        from kvserve.quant.kernels import bf16_products_kernel  # the one place that decides
+
+        return _PRODUCTS_KERNEL_NAMES[bf16_products_kernel()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bf16_products and self._desc is None:
-            rows = _flush_subnormals(x.float()).to(torch.bfloat16).float()
+            rows = fused_decode.flush_subnormals(x.float()).to(torch.bfloat16).float()
             bias = None if self.bias is None else self.bias.float()
             return F.linear(rows, self.weight_bf16, bias).to(x.dtype)
         if self._desc is not None and (
@@ -136,11 +145,6 @@ class PackedLinear(nn.Module):
             y = fused_decode.small_linear(self._desc, rows)  # [M, out]
             return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def _flush_subnormals(t: torch.Tensor) -> torch.Tensor:
-    """fp32 subnormals to zero: vdpbf16ps reads bf16 subnormals as zero (csrc/bf16dot.c)."""
-    return torch.where(t.abs() < torch.finfo(torch.float32).tiny, torch.zeros_like(t), t)
 
 
 class PanelEmbedding(nn.Module):

@@ -98,16 +98,6 @@ def load_model(
     block linears by a calibrated `quantization_method` (gptq, awq, smoothquant) on the text in
     `calib`, as `kvserve quantize` would write them, short scale groups allowed."""
     model_dir = Path(model_dir)
-    asks_bf16 = quantization is not None and parse_weight_scheme(quantization).runs_bf16
-    if torch.device(device).type == "cpu" and dtype in ("bfloat16", "float16") and not asks_bf16:
-        # vLLM users reach for --dtype bfloat16 for speed; here it takes the per-op torch path
-        logger.warning(
-            "--dtype %s on CPU runs every op in %s through torch, without kvserve's fused kernels "
-            "(slower than fp32: 0.7x at saturation on a Zen 4); for bf16 speed keep the default "
-            "dtype and use --quantization linear=bf16,head=bf16 (bf16 products, fp32 elsewhere)",
-            dtype,
-            dtype,
-        )
     arch = get_arch(config.model_type)
     with torch.device("meta"):
         model = DecoderLM(config, arch, max_positions)
@@ -119,6 +109,16 @@ def load_model(
             f"--quantization {quantization}"
         )
     scheme = parse_weight_scheme(quantization) if quantization is not None else None
+    asks_bf16 = scheme is not None and scheme.runs_bf16
+    if torch.device(device).type == "cpu" and dtype in ("bfloat16", "float16") and not asks_bf16:
+        # vLLM users reach for --dtype bfloat16 for speed; here it takes the per-op torch path
+        logger.warning(
+            "--dtype %s on CPU runs every op in %s through torch, without kvserve's fused kernels "
+            "(slower than fp32: 0.7x at saturation on a Zen 4); for bf16 speed keep the default "
+            "dtype and use --quantization linear=bf16,head=bf16 (bf16 products, fp32 elsewhere)",
+            dtype,
+            dtype,
+        )
     if scheme is not None and quantization_method != "rtn":
         # the block linears' codes, and the checkpoint with AWQ / SmoothQuant's scales folded
         from kvserve.quant.methods import calibrated_at_load

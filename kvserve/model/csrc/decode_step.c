@@ -677,13 +677,18 @@ static void linear_guided(const Linear *L, const float *x, int M, float *y, Acts
     }
 }
 
-static int max_kp_of(const Model *mdl) {
+/* the widest padded input of the model's quantised and bf16-product linears; *pairs: whether any
+ * linear takes bf16 products (the team's Acts then hold a pairs buffer) */
+static int max_kp_of(const Model *mdl, int *pairs) {
     int max_kp = QBLOCK;
+    *pairs = 0;
     for (int l = 0; l < mdl->num_layers; l++) {
         const Linear *ls[4] = {&mdl->layers[l].qkv, &mdl->layers[l].o, &mdl->layers[l].gate_up,
                                &mdl->layers[l].down};
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < 4; i++) {
             if (!LIN_IS_FLOAT(ls[i]->kind) && ls[i]->kp > max_kp) max_kp = ls[i]->kp;
+            if (ls[i]->kind == LIN_BF16DOT) *pairs = 1;
+        }
     }
     return max_kp;
 }
@@ -700,7 +705,8 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
     const int64_t per_thread = (int64_t)M * (2 * D + I);
     float *own = malloc(sizeof(float) * per_thread * num_threads);
     Acts *acts = calloc(num_threads, sizeof(Acts));
-    const int max_kp = max_kp_of(mdl);
+    int with_pairs;
+    const int max_kp = max_kp_of(mdl, &with_pairs);
     StepBarrier bar = {0, 0, 0};
     int status = 0;
     float *parts = NULL;
@@ -717,7 +723,7 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
         goto done;
     }
     for (int t = 0; t < num_threads; t++)
-        if (!alloc_acts(&acts[t], M, max_kp)) {
+        if (!alloc_acts(&acts[t], M, max_kp, with_pairs)) {
             status = -2;
             goto done;
         }

@@ -49,10 +49,11 @@ typedef struct {
     int8_t *abs;     /* [M, Kp]: |codes| */
     float *scale;    /* [M, nb] */
     float *sum;      /* [M, nb]: sum of the block's codes */
-    uint32_t *pairs; /* [M, Kp / 2]: bf16 products' activations (bf16dot.c) */
+    uint32_t *pairs; /* [M, Kp / 2]: bf16 products' activations (bf16dot.c), or NULL */
 } Acts;
 
-int alloc_acts(Acts *a, int rows, int max_kp);
+/* with_pairs: also the bf16 pairs buffer (a step with bf16-product linears) */
+int alloc_acts(Acts *a, int rows, int max_kp, int with_pairs);
 void free_acts(Acts *a);
 void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads);
 /* the quantised linear for any M from fp32 input: rounding and panels in one parallel region */

@@ -28,14 +28,14 @@
 #include <immintrin.h>
 #endif
 
-int alloc_acts(Acts *a, int rows, int max_kp) {
+int alloc_acts(Acts *a, int rows, int max_kp, int with_pairs) {
     a->rows = rows, a->kp = max_kp;
     a->codes = malloc((size_t)rows * max_kp);
     a->abs = malloc((size_t)rows * max_kp);
     a->scale = malloc(sizeof(float) * rows * (max_kp / QBLOCK));
     a->sum = malloc(sizeof(float) * rows * (max_kp / QBLOCK));
-    a->pairs = malloc(sizeof(uint32_t) * rows * (max_kp / 2));
-    return a->codes && a->abs && a->scale && a->sum && a->pairs;
+    a->pairs = with_pairs ? malloc(sizeof(uint32_t) * rows * (max_kp / 2)) : NULL;
+    return a->codes && a->abs && a->scale && a->sum && (a->pairs || !with_pairs);
 }
 
 void free_acts(Acts *a) { free(a->codes), free(a->abs), free(a->scale), free(a->sum), free(a->pairs); }
@@ -673,7 +673,7 @@ int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int nu
     Acts *acts = calloc(copies, sizeof(Acts));
     int status = acts ? 0 : -2;
     for (int t = 0; t < copies && status == 0; t++)
-        if (!alloc_acts(&acts[t], M, L->kp)) status = -2;
+        if (!alloc_acts(&acts[t], M, L->kp, 0)) status = -2;
     if (status == 0) {
         const float tensor_max = L->act_mode == 2 ? tensor_abs_max(x, M, L->k, isa) : 0.f;
         const int num_panels = (L->n + QPANEL - 1) / QPANEL, guided = decode_guided();
