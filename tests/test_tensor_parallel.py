@@ -78,6 +78,11 @@ def _rank_main(rank: int, jobs: list[tuple[str, str]], out_dir: str) -> None:
                 {"logits": logits, "tokens": tokens, "kv_bytes": kv_bytes},
                 Path(out_dir) / f"{name}-rank{rank}.pt",
             )
+        # both ranks done before either tears gloo down: under CI load rank 0 once aborted
+        # ("terminate called without an active exception") with the file store in place, so the
+        # port was not the (only) cause; a rank leaving while its peer is still in the last
+        # collective is the other candidate
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
