@@ -272,10 +272,11 @@ def _tiny_decoder(
         tie_word_embeddings=True, **widths,
     )  # fmt: skip
     model = DecoderLM(config, get_arch("llama"), config.max_position_embeddings).eval()
-    if scheme is not None:
-        from kvserve.model.linear import quantize_linears
+    if scheme is not None:  # as the loader applies `--quantization linear=FMT`
+        from kvserve.model.linear import apply_weight_scheme
+        from kvserve.quant.scheme import WeightScheme
 
-        quantize_linears(model.layers, scheme, "cpu")
+        apply_weight_scheme(model, WeightScheme(scheme.name, scheme))
     model.use_cpu_weights()
     model.fused_decode = model.fused_decode and fused  # as the engine decides, or the per-op path
     block_size = 16

@@ -57,8 +57,8 @@ BASE = (
 )
 
 
-def cost(points, fmt="fp32", model=TIED):
-    hw = HardwareProfile("m", 1e12, 1e9, 1e15, "fp32", measured=True, points=points,
+def cost(points, fmt="fp32", model=TIED, peak=1e15):
+    hw = HardwareProfile("m", 1e12, 1e9, peak, "fp32", measured=True, points=points,
                          decode_fused_rows=4, decode_fused_f32_rows=4,
                          decode_team_any_context=True)  # fmt: skip
     k = arith.kv_bytes_per_token(model, 4)
@@ -122,7 +122,7 @@ QUICK = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0, dispatch_rounds=1
 
 
 @pytest.mark.skipif(not fused_rows(), reason="no fused step here")
-@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "bf16"])
 def test_the_measurement_is_the_fused_step_less_its_fixed_part_on_the_models_shapes(
     monkeypatch, fmt
 ):
@@ -160,3 +160,57 @@ def test_the_head_points_count_the_heads_bytes_over_its_streaming_time(monkeypat
     num_bytes = parse_tensor_format("int8").num_bytes(TensorShape("h", "head", 100, 128))
     assert p.kind == "head:int8" and p.num_columns == 2
     assert p.bytes_per_s == pytest.approx(num_bytes / 2e-3)
+
+
+def test_a_step_timed_whole_at_its_rows_takes_no_flops_floor():
+    """The GEMM probe's peak is below what the engine's own kernels reach (1204c: int8 at 16 rows
+    and int4 at 4 and 16 were planned 1.2-1.8x their steps by the floor). The team layers time
+    the step's FLOPs at their rows, so there the floor does not apply; past the timed rows (the
+    points held constant) and on the per-op path it still does."""
+    points = BASE + tuple(team_points(TIED, "fp32", 1, 4e-4, 1e-6))
+    c = cost(points, peak=1e3)  # a floor far above every measured term
+    t = c.terms_s(1, 500)
+    assert c.path(1, 500) == "team" and t["compute"] > 1.0
+    assert c.decode_step_s(1, 500) == pytest.approx(t["weights"] + t["kv"] + t["dispatch"])
+    assert c.decode_bound(1, 500) != "compute"
+    assert c.path(4, 500) == "team"  # team path, but 4 rows were not timed: floored
+    assert c.decode_step_s(4, 500) == pytest.approx(c.terms_s(4, 500)["compute"])
+    assert c.decode_bound(4, 500) == "compute"
+    assert cost(BASE, peak=1e3).decode_step_s(1, 500) == pytest.approx(t["compute"])  # no layers
+
+
+def test_bf16_products_are_one_kernel_at_every_row_count():
+    """`linear:bf16` is the bf16-product module (its kernel at every row count), not an fp32 one
+    that changes kernel above the small rows: the per-op step interpolates across them."""
+    pts = BASE + (pt("linear:bf16", 1, 2e9), pt("linear:bf16", 16, 1e9))
+    hw = HardwareProfile("m", 1e12, 1e9, 1e15, "fp32", measured=True, points=pts,
+                         decode_fused_rows=4, decode_fused_f32_rows=4)  # fmt: skip
+    k = arith.kv_bytes_per_token(TIED, 4)
+    fmt = "linear=bf16,embed=fp32,head=fp32,norm=fp32"
+    c = EngineCost.from_profile(TIED, parse_weight_format(fmt), k, hw)
+    by = parse_weight_format(fmt).bytes_by_category(TIED)
+    at_4 = 1.5e9  # halfway from 1 to 16 rows in log2
+    rest = (by["embed"] + by["head"] + by["norm"]) / 0.5e9  # fp32: linear:fp32 at 4 rows
+    assert c.path(4, 10) == "fused"
+    assert c.terms_s(4, 10)["weights"] == pytest.approx(by["linear"] / at_4 + rest)
+
+
+@pytest.mark.skipif(not fused_rows(), reason="no fused step here")
+def test_bf16_is_measured_on_the_bf16_product_modules_the_loader_builds():
+    """`--measure-formats bf16` times what `--quantization linear=bf16,head=bf16` runs: the block
+    linears, the head and the linear points as bf16-product modules, the step fused."""
+    import torch
+
+    from kvserve.measure_engine import _tiny_decoder
+    from kvserve.model.linear import make_linear
+    from kvserve.quant.scheme import parse_tensor_scheme
+
+    bf16 = parse_tensor_scheme("bf16")
+    make_step, model = _tiny_decoder(2, True, 64, 4, WIDE, bf16)
+    linears = [m for m in model.layers.modules() if hasattr(m, "bf16_products")]
+    assert len(linears) == 2 * 4 and all(m.bf16_products for m in linears)
+    with torch.inference_mode():
+        make_step(4, 32)()
+    assert model.fused is not None and model.fused.num_steps == 1
+    assert make_linear(torch.randn(32, 64), None, bf16).bf16_products
+    assert not getattr(make_linear(torch.randn(32, 64), None, None), "bf16_products", False)

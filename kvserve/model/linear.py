@@ -208,11 +208,13 @@ def make_linear(
     device: torch.device | str = "cpu",
 ) -> nn.Module:
     """The linear module for `weight` [out, in]: quantised by RTN in `scheme` (QuantLinear: integer
-    kernels on CPU), else the fastest float layout on CPU, else nn.Linear's function on `device`."""
+    kernels on CPU); `bf16` on CPU: bf16 products (`cpu_linear`), as the loader builds a class
+    named `bf16`; else the fastest float layout on CPU, else nn.Linear's function on `device`."""
     if scheme is not None and not scheme.is_float:
         return QuantLinear(quantize(weight, scheme), bias, device)
     if torch.device(device).type == "cpu":
-        return cpu_linear(weight, bias)
+        products = scheme is not None and scheme.name == "bf16"
+        return cpu_linear(weight, bias, bf16_products=products)
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
     if bias is not None:

@@ -68,7 +68,9 @@ ENGINE_PART_NAMES = {
     "engine-loop": "the scheduler, output processing and step loop",
 }
 ENGINE_PARTS = tuple(ENGINE_PART_NAMES)
-FP32_KERNEL = ("fp32", "bf16", "fp16")  # weight formats the engine runs on its fp32 kernels
+# weight formats the engine runs on its fp32 kernels (`bf16`: bf16 products, its own kernel at every
+# row count; docs/planning.md)
+FP32_KERNEL = ("fp32", "fp16")
 
 
 @dataclass(frozen=True)
@@ -287,18 +289,29 @@ class EngineCost:
             "bandwidth": total_bytes / self.bandwidth_bytes_per_s,
         }
 
+    def _measured_whole(self, batch: float, mean_context: float) -> bool:
+        """Whether the step's layers are the team step's own times on the model's shapes at no
+        more rows than were timed: the FLOPs are then in the measurement, and the floor at the
+        GEMM probe's peak (which the engine's int8, int4 and bf16-product kernels outrun) does
+        not apply. Past the timed rows the points are held constant, and the floor bounds that."""
+        team = self._team_layer(self.path(batch, mean_context))
+        return bool(team) and batch <= max(r for r, _, _ in team)
+
     def decode_step_s(self, batch: float, mean_context: float) -> float:
         t = self.terms_s(batch, mean_context)
-        return max(t["weights"] + t["kv"] + t["dispatch"] + t["engine"], t["compute"])
+        summed = t["weights"] + t["kv"] + t["dispatch"] + t["engine"]
+        return summed if self._measured_whole(batch, mean_context) else max(summed, t["compute"])
 
     def decode_bound(self, batch: float, mean_context: float) -> str:
         """The largest part of the step: "memory" (the weights and cache at the GEMV bandwidth),
         "kernel" (what the measured kernels take beyond that: kernel efficiency), "dispatch"
         (the forward's host cost), "engine" (the engine's work outside the forward), or
-        "compute" (the FLOPs floor sets the step)."""
+        "compute" (the FLOPs floor sets the step; never where the team step was timed whole at
+        these rows)."""
         t = self.terms_s(batch, mean_context)
         streaming = t["weights"] + t["kv"]
-        if t["compute"] >= streaming + t["dispatch"] + t["engine"]:
+        floored = not self._measured_whole(batch, mean_context)
+        if floored and t["compute"] >= streaming + t["dispatch"] + t["engine"]:
             return "compute"
         memory = min(t["bandwidth"], streaming)
         parts = {"memory": memory, "kernel": streaming - memory, "dispatch": t["dispatch"],
