@@ -208,9 +208,7 @@ def main() -> int:
         "--max-model-len",
         str(args.max_model_len),
     ]
-    if args.quantization:
-        if args.calibration == "offline":  # `simulate --calibrate` times the fp32 engine
-            p.error("--quantization needs --calibration server")
+    if args.quantization:  # the server and the offline calibration's engine alike
         engine_args += ["--quantization", args.quantization]
     profile = out / "profile.json"
     if args.calibration == "offline":
@@ -421,6 +419,7 @@ def calibrate_offline(args, model: Path, profile: Path) -> None:
         str(args.max_model_len),
         "--dtype",
         "float32",
+        *(["--quantization", args.quantization] if args.quantization else []),
     )
 
 

@@ -193,6 +193,8 @@ def calibrate_main(args: Any) -> str:
         "num_blocks": args.num_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,
     }
+    if getattr(args, "quantization", None):
+        options["quantization"] = args.quantization
     if args.kv_cache_gb is not None:
         options["kv_cache_memory_bytes"] = int(args.kv_cache_gb * 1e9)
     engine = LLMEngine(build_engine_config(args.calibrate, **options))

@@ -143,6 +143,22 @@ def test_calibration_cli_refuses_a_poor_fit_and_saves_one_only_when_accepted(
     assert fit["poor"] is True and fit["bound"]["max_median_abs_rel_error"] == 1e-4
 
 
+def test_calibration_times_the_quantised_engine_it_is_given(tmp_path, capsys, tiny_dir):
+    """`--quantization` reaches the calibrated engine: the profile records the format, and the
+    engine that ran the steps had it (a quantised step is not an fp32 one)."""
+    from kvserve.cli import main
+
+    save = tmp_path / "profile.json"
+    args = ["simulate", "--calibrate", str(tiny_dir), "--save", str(save), "--dtype", "float32"]
+    args += ["--calibrate-max-len", "40", "--calibrate-budget-s", "1", "--max-num-seqs", "4"]
+    args += ["--chunk-tokens", "24", "--max-model-len", "128", "--num-blocks", "40"]
+    args += ["--accept-poor-fit", "--quantization", "linear=bf16,head=bf16"]
+    assert main(args) == 0
+    capsys.readouterr()
+    doc = json.loads(save.read_text())
+    assert doc["engine"]["quantization"] == "linear=bf16,head=bf16"
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from tests.checkpoints import build_checkpoint

@@ -67,6 +67,13 @@ def register(subparsers: Any) -> None:
     g.add_argument("--device", default="cpu", help="torch device for calibration (cpu)")
     g.add_argument("--dtype", default="auto", help="engine dtype for calibration (auto)")
     g.add_argument(
+        "--quantization",
+        metavar="FMT",
+        default=None,
+        help="the engine's --quantization for --calibrate: a quantised engine times its own "
+        "steps (docs/quantization.md)",
+    )
+    g.add_argument(
         "--calibrate-max-len", type=int, default=1024, help="longest context calibrated (1024)"
     )
     g.add_argument(
