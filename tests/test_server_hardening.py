@@ -265,6 +265,31 @@ def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenised(server, path
     assert_still_serving(url)
 
 
+def test_tokenize_routes_refuse_what_cannot_fit_the_context(server):
+    """fuzzing: /tokenize had no length bound (a 2 MB text took 5.6 s of a worker). It applies the
+    prompts' bound, with no room for output: 150 kB needs at least 1172 tokens (150,000 / 128)."""
+    url, _ = server
+    text = "word " * 30_000
+    for body, param in [
+        ({"prompt": text}, "prompt"),
+        ({"messages": [{"role": "user", "content": text}]}, "messages"),
+    ]:
+        response = httpx.post(f"{url}/tokenize", json=body)
+        error = assert_openai_error(response, 400, param, "the prompt has at least 117")
+        assert error["code"] == "context_length_exceeded", error
+        assert "no room for output" not in error["message"]
+    # what the bound cannot refuse is tokenised, its count past the context (256) included, as vLLM
+    counted = httpx.post(f"{url}/tokenize", json={"prompt": "word " * 6_000})
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == 6001 and counted.json()["max_model_len"] == 256
+    # no prompt or output has more ids than the context
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [995] * 256}).status_code == 200
+    response = httpx.post(f"{url}/detokenize", json={"tokens": [995] * 257})
+    error = assert_openai_error(response, 400, "tokens", "257 token ids")
+    assert error["code"] == "context_length_exceeded"
+    assert_still_serving(url)
+
+
 def test_disconnected_non_streaming_request_is_logged_and_query_strings_are_not(server):
     url, log = server
     assert httpx.get(f"{url}/health?note=hunter2-secret").status_code == 200

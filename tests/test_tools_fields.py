@@ -183,6 +183,12 @@ def test_every_optional_field_may_be_null(server):
     assert required.status_code == 400 and required.json()["error"]["param"] == "prompt"
 
 
+def with_tool_call(arguments) -> list[dict]:
+    """MESSAGES, an assistant message calling `f` with these arguments, then MESSAGES again."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}, *MESSAGES]
+
+
 @pytest.mark.parametrize(
     "path, body, param, fragment",
     [
@@ -203,6 +209,16 @@ def test_every_optional_field_may_be_null(server):
         ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tools": []}},
          "chat_template_kwargs", "may not set 'tools'"),
         ("/tokenize", {"prompt": "Hi", "messages": MESSAGES}, "messages", "not both"),
+        # fuzzing, third round: any truthy value turned json_object on (0 too)
+        *[("/v1/completions", {"prompt": "Hi", "structured_outputs": {"json_object": value}},
+           "structured_outputs.json_object", "must be a boolean") for value in ("yes", 5, [1], 0)],
+        ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema",
+         "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": "yes"}}},
+         "response_format.json_schema.strict", "must be a boolean"),
+        # fuzzing, third round: arguments that parse, but not to an object, went to the template
+        *[(path, {"messages": with_tool_call(arguments)},
+           "messages[1].tool_calls[0].function.arguments", "must be a JSON object")
+          for path in ("/v1/chat/completions", "/tokenize") for arguments in ("5", "[1, 2]", 5)],
     ],
 )  # fmt: skip
 def test_malformed_fields_are_400_naming_them(server, path, body, param, fragment):
@@ -211,3 +227,17 @@ def test_malformed_fields_are_400_naming_them(server, path, body, param, fragmen
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+
+
+def test_json_object_flag_and_object_arguments_pass(server):
+    """The accepted forms of the fields above: json_object true constrains, false does not; arguments as
+    the JSON text of an object, or the object itself."""
+    for flag, constrained in ((True, True), (False, False)):
+        body = {"prompt": "Hi", "max_tokens": 2, "structured_outputs": {"json_object": flag}}
+        response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        assert ("structured_output" in response.json()["choices"][0]) is constrained
+    for arguments in ('{"a": 1}', {"a": 1}):
+        body = {"messages": with_tool_call(arguments)}
+        response = httpx.post(f"{server}/tokenize", json=body, timeout=30)
+        assert response.status_code == 200, response.text

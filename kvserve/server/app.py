@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.core.errors import InvalidRequestError, KVServeError
+from kvserve.core.errors import ContextLengthError, InvalidRequestError, KVServeError
 from kvserve.engine.client import EngineClient
 from kvserve.server import access_log
 from kvserve.server.errors import (
@@ -321,9 +321,9 @@ def build_app(
                     add_generation_prompt=body.add_generation_prompt,
                     chat_template_kwargs=None,
                 )
-                return s.encode(s.render_chat(chat), add_special_tokens=False)
+                return s.encode(s.render_chat(chat), False, "messages")
             if body.prompt is not None:
-                return s.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+                return s.encode(body.prompt, body.add_special_tokens, "prompt")
             raise InvalidRequestError("give `prompt` or `messages`", "prompt")
 
         tokens = await offload(encode)
@@ -338,6 +338,13 @@ def build_app(
         s = serving()
         s.check_model(body.model)
         check_other_fields(body)
+        limit = s.engine.max_model_len
+        if len(body.tokens) > limit:  # fuzzing: 8 MB of ids took 2 s to decode into 85 MB of text
+            raise ContextLengthError(
+                f"{len(body.tokens)} token ids; this model's context is {limit} tokens, and no "
+                "prompt or output is longer",
+                "tokens",
+            )
         vocab = s.engine.info.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", "tokens")

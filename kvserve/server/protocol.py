@@ -109,9 +109,12 @@ class _SamplingRequest(_Request):
             if value is not None:
                 so.setdefault(key, value)
         for key, value in so.items():
+            param = f"structured_outputs.{key}"
+            # a flag, as in vLLM (fuzzing: "yes", 5 and [1] turned it on; 0 too)
+            if key == "json_object" and value is not None and not isinstance(value, bool):
+                raise InvalidRequestError("json_object must be a boolean", param)
             if value is None or value is False:
                 continue
-            param = f"structured_outputs.{key}"
             if key == "json":
                 schema = value if isinstance(value, str) else json.dumps(value)
                 found.append(StructuredOutput("json_schema", schema, param))
@@ -303,6 +306,11 @@ def _response_format(response_format: dict[str, Any]) -> StructuredOutput | None
             raise InvalidRequestError(
                 'response_format json_schema needs {"json_schema": {"name", "schema"}}',
                 "response_format.json_schema",
+            )
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):  # as tools' function.strict
+            raise InvalidRequestError(
+                "json_schema.strict must be a boolean", "response_format.json_schema.strict"
             )
         schema = spec["schema"]
         if not isinstance(schema, (dict, bool)):

@@ -151,32 +151,27 @@ class OpenAIServing(JobAccounting):
         ) as exc:  # a template error is the request's (or template's) fault, not a 500
             raise InvalidRequestError(f"chat template failed: {exc}", "messages") from exc
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        self.require_tokenizer()
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def encode_prompt(
-        self, text: str, add_special_tokens: bool, params: SamplingParams, param: str
-    ) -> list[int]:
-        """`encode`, after refusing a text that cannot fit the context whatever its tokens
-        (kvserve.server.token_bound): the engine's own check comes after tokenising, which for a
-        text of megabytes takes seconds of a worker."""
+    def encode(self, text: str, add_special_tokens: bool, param: str, room: int = 0) -> list[int]:
+        """Tokenise `text`, after refusing one that cannot fit the context with `room` tokens of output
+        whatever its tokens (kvserve.server.token_bound): the engine's own check comes after tokenising,
+        which for a text of megabytes takes seconds of a worker. `/tokenize` passes room 0 (fuzzing: a
+        2 MB text took 5.6 s of a worker there)."""
         self.require_tokenizer()
         bound = self.token_bound
         if bound is not None:
             limit = self.engine.info.max_model_len
-            room = 1 if params.max_tokens is None else max(params.max_tokens, 1)
             # Shorter texts could fit (or are cheap to tokenise: the engine's check names them exactly).
             at_least = bound.at_least(text, max(limit, (limit - room) * bound.longest_token))
             # at_least 0: not worked out, and the engine names the exact count (fuzzing: "at least
-            # 0 tokens" for a huge max_tokens); room is max_tokens when given, else 1
+            # 0 tokens" for a huge max_tokens)
             if at_least and at_least + room > limit:
                 how = f"{len(text)} characters; no token of this tokenizer covers more than "
                 how += str(bound.longest_token)
-                if at_least >= limit:
+                if at_least >= limit or not room:  # room 0: at_least > limit
+                    tail = ", which leaves no room for output" if room else ""
                     raise ContextLengthError(
                         f"the prompt has at least {at_least} tokens ({how}); this model's context "
-                        f"is {limit} tokens, which leaves no room for output",
+                        f"is {limit} tokens{tail}",
                         param,
                     )
                 raise ContextLengthError(
@@ -185,6 +180,13 @@ class OpenAIServing(JobAccounting):
                     "max_tokens",
                 )
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_prompt(
+        self, text: str, add_special_tokens: bool, params: SamplingParams, param: str
+    ) -> list[int]:
+        """`encode` with room for the output: max_tokens when given, else 1."""
+        room = 1 if params.max_tokens is None else max(params.max_tokens, 1)
+        return self.encode(text, add_special_tokens, param, room)
 
     def check_limits(self, params: SamplingParams, num_prompts: int) -> None:
         limits = self.options.limits

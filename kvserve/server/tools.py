@@ -165,10 +165,12 @@ def _template_call(call: Any, param: str) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            raise InvalidRequestError(
-                "tool call arguments must be a JSON object", f"{param}.function.arguments"
-            ) from None
+        except (json.JSONDecodeError, RecursionError):
+            arguments = None
+    if not isinstance(arguments, dict):  # fuzzing: "5" and "[1, 2]" went to the template
+        raise InvalidRequestError(
+            "tool call arguments must be a JSON object", f"{param}.function.arguments"
+        )
     return {"id": call.get("id"), "type": "function",
             "function": {"name": function["name"], "arguments": arguments}}  # fmt: skip
 
