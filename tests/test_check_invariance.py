@@ -118,6 +118,28 @@ def test_cli_writes_the_report_and_a_one_screen_summary(llama_dir, tmp_path, cap
     assert "cannot read --prompts" in capsys.readouterr().err
 
 
+def test_cli_checks_the_quantised_engine_it_is_given(llama_dir, tmp_path, capsys):
+    """`--quantization` builds every shape's engine with it: bf16 products keep the engine's
+    batch invariance (one kernel, one summation order at every row count)."""
+    from kvserve.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in PROMPTS[:2]))
+    out = tmp_path / "report.json"
+    args = ["check", "batch-invariance", str(llama_dir), "--prompts", str(prompts)]
+    args += ["--max-tokens", "4", "--batch-sizes", "2", "--output", str(out)]
+    assert main(args + ["--quantization", "linear=bf16,head=bf16"]) == 0
+    assert "linear=bf16,head=bf16" in capsys.readouterr().out.splitlines()[0]
+    report = json.loads(out.read_text())
+    assert report["target"]["quantization"] == "linear=bf16,head=bf16"
+    assert report["invariant"] is True
+    assert main(args + ["--quantization", "int9"]) == 2  # the engine's own refusal
+    assert "int9" in capsys.readouterr().err
+    endpoint = ["check", "batch-invariance", "--endpoint", "http://127.0.0.1:9", "--quantization"]
+    assert main(endpoint + ["int8"]) == 2
+    assert "the server's" in capsys.readouterr().err
+
+
 def test_endpoint_check_on_a_live_server(gpt2_model_dir, tmp_path, capsys):
     from kvserve.cli import main
     from tests.server_utils import running_server

@@ -45,9 +45,11 @@ def _g(value: float | None) -> str:
 
 def render_summary(report: dict[str, Any]) -> str:
     """One screen: a row per shape."""
+    target = report["target"]
+    fmt = f", {target['quantization']}" if target.get("quantization") else ""
     lines = [
-        f"batch invariance of {report['target'].get('model')} "
-        f"({report['target'].get('kind')}): {report['num_prompts']} prompts x "
+        f"batch invariance of {target.get('model')} "
+        f"({target.get('kind')}{fmt}): {report['num_prompts']} prompts x "
         f"{report['config'].get('max_tokens')} greedy tokens",
         f"{'shape':<18} {'diverged':>8} {'first diff':>10} {'max |dlogp|':>11} "
         f"{'min gap held':>12} {'gap at diff':>11}  notes",

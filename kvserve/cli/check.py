@@ -55,6 +55,12 @@ def register(subparsers: Any) -> None:
     b.add_argument("--dtype", default="float32", help="engine dtype (float32)")
     b.add_argument("--device", default="cpu", help="cpu or cuda")
     b.add_argument(
+        "--quantization",
+        metavar="FMT",
+        default=None,
+        help="the engine's --quantization (offline; docs/quantization.md)",
+    )
+    b.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
     b.add_argument("--seed", type=int, default=0, help="seed of the prompts")
@@ -125,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         if args.endpoint:
             from kvserve.check.endpoint import EndpointCheck
 
+            if args.quantization:
+                raise ValueError("--quantization is the server's with --endpoint (its /manifest)")
             if not args.timeout > 0:
                 raise ValueError(f"--timeout must be > 0, got {args.timeout:g}")
             check = EndpointCheck(
@@ -165,9 +173,12 @@ def _offline(args: argparse.Namespace, cfg, prompts):
     options = {"dtype": args.dtype, "device": args.device, "seed": args.seed}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
+    if args.quantization:
+        options["quantization"] = args.quantization
 
     def make_llm(**extra):
         return LLM(model, **(options | extra))
 
-    target = {"kind": "offline", "model": args.model, "model_dir": model, "dtype": args.dtype}
+    target = {"kind": "offline", "model": args.model, "model_dir": model, "dtype": args.dtype,
+              "quantization": args.quantization}  # fmt: skip
     return OfflineCheck(make_llm, prompts, cfg), target
