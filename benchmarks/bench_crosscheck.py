@@ -1,7 +1,9 @@
 """Cross-check `kvserve bench serve` against an independent load tool (GuideLLM) on one server.
 
-One `kvserve serve` process; the two tools take turns, A B A B (GuideLLM, kvserve, GuideLLM,
-kvserve, ...), at the same constant rate with the same prompt and forced output lengths, no
+One `kvserve serve` process, warmed by a few requests of neither tool (`--server-warmup`: the
+first requests a server sees take its cold paths, and landed in the first tool's TTFT p99); the
+two tools take turns, A B B A A B ... (GuideLLM, kvserve, kvserve, GuideLLM, ...: neither always
+goes first), at the same constant rate with the same prompt and forced output lengths, no
 warm-up requests on either side. Every number is recomputed from each tool's raw per-request
 timings with one set of definitions (kvserve.bench.crosscheck: TTFT; decode time per token =
 kvserve's TPOT = GuideLLM's ITL; output tok/s over the run), and each tool's own headline numbers
@@ -92,6 +94,18 @@ def run_guidellm(exe: str, base_url: str, model_dir: Path, args, out: Path) -> d
     }
 
 
+def warm_server(base_url: str, num_requests: int, max_tokens: int) -> None:
+    """`num_requests` completions, one after another, before either tool's first run."""
+    import httpx
+
+    with httpx.Client(base_url=base_url, timeout=300.0) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        for i in range(num_requests):
+            body = {"model": model, "prompt": f"warm-up {i}: " + "hello " * 64,
+                    "max_tokens": max_tokens, "ignore_eos": True}  # fmt: skip
+            client.post("/v1/completions", json=body).raise_for_status()
+
+
 def run_kvserve(base_url: str, model_dir: Path, args, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "constant.txt"  # GuideLLM's constant profile: evenly spaced sends
@@ -142,7 +156,10 @@ def main() -> int:
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=2, help="A B pairs")
+    p.add_argument("--rounds", type=int, default=2, help="pairs: A B, then B A, ...")
+    p.add_argument(
+        "--server-warmup", type=int, default=4, help="requests to the server before the first run"
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tmp" / "crosscheck"))
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "bench_crosscheck.json"))
     args = p.parse_args()
@@ -167,9 +184,14 @@ def main() -> int:
     server = start_server(model_dir, ["--dtype", "float32"], port, out / "server.log")
     runs: dict[str, list[dict]] = {"guidellm": [], "kvserve": []}
     try:
+        warm_server(base_url, args.server_warmup, args.output_len)
         for i in range(args.rounds):
-            runs["guidellm"].append(run_guidellm(exe, base_url, model_dir, args, out / f"A{i}"))
-            runs["kvserve"].append(run_kvserve(base_url, model_dir, args, out / f"B{i}"))
+            order = ("guidellm", "kvserve") if i % 2 == 0 else ("kvserve", "guidellm")
+            for tool in order:  # A B, then B A
+                if tool == "guidellm":
+                    runs[tool].append(run_guidellm(exe, base_url, model_dir, args, out / f"A{i}"))
+                else:
+                    runs[tool].append(run_kvserve(base_url, model_dir, args, out / f"B{i}"))
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -195,6 +217,8 @@ def main() -> int:
             "output_tokens": args.output_len,
             "mode": "forced (ignore_eos)",
             "warmup_requests": 0,
+            "server_warmup_requests": args.server_warmup,
+            "order": "A B, then B A, per round",
         },  # fmt: skip
         "definitions": sys.modules["kvserve.bench.crosscheck"].__doc__,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -200,7 +200,10 @@ def calibrate_main(args: Any) -> str:
     engine = LLMEngine(build_engine_config(args.calibrate, **options))
     out = sys.stderr if args.json else sys.stdout
     print(
-        f"calibrating on {args.calibrate} ({engine.config.device}, {engine.config.dtype})", file=out
+        f"calibrating on {args.calibrate} ({engine.config.device}, {engine.config.dtype}"
+        + (f", {args.quantization}" if getattr(args, "quantization", None) else "")
+        + ")",
+        file=out,
     )
     profile = calibrate(
         engine,

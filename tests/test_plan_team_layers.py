@@ -177,11 +177,22 @@ def test_a_step_timed_whole_at_its_rows_takes_no_flops_floor():
     assert c.decode_step_s(4, 500) == pytest.approx(c.terms_s(4, 500)["compute"])
     assert c.decode_bound(4, 500) == "compute"
     assert cost(BASE, peak=1e3).decode_step_s(1, 500) == pytest.approx(t["compute"])  # no layers
+    # review: times scaled to another model's shapes, or to a smaller KV cache, scale bytes and
+    # not FLOPs: those steps were not timed whole, and keep the floor
+    wide = cost(points, model=WIDE, peak=1e3)
+    assert wide.path(1, 500) == "team" and wide.decode_bound(1, 500) == "compute"
+    hw = HardwareProfile("m", 1e12, 1e9, 1e3, "fp32", measured=True, points=points,
+                         decode_fused_rows=4, decode_fused_f32_rows=4,
+                         decode_team_any_context=True)  # fmt: skip
+    int8_kv = EngineCost.from_profile(
+        TIED, parse_weight_format("fp32"), arith.kv_bytes_per_token(TIED, 1), hw
+    )
+    assert int8_kv.decode_step_s(1, 500) == pytest.approx(int8_kv.terms_s(1, 500)["compute"])
 
 
 def test_bf16_products_are_one_kernel_at_every_row_count():
     """`linear:bf16` is the bf16-product module (its kernel at every row count), not an fp32 one
-    that changes kernel above the small rows: the per-op step interpolates across them."""
+    that changes kernel above the small rows: the step interpolates across them."""
     pts = BASE + (pt("linear:bf16", 1, 2e9), pt("linear:bf16", 16, 1e9))
     hw = HardwareProfile("m", 1e12, 1e9, 1e15, "fp32", measured=True, points=pts,
                          decode_fused_rows=4, decode_fused_f32_rows=4)  # fmt: skip

@@ -282,10 +282,13 @@ def test_tokenize_routes_refuse_what_cannot_fit_the_context(server):
     counted = httpx.post(f"{url}/tokenize", json={"prompt": "word " * 6_000})
     assert counted.status_code == 200, counted.text
     assert counted.json()["count"] == 6001 and counted.json()["max_model_len"] == 256
-    # no prompt or output has more ids than the context
-    assert httpx.post(f"{url}/detokenize", json={"tokens": [995] * 256}).status_code == 200
-    response = httpx.post(f"{url}/detokenize", json={"tokens": [995] * 257})
-    error = assert_openai_error(response, 400, "tokens", "257 token ids")
+    # /detokenize takes back what /tokenize gave (review: it refused more ids than the context),
+    # and no more than /tokenize can give: 256 x 128
+    back = httpx.post(f"{url}/detokenize", json={"tokens": counted.json()["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"].count("word") == 6000
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [995] * 32_768}).status_code == 200
+    response = httpx.post(f"{url}/detokenize", json={"tokens": [995] * 32_769})
+    error = assert_openai_error(response, 400, "tokens", "32769 token ids")
     assert error["code"] == "context_length_exceeded"
     assert_still_serving(url)
 

@@ -144,8 +144,8 @@ def test_calibration_cli_refuses_a_poor_fit_and_saves_one_only_when_accepted(
 
 
 def test_calibration_times_the_quantised_engine_it_is_given(tmp_path, capsys, tiny_dir):
-    """`--quantization` reaches the calibrated engine: the profile records the format, and the
-    engine that ran the steps had it (a quantised step is not an fp32 one)."""
+    """`--quantization` reaches the calibrated engine (the profile records the engine config's
+    format); without --calibrate it is refused, not ignored."""
     from kvserve.cli import main
 
     save = tmp_path / "profile.json"
@@ -157,6 +157,9 @@ def test_calibration_times_the_quantised_engine_it_is_given(tmp_path, capsys, ti
     capsys.readouterr()
     doc = json.loads(save.read_text())
     assert doc["engine"]["quantization"] == "linear=bf16,head=bf16"
+    roofline = ["simulate", "kvserve-demo", "--quantization", "int8", "--request-rate", "1"]
+    assert main(roofline) == 2
+    assert "--weights" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -237,7 +237,10 @@ def test_json_object_flag_and_object_arguments_pass(server):
         response = httpx.post(f"{server}/v1/completions", json=body, timeout=30)
         assert response.status_code == 200, response.text
         assert ("structured_output" in response.json()["choices"][0]) is constrained
-    for arguments in ('{"a": 1}', {"a": 1}):
+    counts = {}
+    for arguments in ('{"a": 1}', {"a": 1}, None, "", "{}"):  # none (null, ""): {} as in vLLM
         body = {"messages": with_tool_call(arguments)}
         response = httpx.post(f"{server}/tokenize", json=body, timeout=30)
         assert response.status_code == 200, response.text
+        counts[str(arguments)] = response.json()["count"]
+    assert counts["None"] == counts[""] == counts["{}"]

@@ -132,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
             from kvserve.check.endpoint import EndpointCheck
 
             if args.quantization:
-                raise ValueError("--quantization is the server's with --endpoint (its /manifest)")
+                raise ValueError(
+                    "--quantization is for the offline check; with --endpoint the server's own format runs (its /manifest)"
+                )
             if not args.timeout > 0:
                 raise ValueError(f"--timeout must be > 0, got {args.timeout:g}")
             check = EndpointCheck(

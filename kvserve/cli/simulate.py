@@ -380,6 +380,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         profile_path = args.profile
+        if args.quantization and not args.calibrate:
+            raise ValueError(
+                "--quantization is the engine's for --calibrate (a server's steps ran its own "
+                "format; the roofline takes --weights)"
+            )
         if args.calibrate_server:
             from kvserve.sim.server_steps import calibrate_server_main
 

@@ -60,6 +60,17 @@ from kvserve.plan.formats import WeightFormat
 from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.model import ModelSpec
 
+
+def _timed_as_planned(points: list, layer_bytes: float, kv_layer_bytes: float) -> bool:
+    """Whether `team-layer` points were timed on a layer of `layer_bytes` weight bytes and
+    `kv_layer_bytes` K and V bytes a token (within 1%: the planner's own arithmetic)."""
+    p = points[0]
+    measured = p.bytes_per_s * p.median_s
+    return bool(measured and p.kv_token_bytes) and (
+        abs(measured / layer_bytes - 1) < 0.01 and abs(kv_layer_bytes / p.kv_token_bytes - 1) < 0.01
+    )
+
+
 __all__ = ["ENGINE_PARTS", "ENGINE_PART_NAMES", "EngineCost", "attention_excess_s"]
 
 ENGINE_PART_NAMES = {
@@ -102,6 +113,9 @@ class EngineCost:
     # per layer at no context, seconds per layer per cached token), scaled to this model
     team_layers: tuple[tuple[str, tuple[tuple[int, float, float], ...]], ...] = ()
     head_rates: tuple[tuple[str, Points], ...] = ()  # the head module: format -> (rows, bytes/s)
+    # block-linear formats whose team layers were timed on this plan's own layer and K/V bytes
+    # (not scaled from another model's shapes or KV dtype): their steps were timed whole
+    team_as_planned: tuple[str, ...] = ()
 
     @classmethod
     def from_profile(
@@ -162,10 +176,15 @@ class EngineCost:
             by_format[name] = by_format.get(name, 0.0) + num_bytes
             category_bytes.append((category, name, num_bytes))
         layer_bytes = fmt.bytes_by_category(model)["linear"] / model.num_layers
-        team = {
-            name: _team_layer_fit(pts, layer_bytes, kv_bytes_per_token / model.num_layers)
-            for name, pts in team_raw.items()
-        }
+        kv_layer = kv_bytes_per_token / model.num_layers
+        team = {name: _team_layer_fit(pts, layer_bytes, kv_layer) for name, pts in team_raw.items()}
+        as_planned = tuple(
+            sorted(
+                name
+                for name, pts in team_raw.items()
+                if _timed_as_planned(pts, layer_bytes, kv_layer)
+            )
+        )
         return cls(
             model,
             tuple(sorted(by_format.items())),
@@ -190,6 +209,7 @@ class EngineCost:
             tuple(category_bytes),
             tuple(sorted((k, v) for k, v in team.items() if v)),
             tuple((k, tuple(sorted(v))) for k, v in sorted(head.items())),
+            as_planned,
         )
 
     def path(self, batch: float, mean_context: float | None = None) -> str:
@@ -291,11 +311,15 @@ class EngineCost:
 
     def _measured_whole(self, batch: float, mean_context: float) -> bool:
         """Whether the step's layers are the team step's own times on the model's shapes at no
-        more rows than were timed: the FLOPs are then in the measurement, and the floor at the
-        GEMM probe's peak (which the engine's int8, int4 and bf16-product kernels outrun) does
-        not apply. Past the timed rows the points are held constant, and the floor bounds that."""
+        more rows than were timed, on this plan's own layer and K/V bytes: the FLOPs are then in
+        the measurement, and the floor at the GEMM probe's peak (which the engine's int8, int4 and
+        bf16-product kernels outrun) does not apply. Past the timed rows the points are held
+        constant, and times scaled from other shapes or another KV dtype scale bytes, not FLOPs:
+        the floor bounds those."""
         team = self._team_layer(self.path(batch, mean_context))
-        return bool(team) and batch <= max(r for r, _, _ in team)
+        linear = next((n for c, n, _ in self.category_bytes if c == "linear"), None)
+        timed = bool(team) and linear in self.team_as_planned
+        return timed and batch <= max(r for r, _, _ in team)
 
     def decode_step_s(self, batch: float, mean_context: float) -> float:
         t = self.terms_s(batch, mean_context)

@@ -338,11 +338,14 @@ def build_app(
         s = serving()
         s.check_model(body.model)
         check_other_fields(body)
+        # fuzzing: 8 MB of ids took 2 s to decode into 85 MB of text. As many ids as /tokenize
+        # can return (a text it takes has fewer characters than the context x the longest token)
         limit = s.engine.max_model_len
-        if len(body.tokens) > limit:  # fuzzing: 8 MB of ids took 2 s to decode into 85 MB of text
+        ceiling = limit * (s.token_bound.longest_token if s.token_bound else 1)
+        if len(body.tokens) > ceiling:
             raise ContextLengthError(
-                f"{len(body.tokens)} token ids; this model's context is {limit} tokens, and no "
-                "prompt or output is longer",
+                f"{len(body.tokens)} token ids; this model's context is {limit} tokens, and "
+                f"/tokenize returns at most {ceiling} (the context x its longest token)",
                 "tokens",
             )
         vocab = s.engine.info.vocab_size

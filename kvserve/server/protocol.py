@@ -110,7 +110,7 @@ class _SamplingRequest(_Request):
                 so.setdefault(key, value)
         for key, value in so.items():
             param = f"structured_outputs.{key}"
-            # a flag, as in vLLM (fuzzing: "yes", 5 and [1] turned it on; 0 too)
+            # a JSON boolean, stricter than vLLM's coercion (fuzzing: "yes", 5, [1] and 0 turned it on)
             if key == "json_object" and value is not None and not isinstance(value, bool):
                 raise InvalidRequestError("json_object must be a boolean", param)
             if value is None or value is False:

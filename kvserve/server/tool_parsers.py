@@ -97,9 +97,13 @@ def call_view(body: str, done: bool) -> CallView:
         args = obj[key]
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
-                json.loads(args)
-            except json.JSONDecodeError:  # not JSON inside: the string itself, as JSON text
-                args = json.dumps(args, ensure_ascii=False)
+                inner = json.loads(args)
+            except (json.JSONDecodeError, RecursionError):
+                inner = None
+            # only an object is a call's arguments: anything else stays content, as the server
+            # refuses other arguments when a client sends the call back
+            if not isinstance(inner, dict):
+                return CallView(None, body, True, valid=False)
             return CallView(obj["name"], args, True)
         if not isinstance(args, dict):
             return CallView(None, body, True, valid=False)
@@ -111,8 +115,10 @@ def call_view(body: str, done: bool) -> CallView:
         return CallView(None, "", False)
     name = json.loads(f'"{match.group(1)}"')
     start = match.end()
-    if start >= len(body) or body[start] not in "{[":
-        return CallView(name, "", False)  # a string or scalar: wait for the whole call
+    if start >= len(body) or body[start] != "{":
+        # not an object yet: nothing is announced until the arguments open as one, or the whole
+        # call is there (a string holding an object is a call; anything else stays content)
+        return CallView(None, "", False)
     end = value_end(body, start)
     return CallView(name, body[start : end if end is not None else len(body)], False)
 

@@ -161,7 +161,9 @@ def _template_call(call: Any, param: str) -> dict:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequestError("a tool call needs `function.name`", param)
-    arguments = function.get("arguments", "{}")
+    arguments = function.get("arguments")
+    if arguments is None or arguments == "":  # none: as vLLM, no arguments
+        arguments = {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
