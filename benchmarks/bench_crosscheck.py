@@ -4,7 +4,8 @@ One `kvserve serve` process, warmed by a few requests of neither tool (`--server
 first requests a server sees take its cold paths, and landed in the first tool's TTFT p99); the
 two tools take turns, A B B A A B ... (GuideLLM, kvserve, kvserve, GuideLLM, ...: neither always
 goes first), at the same constant rate with the same prompt and forced output lengths, no
-warm-up requests on either side. Every number is recomputed from each tool's raw per-request
+warm-up requests on either side, the server's prefix cache reset before every run (GuideLLM sends
+the same prompts each time; `kvserve bench serve --reset-prefix-cache`). Every number is recomputed from each tool's raw per-request
 timings with one set of definitions (kvserve.bench.crosscheck: TTFT; decode time per token =
 kvserve's TPOT = GuideLLM's ITL; output tok/s over the run), and each tool's own headline numbers
 are kept beside them. The spread is the min..max over a tool's runs.
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_validation import start_server  # noqa: E402
+from kvserve.bench.client import reset_prefix_cache  # noqa: E402
 from kvserve.bench.crosscheck import (  # noqa: E402
     guidellm_reported,
     kvserve_reported,
@@ -71,6 +73,11 @@ def run_guidellm(exe: str, base_url: str, model_dir: Path, args, out: Path) -> d
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "scenario.json").write_text(json.dumps(scenario, indent=1))
+    # GuideLLM sends the same synthetic prompts every run: without this, a run right after its
+    # own previous one hit the prefix cache (TTFT p50 12 ms against 40)
+    reset = reset_prefix_cache(base_url, {})
+    if reset["status"] != "ok":
+        raise RuntimeError(f"could not reset the server's prefix cache: {reset}")
     cmd = [
         exe, "run", "--scenario", str(out / "scenario.json"),
         "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
