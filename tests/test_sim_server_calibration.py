@@ -16,6 +16,7 @@ from kvserve.sim.server_steps import (
     fit_server_profile,
     loads_and_costs,
     machine_speed,
+    pickup_s,
     request_overhead_s,
     timed_intake_s,
 )
@@ -143,6 +144,52 @@ def test_overhead_delays_simulated_ttft_by_exactly_itself():
     b, _ = evaluate(Policy.parse("on_demand-chunked"), shape, slow, requests, None)
     ta, tb = a["summary"]["latency_s"]["ttft"], b["summary"]["latency_s"]["ttft"]
     assert tb["p50"] == pytest.approx(ta["p50"] + 0.05)
+
+
+def test_pickup_is_the_lowest_decile_of_the_servers_queue_times():
+    def rec(i, queue):
+        return RequestRecord(f"r{i}", i, "measured", "ok", 0.0, 1.0, 2.0, 4,
+                             extra={"server_metrics": {"queue_time_s": queue}})  # fmt: skip
+
+    queues = [0.001 + 0.0001 * i for i in range(10)] + [0.5] * 10  # idle arrivals, then queued
+    assert pickup_s([rec(i, q) for i, q in enumerate(queues)]) == pytest.approx(
+        0.00119
+    )  # 10th percentile, interpolated
+    assert pickup_s([rec(i, 0.001) for i in range(9)]) is None  # too few to say
+    failed = RequestRecord("x", 9, "measured", "failed", 0.0, 1.0, 2.0, 4,
+                           extra={"server_metrics": {"queue_time_s": 0.0}})  # fmt: skip
+    assert pickup_s([rec(i, 0.002) for i in range(10)] + [failed]) == pytest.approx(0.002)
+
+
+def test_a_burst_within_the_idle_engines_pickup_shares_its_first_step():
+    """fuzz of the saturating replay: 60 requests sent within 3 ms reached the server's idle
+    engine ~1-8 ms later, and its first step held 4 prompts; the simulated engine started on the
+    first arrival alone and carried decodes through one more large prompt step. With the
+    measured pickup (1.2 ms at light load) the burst joins one step, and a lone request's TTFT
+    grows by the pickup exactly."""
+    from kvserve.sim.cost import StepProfile
+    from kvserve.sim.loop import simulate_continuous
+    from kvserve.sim.study import EngineShape, Policy, evaluate
+    from kvserve.sim.workload import SimRequest
+
+    shape = EngineShape(num_blocks=500, max_model_len=512, max_num_seqs=8, chunk_tokens=512)
+    burst = tuple(SimRequest(i, 0.0003 * i, 40, 3) for i in range(4))
+    first_steps = {}
+    for pickup in (0.0, 0.0012):
+        profile = StepProfile(("const", "num_tokens"), (0.01, 1e-4), {"pickup_s": pickup})
+        seen = []
+        policy = Policy.parse("on_demand-chunked")
+        simulate_continuous(burst, profile, shape.scheduler_config(policy), shape.num_blocks,
+                            on_step=lambda kv, out, now, seen=seen: seen.append(len(out.chunks)))  # fmt: skip
+        first_steps[pickup] = seen[0]
+    assert first_steps == {0.0: 1, 0.0012: 4}
+    lone = (SimRequest(0, 0.0, 10, 5), SimRequest(1, 1.0, 10, 5))
+    ttft = {}
+    for pickup in (0.0, 0.003):
+        profile = StepProfile(("const",), (0.01,), {"pickup_s": pickup})
+        doc, _ = evaluate(Policy.parse("on_demand-chunked"), shape, profile, lone, None)
+        ttft[pickup] = doc["summary"]["latency_s"]["ttft"]["p50"]
+    assert ttft[0.003] == pytest.approx(ttft[0.0] + 0.003)
 
 
 def test_a_live_server_logs_its_steps_and_the_cli_fits_them(gpt2_model_dir, tmp_path, capsys):

@@ -202,6 +202,12 @@ class StepProfile:
         a request reaches the simulated engine this long after it was sent."""
         return float(self.meta.get("request_overhead_s", 0.0))
 
+    @property
+    def pickup_s(self) -> float:
+        """How long the idle engine takes to pick up an arrival (the server's queue time of a
+        request that found it idle): arrivals within it join the same first step."""
+        return float(self.meta.get("pickup_s", 0.0))
+
     def load_s(self, load: StepLoad) -> float:
         if not load.chunks:
             return 0.0

@@ -10,7 +10,9 @@ Each iteration does what `LLMEngine.step` does, in simulated time:
 
 Tokens are stamped at the end of the step that sampled them (plus the measured delivery jitter,
 when the cost model has one: kvserve.sim.delivery); a request is first scheduled at the start of
-its first step. When nothing can run, time jumps to the next arrival.
+its first step. When nothing can run, time jumps to the next arrival; an idle engine takes an
+arrival up its pickup latency after it (a calibrated server profile's `pickup_s`), with every
+request that arrived meanwhile.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ def simulate_continuous(
     by_id = {t.request_id: t for t in timelines}
     # A calibrated server profile says how long a request takes to reach the engine loop.
     overhead_s = float(getattr(cost_model, "request_overhead_s", 0.0))
+    # ... how long the idle engine takes to pick one up (a burst arriving within it shares the
+    # first step: without it the simulated engine started on the first of 60 simultaneous
+    # requests alone, and carried decodes through one more large prompt step than the server)
+    pickup_s = float(getattr(cost_model, "pickup_s", 0.0))
     # ... and how each token's delivery to the client scatters (kvserve.sim.delivery)
     delivery = getattr(cost_model, "delivery", None)
     # when each request reaches the loop: its arrival, the median overhead, its intake's spread
@@ -91,6 +97,9 @@ def simulate_continuous(
     now = 0.0
     next_arrival = 0
     while next_arrival < len(pending) or scheduler.has_unfinished():
+        if pickup_s and next_arrival < len(pending) and not scheduler.has_unfinished():
+            # idle: the engine takes up the next arrival pickup_s after it, with what came since
+            now = max(now, ready[pending[next_arrival].request_id] + pickup_s)
         while next_arrival < len(pending) and ready[pending[next_arrival].request_id] <= now:
             timeline = pending[next_arrival]
             next_arrival += 1

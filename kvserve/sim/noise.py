@@ -107,6 +107,10 @@ class NoisyCost:
     def request_overhead_s(self) -> float:
         return float(getattr(self.base, "request_overhead_s", 0.0))
 
+    @property
+    def pickup_s(self) -> float:
+        return float(getattr(self.base, "pickup_s", 0.0))
+
     def _level(self) -> float:
         """The next draw's level in [0, 1]: independent, or the AR(1) state's normal CDF."""
         rho = self.lag1_correlation

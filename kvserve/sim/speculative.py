@@ -85,6 +85,10 @@ class SpeculativeCost:
         return float(getattr(self.base, "request_overhead_s", 0.0))
 
     @property
+    def pickup_s(self) -> float:
+        return float(getattr(self.base, "pickup_s", 0.0))
+
+    @property
     def delivery(self):
         return getattr(self.base, "delivery", None)
 
