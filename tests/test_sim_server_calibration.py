@@ -162,7 +162,7 @@ def test_pickup_is_the_lowest_decile_of_the_servers_queue_times():
 
 
 def test_a_burst_within_the_idle_engines_pickup_shares_its_first_step():
-    """fuzz of the saturating replay: 60 requests sent within 3 ms reached the server's idle
+    """The saturating replay of session 1206: 60 requests sent within 3 ms reached the server's idle
     engine ~1-8 ms later, and its first step held 4 prompts; the simulated engine started on the
     first arrival alone and carried decodes through one more large prompt step. With the
     measured pickup (1.2 ms at light load) the burst joins one step, and a lone request's TTFT

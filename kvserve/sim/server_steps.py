@@ -77,8 +77,9 @@ def pickup_s(records: Iterable[RequestRecord]) -> float | None:
     """The idle engine's pickup latency: the 10th percentile of the server's queue time (arrival
     at the engine client to the first step that schedules it) over a bench run's completed
     requests. A request that finds the engine idle waits only for the engine thread to take it
-    up (1.2 ms at 0.5 req/s on the 2-core EPYC, demo model); the lowest decile are those. None
-    with fewer than PICKUP_MIN_REQUESTS known."""
+    up (1.2 ms at 0.5 req/s on the 2-core EPYC, demo model); the lowest decile are those, in a
+    run at a light rate (in a saturating one every queue time is the queue's). None with fewer
+    than PICKUP_MIN_REQUESTS known."""
     queue = [
         float(q)
         for r in records
