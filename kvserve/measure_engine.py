@@ -319,18 +319,21 @@ def fused_rows() -> int:
 def fused_profile_fields(points: list[MeasuredPoint], num_threads: int) -> dict[str, object]:
     """The HardwareProfile fields that say which step shape the engine runs (docs/planning.md):
     the fused step's rows with quantised projections (`decode_fused_rows`: the per-op fp32 linear
-    changes kernel there too) and with fp32 ones (`decode_fused_f32_rows`: the most rows its host
-    cost was measured at), and whether it is the team step at every context (`num_threads`, the
-    threads the engine runs with)."""
+    changes kernel there too) and with fp32 ones (`decode_fused_f32_rows`: the most rows its
+    fixed host cost was measured at, every row count the step takes), and whether it is the team
+    step at every context (`num_threads`, the threads the engine runs with). Not the per-layer
+    points' rows: with a model those are the team host's, at 1, 4 and 16 rows only, and a
+    profile said 16 while the engine fused steps of up to 64 rows."""
     from kvserve.model import fused_decode
 
     fused = [p.num_columns for p in points if p.kind == "fused-dispatch"]
     if not fused:
         return {"decode_fused_rows": 0, "decode_fused_f32_rows": 0,
                 "decode_team_any_context": False}  # fmt: skip
+    fixed = [p.num_columns for p in points if p.kind == "fused-fixed"]
     return {
         "decode_fused_rows": min(fused_decode.max_rows(), max(fused)),
-        "decode_fused_f32_rows": max(fused),
+        "decode_fused_f32_rows": max(fixed or fused),
         "decode_team_any_context": num_threads >= TEAM_MIN_THREADS,
     }
 

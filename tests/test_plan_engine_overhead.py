@@ -187,6 +187,20 @@ def test_the_planners_path_rule_matches_the_kernels_choice(threads):
         torch.set_num_threads(saved)
 
 
+def test_the_fused_rows_are_the_fixed_points_rows_not_the_team_hosts():
+    """With --measure-model the per-layer fused points are the team host's, at 1, 4 and 16 rows;
+    the fixed part is timed at every row count the step takes (up to 64). The profile said 16,
+    and the planner priced steps of 17-64 rows per-op although the engine ran them fused."""
+    from kvserve.measure_engine import FUSED_ROWS, fused_profile_fields
+
+    measured = [pt("fused-dispatch", n, median_s=1e-5) for n in (1, 4, 16)]
+    measured += [pt("fused-fixed", n, median_s=1e-4) for n in FUSED_ROWS]
+    fields = fused_profile_fields(measured, 2)
+    assert fields["decode_fused_f32_rows"] == max(FUSED_ROWS) == 64
+    only_dispatch = fused_profile_fields(measured[:3], 2)  # an older measurement's points
+    assert only_dispatch["decode_fused_f32_rows"] == 16
+
+
 def test_quantised_steps_are_fused_up_to_sixteen_rows_as_fp32_ones_are():
     """decode_step_max_rows: the quantised GEMV takes any rows, so a quantised step runs fused up to
     the same 16 rows as an fp32 one (it was 4 before; `decode_fused_rows` keeps the GEMV tile)."""
