@@ -5,10 +5,10 @@ first requests a server sees take its cold paths, and landed in the first tool's
 two tools take turns, A B B A A B ... (GuideLLM, kvserve, kvserve, GuideLLM, ...: neither always
 goes first), at the same constant rate with the same prompt and forced output lengths, no
 warm-up requests on either side, the server's prefix cache reset before every run (GuideLLM sends
-the same prompts each time; `kvserve bench serve --reset-prefix-cache`). Every number is recomputed from each tool's raw per-request
-timings with one set of definitions (kvserve.bench.crosscheck: TTFT; decode time per token =
-kvserve's TPOT = GuideLLM's ITL; output tok/s over the run), and each tool's own headline numbers
-are kept beside them. The spread is the min..max over a tool's runs.
+the same prompts each time; `kvserve bench serve --reset-prefix-cache`). Every number is
+recomputed from each tool's raw per-request timings with one set of definitions
+(kvserve.bench.crosscheck: TTFT; decode time per token = kvserve's TPOT = GuideLLM's ITL; output
+tok/s over the run), and each tool's own headline numbers are kept beside them. The spread is the min..max over a tool's runs.
 
 Run under the exclusive CPU lock (it is a timing):
 

@@ -193,15 +193,16 @@ def calibrate_main(args: Any) -> str:
         "num_blocks": args.num_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,
     }
-    if getattr(args, "quantization", None):
-        options["quantization"] = args.quantization
+    quantization = getattr(args, "quantization", None)
+    if quantization:
+        options["quantization"] = quantization
     if args.kv_cache_gb is not None:
         options["kv_cache_memory_bytes"] = int(args.kv_cache_gb * 1e9)
     engine = LLMEngine(build_engine_config(args.calibrate, **options))
     out = sys.stderr if args.json else sys.stdout
     print(
         f"calibrating on {args.calibrate} ({engine.config.device}, {engine.config.dtype}"
-        + (f", {args.quantization}" if getattr(args, "quantization", None) else "")
+        + (f", {quantization}" if quantization else "")
         + ")",
         file=out,
     )

@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
             if args.quantization:
                 raise ValueError(
-                    "--quantization is for the offline check; with --endpoint the server's own format runs (its /manifest)"
+                    "--quantization is for the offline check; with --endpoint the server's own "
+                    "format runs (its /manifest)"
                 )
             if not args.timeout > 0:
                 raise ValueError(f"--timeout must be > 0, got {args.timeout:g}")

@@ -54,22 +54,12 @@ from kvserve.plan.engine_points import (
     _interp_log2,
     _side,
     _team_layer_fit,
+    _timed_as_planned,
     attention_excess_s,
 )
 from kvserve.plan.formats import WeightFormat
 from kvserve.plan.hardware import HardwareProfile
 from kvserve.plan.model import ModelSpec
-
-
-def _timed_as_planned(points: list, layer_bytes: float, kv_layer_bytes: float) -> bool:
-    """Whether `team-layer` points were timed on a layer of `layer_bytes` weight bytes and
-    `kv_layer_bytes` K and V bytes a token (within 1%: the planner's own arithmetic)."""
-    p = points[0]
-    measured = p.bytes_per_s * p.median_s
-    return bool(measured and p.kv_token_bytes) and (
-        abs(measured / layer_bytes - 1) < 0.01 and abs(kv_layer_bytes / p.kv_token_bytes - 1) < 0.01
-    )
-
 
 __all__ = ["ENGINE_PARTS", "ENGINE_PART_NAMES", "EngineCost", "attention_excess_s"]
 
@@ -232,13 +222,17 @@ class EngineCost:
             return self.fused_layer_s, self.fused_fixed_s
         return self.layer_dispatch_s, self.forward_fixed_s  # all per-op points
 
+    @property
+    def _linear_format(self) -> str | None:
+        """This plan's block-linear format (None in a profile without categories)."""
+        return next((n for c, n, _ in self.category_bytes if c == "linear"), None)
+
     def _team_layer(self, path: str) -> tuple[tuple[int, float, float], ...]:
         """The team step's measured layers for this plan's block-linear format on the team path
         (() otherwise, or in a profile without them)."""
         if path != "team":
             return ()
-        linear = next((n for c, n, _ in self.category_bytes if c == "linear"), None)
-        return dict(self.team_layers).get(linear, ())
+        return dict(self.team_layers).get(self._linear_format, ())
 
     def engine_terms_s(self, batch: float) -> dict[str, float]:
         """The engine's per-step work outside the forward, by part (seconds; {} if not measured)."""
@@ -317,8 +311,7 @@ class EngineCost:
         constant, and times scaled from other shapes or another KV dtype scale bytes, not FLOPs:
         the floor bounds those."""
         team = self._team_layer(self.path(batch, mean_context))
-        linear = next((n for c, n, _ in self.category_bytes if c == "linear"), None)
-        timed = bool(team) and linear in self.team_as_planned
+        timed = bool(team) and self._linear_format in self.team_as_planned
         return timed and batch <= max(r for r, _, _ in team)
 
     def decode_step_s(self, batch: float, mean_context: float) -> float:

@@ -54,6 +54,24 @@ def attention_excess_s(points: Points, context: float) -> float:
     return max(0.0, _interp_linear(pts, context) - intercept)
 
 
+def _team_scales(point, layer_bytes: float, kv_token_bytes: float) -> tuple[float | None, ...]:
+    """(a layer of `layer_bytes` weight bytes over the timed layer's, `kv_token_bytes` K and V bytes
+    a token over the timed cache's) for a `team-layer:FMT` point; None where the point does not
+    say (an older profile)."""
+    measured_bytes = point.bytes_per_s * point.median_s  # the timed layer's weight bytes
+    return (
+        layer_bytes / measured_bytes if measured_bytes else None,
+        kv_token_bytes / point.kv_token_bytes if point.kv_token_bytes else None,
+    )
+
+
+def _timed_as_planned(points: list, layer_bytes: float, kv_token_bytes: float) -> bool:
+    """Whether `team-layer` points were timed on a layer of `layer_bytes` weight bytes and
+    `kv_token_bytes` K and V bytes a token (within 1%: the planner's own arithmetic)."""
+    scales = _team_scales(points[0], layer_bytes, kv_token_bytes)
+    return all(s is not None and abs(s - 1) < 0.01 for s in scales)
+
+
 def _team_layer_fit(
     points: list, layer_bytes: float, kv_token_bytes: float
 ) -> tuple[tuple[int, float, float], ...]:
@@ -71,9 +89,9 @@ def _team_layer_fit(
         span = last.context_tokens - first.context_tokens
         slope = max(0.0, (last.median_s - first.median_s) / span) if span else 0.0
         intercept = max(0.0, first.median_s - slope * first.context_tokens)
-        measured_bytes = first.bytes_per_s * first.median_s  # the measured layer's weight bytes
-        w_scale = layer_bytes / measured_bytes if measured_bytes else 1.0
-        kv_scale = kv_token_bytes / first.kv_token_bytes if first.kv_token_bytes else 1.0
+        w_scale, kv_scale = (
+            1.0 if s is None else s for s in _team_scales(first, layer_bytes, kv_token_bytes)
+        )
         out.append((rows, intercept * w_scale, slope * kv_scale))
     return tuple(out)
 
