@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 from kvserve.plan.hardware import MeasuredPoint
 
-OVERHEAD_ROWS = (1, 4, 16)
+OVERHEAD_ROWS = (1, 4, 16, 64)  # up to the fused step's rows
 PARTS = ("engine-sample", "engine-runner", "engine-loop")
 
 

@@ -37,6 +37,9 @@ from kvserve.plan.engine_points import _interp_log2
 from kvserve.plan.hardware import MeasuredPoint
 
 TEAM_HOST_ROWS = (1, 4, 16)
+# the team layers and the head up to the fused step's rows (fused_rows(): 64), so that steps of
+# 17-64 rows are priced from their own rows, not held at 16 and bounded by the FLOPs floor
+TEAM_LAYER_ROWS = (1, 4, 16, 32, 64)
 
 
 def _gemv_calls(modules: list, rows: int) -> Callable[[], None]:
@@ -123,7 +126,7 @@ def measure_team_layers(
     model,
     fmt: str,
     fused_fixed: list[tuple[int, float]],
-    rows: tuple[int, ...] = TEAM_HOST_ROWS,
+    rows: tuple[int, ...] = TEAM_LAYER_ROWS,
     max_layers: int = 12,
     contexts: tuple[int, ...] | None = None,
 ) -> list[MeasuredPoint]:
@@ -173,7 +176,7 @@ def measure_team_layers(
 
 
 def measure_head(
-    cfg: MeasureConfig, model, fmt: str, rows: tuple[int, ...] = TEAM_HOST_ROWS
+    cfg: MeasureConfig, model, fmt: str, rows: tuple[int, ...] = TEAM_LAYER_ROWS
 ) -> list[MeasuredPoint]:
     """`head:FMT` points: the engine's head module (`make_linear`, as the loader builds
     `cpu_head`) over `model`'s vocabulary x hidden matrix in `fmt`, at each row count: its

@@ -225,3 +225,33 @@ def test_bf16_is_measured_on_the_bf16_product_modules_the_loader_builds():
     assert model.fused is not None and model.fused.num_steps == 1
     assert make_linear(torch.randn(32, 64), None, bf16).bf16_products
     assert not getattr(make_linear(torch.randn(32, 64), None, None), "bf16_products", False)
+
+
+def test_the_team_layers_the_head_and_the_engine_are_timed_at_every_row_count_the_step_takes():
+    """A profile timed the team layers and the head at 1, 4 and 16 rows while the engine fuses
+    steps of up to 64: steps of 17-64 rows were priced from the 16-row points held, under the
+    FLOPs floor at the GEMM probe's peak (1206: measured / plan 0.73-1.47 at 32 and 48 rows).
+    Their default rows now reach the fused step's, as does the engine outside the forward."""
+    import inspect
+
+    import kvserve.measure_team as mt
+    from kvserve.measure_overhead import OVERHEAD_ROWS
+
+    most = fused_rows() or 64  # the fused step's rows (64 where the kernels are built)
+    for fn in (mt.measure_team_layers, mt.measure_head):
+        assert max(inspect.signature(fn).parameters["rows"].default) >= most
+    assert max(OVERHEAD_ROWS) >= most
+    # and the plan at 48 rows from points up to 64 is not floored: it lies between 32 and 64
+    points = BASE + tuple(
+        p
+        for r, s in ((1, 4e-4), (32, 6e-4), (64, 1e-3))
+        for p in team_points(TIED, "fp32", r, s, 1e-6)
+    )
+    hw = HardwareProfile("m", 1e12, 1e9, 1e3, "fp32", measured=True, points=points,
+                         decode_fused_rows=64, decode_fused_f32_rows=64,
+                         decode_team_any_context=True)  # fmt: skip
+    c = EngineCost.from_profile(
+        TIED, parse_weight_format("fp32"), arith.kv_bytes_per_token(TIED, 4), hw
+    )
+    assert c.path(48, 500) == "team" and c.decode_bound(48, 500) != "compute"
+    assert c.decode_step_s(32, 500) < c.decode_step_s(48, 500) < c.decode_step_s(64, 500)
