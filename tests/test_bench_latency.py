@@ -39,7 +39,7 @@ def test_split_phases_with_chunked_prefill_and_an_idle_step():
     split = phases.split_phases(steps, num_requests=3)
     assert split.prefill_s == pytest.approx(0.033)
     assert (split.num_prefill_steps, split.num_mixed_steps) == (3, 1)
-    assert split.decode_step_s == (0.003, 0.004)
+    assert split.decode_step_s == (0.003, 0.004) and split.decode_step_tokens == (3, 3)
     assert (split.num_idle_steps, split.idle_s) == (1, 0.002)
     assert split.decode_s == pytest.approx(0.007)
     # a request that never got a token: no prefill time is claimed
@@ -68,6 +68,36 @@ def test_point_summary_keeps_prefill_and_decode_apart():
     assert wall["prefill_share"] == pytest.approx(0.3 / 0.35)
     # no single tokens/s mixes the phases
     assert "tokens_per_s" not in pt and "tokens_per_s" not in wall
+
+
+def test_the_full_batch_step_counts_only_the_steps_with_every_request_decoding():
+    """With chunked prefill the first requests decode while the later prompts fill and finish
+    first: the decode phase's later steps carry fewer rows. The planner compares its B-row step
+    with the steps that had all B (1207: 48 x 504 tokens, median decode step 59 ms where the
+    48-row forward alone took 84)."""
+    steps = [
+        _step(0.010, first=1),
+        _step(0.011, first=1, decode=1),
+        _step(0.012, first=1, decode=2),  # the prefill phase ends: 3 requests
+        _step(0.030, decode=3),
+        _step(0.031, decode=3),
+        _step(0.032, decode=3),
+        _step(0.005, decode=2),  # request 0 finished
+        _step(0.004, decode=1),
+        _step(0.004, decode=1),
+        _step(0.003, decode=1),
+    ]
+    split = phases.split_phases(steps, num_requests=3)
+    it = phases.Iteration(split, 0.2, (), (), ((1,),) * 3, 0)
+    decode = phases.point_summary(3, 10, 4, [it])["decode"]
+    assert decode["step_s"]["p50"] == pytest.approx(0.005)  # mostly fewer rows
+    assert decode["num_full_batch_steps"] == 3
+    assert decode["full_batch_step_s"]["p50"] == pytest.approx(0.031)
+    from benchmarks.plan_vs_measured import decode_step_p50
+
+    assert decode_step_p50({"decode": decode}) == pytest.approx(0.031)
+    few = decode | {"num_full_batch_steps": 2}
+    assert decode_step_p50({"decode": few}) == pytest.approx(0.005)  # too few: every step
 
 
 def test_first_difference_and_mismatch_report():

@@ -119,6 +119,65 @@ def test_machine_speed_measures_a_slower_machine_and_the_scaled_profile_matches_
         profile.scaled(0.0, "bad")
 
 
+def slowed_by_kind(doc: dict, prefill: float, decode: float) -> dict:
+    """The same log where the steps with a prompt chunk ran `prefill` x slower and the
+    decode-only steps `decode` x: each step's parts and its interval to the next stretched."""
+    old = doc["steps"]
+    factors = [prefill if any(n > 1 for n, _ in s["chunks"]) else decode for s in old]
+    steps, t = [], old[0]["t_start_s"]
+    for i, (s, factor) in enumerate(zip(old, factors, strict=True)):
+        s = dict(s, t_start_s=t)
+        for k in ("waited_s", "commands_s", "step_s", "deliver_s"):
+            s[k] = factor * s[k]
+        if i + 1 < len(old):  # this step's cost at its factor, the next one's sleep at the next's
+            nxt = old[i + 1]
+            busy = nxt["t_start_s"] - old[i]["t_start_s"] - nxt["waited_s"]
+            t += factor * busy + factors[i + 1] * nxt["waited_s"]
+        steps.append(s)
+    return doc | {"steps": steps}
+
+
+def test_the_speed_per_kind_of_step_and_the_profile_scaled_by_it():
+    """One run of session 1206: the decode steps ran 1.19-1.30x the calibration, the prompt steps
+    1.00-1.05x, and one speed number over-priced the prompt steps (TTFT p50 +13% and +18% at that
+    speed). machine_speed reports each kind's speed, and the profile scaled per kind prices both."""
+    from benchmarks._simval_speed import MIN_KIND_STEPS, kind_factors
+    from kvserve.sim.cost import STEP_KINDS, StepProfile
+
+    doc = synthetic_log()
+    profile = fit_server_profile(doc, overhead_s=0.01)
+    run = slowed_by_kind(doc, prefill=1.05, decode=1.25)
+    speed = machine_speed(profile, run)
+    kinds = speed["by_kind"]
+    assert kinds["prefill"]["mean_measured_over_predicted"] == pytest.approx(1.05, rel=1e-3)
+    assert kinds["decode"]["mean_measured_over_predicted"] == pytest.approx(1.25, rel=1e-3)
+    assert kinds["prefill"]["num_steps"] + kinds["decode"]["num_steps"] == speed["num_steps"]
+    factors = kind_factors(speed)
+    by_kind = profile.scaled_by_kind(factors, "test")
+    after = machine_speed(by_kind, run)["by_kind"]
+    assert all(after[k]["mean_measured_over_predicted"] == pytest.approx(1.0, rel=1e-3)
+               for k in STEP_KINDS)  # fmt: skip
+    # one number leaves each kind off by its own drift
+    one = machine_speed(profile.scaled(speed["mean_measured_over_predicted"], "t"), run)["by_kind"]
+    assert one["prefill"]["mean_measured_over_predicted"] < 0.95
+    assert one["decode"]["mean_measured_over_predicted"] > 1.05
+    # saved and loaded, and composed with a second scaling; the overheads kept
+    again = StepProfile.from_dict(by_kind.to_dict()).scaled_by_kind(
+        {"prefill": 2.0, "decode": 1.0}, "twice"
+    )
+    assert again.meta["scaled_by_kind"]["factors"]["prefill"] == pytest.approx(2.1)
+    assert again.request_overhead_s == 0.01
+    with pytest.raises(ValueError, match="> 0"):
+        profile.scaled_by_kind({"prefill": 1.0}, "a kind missing")
+    with pytest.raises(ValueError, match="> 0"):
+        profile.scaled_by_kind({"prefill": 1.0, "decode": 0.0}, "bad")
+    # a kind with too few steps in the run takes the run's one number
+    few = speed | {"by_kind": {"decode": kinds["decode"],
+                               "prefill": {"num_steps": MIN_KIND_STEPS - 1,
+                                           "mean_measured_over_predicted": 3.0}}}  # fmt: skip
+    assert kind_factors(few)["prefill"] == speed["mean_measured_over_predicted"]
+
+
 def test_request_overhead_is_the_client_server_ttft_gap():
     def rec(i, client_ttft, server_ttft):
         return RequestRecord(

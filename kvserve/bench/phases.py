@@ -56,6 +56,10 @@ class PhaseSplit:
     decode_step_s: tuple[float, ...]
     num_idle_steps: int  # decode-phase steps with no token (e.g. recompute after preemption)
     idle_s: float
+    # tokens each decode step produced (its decoding rows): with chunked prefill the first
+    # requests decode while later prompts fill, finish first, and the decode phase's later steps
+    # carry fewer rows than the batch
+    decode_step_tokens: tuple[int, ...] = ()
 
     @property
     def decode_s(self) -> float:
@@ -84,6 +88,7 @@ def split_phases(steps: Sequence[StepSample], num_requests: int) -> PhaseSplit:
         decode_step_s=tuple(s.duration_s for s in decode),
         num_idle_steps=len(idle),
         idle_s=sum(s.duration_s for s in idle),
+        decode_step_tokens=tuple(s.num_decode_tokens for s in decode),
     )
 
 
@@ -109,6 +114,12 @@ def point_summary(
     """One grid point over its timed iterations: prefill and decode side by side, never blended."""
     prefill = [it.split.prefill_s for it in iterations if it.split.prefill_s is not None]
     steps = [s for it in iterations for s in it.split.decode_step_s]
+    full = [  # the decode steps with every request of the batch decoding
+        s
+        for it in iterations
+        for s, n in zip(it.split.decode_step_s, it.split.decode_step_tokens, strict=False)
+        if n == batch_size
+    ]
     decode_totals = [it.split.decode_s for it in iterations]
     walls = [it.wall_s for it in iterations]
     prefill_med, step_med, wall_med = _median(prefill), _median(steps), _median(walls)
@@ -133,6 +144,10 @@ def point_summary(
         },
         "decode": {
             "step_s": Percentiles.of(steps).to_json(),
+            # the step at the batch's rows: the later decode steps of a batch whose prompts
+            # were chunked carry fewer (their requests finished first)
+            "full_batch_step_s": Percentiles.of(full).to_json(),
+            "num_full_batch_steps": len(full),
             "num_steps_per_iteration": [len(it.split.decode_step_s) for it in iterations],
             "per_sequence_tokens_per_s": 1.0 / step_med if step_med else None,
             "aggregate_tokens_per_s": batch_size / step_med if step_med else None,

@@ -73,6 +73,16 @@ class StepLoad:
         return tuple(c for c in self.chunks if c.num_new_tokens > 1)
 
 
+STEP_KINDS = ("prefill", "decode")
+
+
+def step_kind(load: StepLoad) -> str:
+    """`prefill` when any chunk is a prompt chunk (prompt-only and mixed steps: their cost is
+    mostly the prompt's arithmetic), else `decode` (one-token chunks: streaming the weights and the
+    cache). On a shared machine the two kinds' speeds move apart (docs/simulator.md)."""
+    return "prefill" if load.prompt_chunks else "decode"
+
+
 # Per-step features a calibrated profile may weigh; each is a count per step.
 FEATURES = {
     "const": lambda s: 1.0,
@@ -211,7 +221,9 @@ class StepProfile:
     def load_s(self, load: StepLoad) -> float:
         if not load.chunks:
             return 0.0
-        return float(np.dot(self.coef_s, feature_vector(load, self.features)))
+        step_s = float(np.dot(self.coef_s, feature_vector(load, self.features)))
+        by_kind = self.meta.get("scaled_by_kind")
+        return step_s * by_kind["factors"][step_kind(load)] if by_kind else step_s
 
     def scaled(self, factor: float, why: str) -> StepProfile:
         """Every step `factor` x as long (the machine ran slower or faster than at calibration:
@@ -220,6 +232,18 @@ class StepProfile:
             raise ValueError(f"a step-cost scale must be > 0, got {factor}")
         meta = self.meta | {"scaled": {"factor": factor, "why": why}}
         return StepProfile(self.features, tuple(c * factor for c in self.coef_s), meta)
+
+    def scaled_by_kind(self, factors: dict[str, float], why: str) -> StepProfile:
+        """Each kind of step (`step_kind`: prefill, decode) `factors[kind]` x as long: the machine's
+        speed per kind during a run, where the memory-bound decode steps and the compute-bound
+        prompt steps slowed apart (on the 2-core EPYC 1.19-1.30x against 1.00-1.05x in one run).
+        Applies on top of an earlier `scaled_by_kind`; the residuals and overheads kept."""
+        if set(factors) != set(STEP_KINDS) or not all(f > 0 for f in factors.values()):
+            raise ValueError(f"per-kind scales must be > 0 for {STEP_KINDS}, got {factors}")
+        old = self.meta.get("scaled_by_kind", {}).get("factors", dict.fromkeys(STEP_KINDS, 1.0))
+        total = {k: old[k] * float(factors[k]) for k in STEP_KINDS}
+        meta = self.meta | {"scaled_by_kind": {"factors": total, "why": why}}
+        return StepProfile(self.features, self.coef_s, meta)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "profile", "coef_s": dict(zip(self.features, self.coef_s, strict=True))} | {

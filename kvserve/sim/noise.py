@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvserve.core.outputs import SchedulerOutput
-from kvserve.sim.cost import CostModel, StepLoad
+from kvserve.sim.cost import CostModel, StepLoad, step_kind
 from kvserve.sim.delivery import DeliveryJitter
 from kvserve.sim.workload import SimError
 
@@ -42,7 +42,7 @@ def noise_class(load: StepLoad) -> str:
     """The residual class of a step: `prefill` when any chunk is a prompt chunk (prompt-only and
     mixed steps: their cost is mostly the prompt's), else `decode-N` for decode-only steps with N
     the lower edge of their sequence-count bucket (1, 2, 4, 8, 16)."""
-    if load.prompt_chunks:
+    if step_kind(load) == "prefill":
         return "prefill"
     edge = max(b for b in _DECODE_BUCKETS if b <= max(load.num_seqs, 1))
     return f"decode-{edge}"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.records import RequestRecord
-from kvserve.sim.cost import DEFAULT_FEATURES, ChunkLoad, StepLoad, StepProfile
+from kvserve.sim.cost import DEFAULT_FEATURES, ChunkLoad, StepLoad, StepProfile, step_kind
 from kvserve.sim.delivery import ttft_gap_s
 from kvserve.sim.fit import fit_profile
 from kvserve.sim.workload import SimError
@@ -118,9 +118,10 @@ def fit_server_profile(
 
 def machine_speed(profile: StepProfile, doc: dict[str, Any]) -> dict[str, Any]:
     """How the steps a server logged (a `/debug/steps` answer) compare with what `profile`
-    predicts for the same steps: the mean and median of measured / predicted overall and per
-    step class (kvserve.sim.noise.noise_class). A mean far from 1 says the machine ran at another
-    speed than at calibration (other jobs on a shared CPU), whatever the workload."""
+    predicts for the same steps: the mean and median of measured / predicted overall, the mean
+    per step class (`by_class`, kvserve.sim.noise.noise_class) and per kind (`by_kind`,
+    kvserve.sim.cost.step_kind: prefill, decode). A mean far from 1 says the machine ran at
+    another speed than at calibration (other jobs on a shared CPU), whatever the workload."""
     import numpy as np
 
     from kvserve.sim.noise import noise_class
@@ -129,19 +130,22 @@ def machine_speed(profile: StepProfile, doc: dict[str, Any]) -> dict[str, Any]:
     if not loads:
         raise SimError("no non-empty steps to compare")
     ratio = np.array([c / max(profile.load_s(s), 1e-9) for s, c in zip(loads, costs, strict=True)])
-    names = np.array([noise_class(s) for s in loads])
-    by_class = {
-        n: {
-            "num_steps": int((names == n).sum()),
-            "mean_measured_over_predicted": float(ratio[names == n].mean()),
+
+    def by(names: np.ndarray) -> dict[str, dict[str, Any]]:
+        return {
+            n: {
+                "num_steps": int((names == n).sum()),
+                "mean_measured_over_predicted": float(ratio[names == n].mean()),
+            }
+            for n in sorted(set(names))
         }
-        for n in sorted(set(names))
-    }
+
     return {
         "num_steps": len(loads),
         "mean_measured_over_predicted": float(ratio.mean()),
         "median_measured_over_predicted": float(np.median(ratio)),
-        "by_class": by_class,
+        "by_class": by(np.array([noise_class(s) for s in loads])),
+        "by_kind": by(np.array([step_kind(s) for s in loads])),
     }
 
 
