@@ -4,10 +4,9 @@ the evidence (the plan's terms, the model's forward timed alone)."""
 
 from __future__ import annotations
 
+from kvserve.bench.phases import MIN_FULL_BATCH_STEPS
+
 TOLERANCE = 0.15
-# the measured step is the median of the decode steps at the batch's rows when bench latency saw
-# at least this many of them, else of every decode step (plan_vs_measured.decode_step_p50)
-MIN_FULL_STEPS = 3
 
 
 def _ms(s: float) -> str:
@@ -120,11 +119,12 @@ def explain(rows: list[dict]) -> None:
             causes.append(now)
         if (other := why_not_memory(r)) is not None:
             causes.insert(0, other)
-        if r.get("full_batch_steps", MIN_FULL_STEPS) < MIN_FULL_STEPS:
+        full, total = r.get("full_batch_steps"), r.get("decode_steps")
+        if full is not None and total and full < min(MIN_FULL_BATCH_STEPS, total):
             causes.append(
-                f"only {r['full_batch_steps']} decode steps carried all {r['batch']} rows: the "
-                "measured median is over every decode step, fewer rows in most (the first "
-                "requests finished while later prompts filled)"
+                f"only {full} of {total} decode steps carried all {r['batch']} rows: the measured "
+                "median is over every decode step, some with fewer rows (the first requests "
+                "decoded while later prompts filled, and finished first)"
             )
         r["within_tolerance"] = within
         r["cause"] = "; ".join(causes) if causes else "memory-bound, within 15%"

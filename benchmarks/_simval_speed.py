@@ -6,10 +6,14 @@ measured runs minutes later (the server's own step log shows it: the same kinds 
 which no cost model can predict. So each rate reports, beside the a priori and replay predictions:
 
 - `speed`: the mean measured / predicted cost of the steps the server ran during that run
-  (kvserve.sim.server_steps.machine_speed), per step class too;
-- `replay_at_run_speed`: the replay with the profile scaled by that one number, each metric the
-  mean over the noise seeds: the simulator's error once the machine's speed at the time is known (every latency still comes out of the
-  simulated scheduler, queueing and step noise; nothing else is taken from the run);
+  (kvserve.sim.server_steps.machine_speed), per step class (`by_class`) and per kind of step
+  (`by_kind`: prefill, decode);
+- `replay_at_run_speed`: the replay with each kind of step scaled by its own speed
+  (`StepProfile.scaled_by_kind`), each metric the median over the noise seeds
+  (`seed_statistic`): the simulator's error once the machine's speed at the time is known (every
+  latency still comes out of the simulated scheduler, queueing and step noise; nothing else is
+  taken from the run); beside it `replay_at_one_speed` (one number for every step) and
+  `replay_at_run_speed_seed_mean` (the mean over the seeds);
 - `seed_band`: min and max of each metric over `--noise-seeds` replays at run speed that differ
   only in the noise seed: how much one run of this many requests moves a p99 by chance;
 - `measured_interval`: the same question asked of the measurement, a bootstrap over the run's
@@ -45,19 +49,51 @@ def kind_factors(speed: dict) -> dict[str, float]:
     }
 
 
-def speed_corrected(
-    profile: Path, steps: Path, out: Path, by_kind: bool = True
-) -> tuple[dict, Path]:
+def speed_corrected(profile: Path, steps: Path, out: Path, rate: str) -> tuple[dict, Path, Path]:
     """The profile at the machine's speed during the run whose server steps are in `steps`: per
-    kind of step (`by_kind`; the decode and the prompt steps' speeds move apart), or one number."""
+    kind of step (the decode and the prompt steps' speeds move apart) and as one number, saved in
+    `out` as profile_at_run_speed_RATE.json and profile_at_one_speed_RATE.json."""
     base = StepProfile.load(profile)
     speed = machine_speed(base, json.loads(steps.read_text()))
     why = f"the server's steps during {steps.name}"
-    if by_kind:
-        base.scaled_by_kind(kind_factors(speed), why).save(out)
-    else:
-        base.scaled(speed["mean_measured_over_predicted"], why).save(out)
-    return speed, out
+    per_kind, one = (
+        out / f"profile_at_run_speed_{rate}.json",
+        out / f"profile_at_one_speed_{rate}.json",
+    )
+    base.scaled_by_kind(kind_factors(speed), why).save(per_kind)
+    base.scaled(speed["mean_measured_over_predicted"], why).save(one)
+    return speed, per_kind, one
+
+
+def replays_at_speed(per_kind: Path, one: Path, trace: Path, out: Path, rate: str, seeds: int,
+                     simulate) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """`seeds` replays of the trace with each profile, differing only in the noise seed (the
+    first per-kind replay prints its table)."""
+    return tuple(  # type: ignore[return-value]
+        [
+            simulate(
+                prof,
+                ["--trace", str(trace), "--seed", str(seed)],
+                out / f"sim_{name}_{rate}_{seed}.json",
+                quiet=seed > 0 or name == "one_speed",
+            )  # fmt: skip
+            for seed in range(seeds)
+        ]
+        for name, prof in (("speed", per_kind), ("one_speed", one))
+    )
+
+
+def at_speed_results(runs: list[dict], one_runs: list[dict], measured: dict, metrics, dig,
+                     compare) -> dict:  # fmt: skip
+    """The run's replays at speed against the measurement: the prediction (per kind, median),
+    the mean over the seeds, and the one-number replay."""
+    return {
+        "replay_at_run_speed": compare(seed_statistic(runs, metrics, dig), measured),
+        "replay_at_run_speed_seed_mean": compare(
+            seed_statistic(runs, metrics, dig, "mean"), measured
+        ),
+        "replay_at_one_speed": compare(seed_statistic(one_runs, metrics, dig), measured),
+    }
 
 
 def seed_statistic(summaries: list[dict], metrics, dig, how: str = "median") -> dict:
@@ -67,7 +103,9 @@ def seed_statistic(summaries: list[dict], metrics, dig, how: str = "median") -> 
     distribution minimises; a p99 over 60 requests rests on one or two steps' noise draws, so one
     seed in five drew +70% on the saturating rate's ITL p99 where the others gave +3..+6%
     (session 1206), and the mean followed that one draw."""
-    pick = statistics.median if how == "median" else statistics.fmean
+    pick = {"median": statistics.median, "mean": statistics.fmean}.get(how)
+    if pick is None:
+        raise ValueError(f"a seed statistic is median or mean, got {how!r}")
     out: dict = {}
     for _, path in metrics:
         vals = [v for v in (dig(s, path) for s in summaries) if isinstance(v, int | float)]

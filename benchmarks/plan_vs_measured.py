@@ -46,7 +46,7 @@ from kvserve.threads import apply_thread_defaults  # noqa: E402
 
 apply_thread_defaults()
 
-from benchmarks._plan_explain import MIN_FULL_STEPS, TOLERANCE, explain, print_table  # noqa: E402
+from benchmarks._plan_explain import TOLERANCE, explain, print_table  # noqa: E402
 from kvserve.plan import KVFormat, arith, load_model, parse_weight_format  # noqa: E402
 from kvserve.plan.engine_cost import EngineCost  # noqa: E402
 from kvserve.plan.hardware import get_profile  # noqa: E402
@@ -100,7 +100,7 @@ def measure_steps(
     model: str, weights: str, batches: str, context: int, out: Path, args, long: bool
 ) -> dict:
     """Measured decode step medians {batch: (seconds, mean decode context, the number of steps at
-    the batch's rows: `decode_step_p50`)}. At the longest
+    the batch's rows (`decode_step_p50`), the number of decode steps)}. At the longest
     context the prefill dominates the wall time (B = 4 x 2000 tokens: ~50 s here), so it runs
     `--long-iters` iterations after `--long-warmup-iters` (the decode steps are the medians of
     all of them either way)."""
@@ -117,20 +117,19 @@ def measure_steps(
     )  # fmt: skip
     doc = json.loads((run / "latency.json").read_text())
     return {pt["batch_size"]: (decode_step_p50(pt), pt["prompt_len"] + pt["output_len"] / 2,
-                               pt["decode"].get("num_full_batch_steps", 0))
+                               pt["decode"].get("num_full_batch_steps", 0),
+                               pt["decode"]["step_s"]["count"])
             for pt in doc["points"]}  # fmt: skip
 
 
 def decode_step_p50(point: dict) -> float:
-    """The median decode step at the batch's rows: of the steps with every request decoding
-    (`full_batch_step_s`), where bench latency saw at least MIN_FULL_STEPS of them. With chunked
+    """The median decode step at the batch's rows (`bench latency`'s `batch_step_s`: of the steps
+    with every request decoding where there are at least 3, kvserve.bench.phases). With chunked
     prefill the first requests decode while the later prompts fill and finish first, so the decode
-    phase's later steps carry fewer rows: at 48 x 504 tokens its median step was 59 ms where the
-    48-row forward alone took 84 (1207)."""
+    phase's later steps carry fewer rows: at 48 x 504 tokens the median over every decode step was
+    67 ms where the 48-row forward alone took 87 (1207). Older JSON: the p50 of every step."""
     decode = point["decode"]
-    if decode.get("num_full_batch_steps", 0) >= MIN_FULL_STEPS:
-        return decode["full_batch_step_s"]["p50"]
-    return decode["step_s"]["p50"]
+    return decode["batch_step_s"] if "batch_step_s" in decode else decode["step_s"]["p50"]
 
 
 def plan_parts(weights: str, spec) -> dict[str, str]:
@@ -266,7 +265,7 @@ def main() -> int:
                 from kvserve.measure import MeasureConfig
                 from kvserve.measure_forward import time_model_forwards
 
-                shapes = [(b, int(t)) for b, (_, t, _) in sorted(steps.items())]
+                shapes = [(b, int(t)) for b, (_, t, _, _) in sorted(steps.items())]
                 quant = None if weights == "fp32" else weights
                 cfg = MeasureConfig(min_time_s=0.5, min_samples=5)
                 forwards = time_model_forwards(args.model, shapes, quant, cfg)
@@ -277,9 +276,9 @@ def main() -> int:
             probes.append(after)
             # the machine's speed while these steps ran, relative to the profile's minutes
             speed = (before["gemv_bytes_per_s"] + after["gemv_bytes_per_s"]) / 2 / profile_gemv
-            for batch, (measured_s, t, full) in sorted(steps.items()):
+            for batch, (measured_s, t, full, total) in sorted(steps.items()):
                 row = {"weights": weights, "batch": batch, "context": t, "measured_s": measured_s,
-                       "full_batch_steps": full,
+                       "full_batch_steps": full, "decode_steps": total,
                        "timed_at": time.strftime("%H:%M:%S", time.gmtime()),
                        "gemv_speed_vs_profile": speed}  # fmt: skip
                 if (batch, int(t)) in forwards:

@@ -21,7 +21,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._simval_speed import seed_band, seed_statistic, speed_corrected  # noqa: E402
+from benchmarks._simval_speed import (  # noqa: E402
+    at_speed_results,
+    replays_at_speed,
+    seed_band,
+    speed_corrected,
+)
 from benchmarks.sim_validation import METRICS, compare, dig, simulate  # noqa: E402
 
 
@@ -49,33 +54,13 @@ def main() -> int:
         run = art / f"bench_rate_{rate}"
         measured = json.loads((run / "summary.json").read_text())
         steps = art / f"server_steps_rate_{rate}.json"
-        speed, at_speed = speed_corrected(profile, steps, out / f"profile_at_run_speed_{rate}.json")
-        _, at_one = speed_corrected(
-            profile, steps, out / f"profile_at_one_speed_{rate}.json", by_kind=False
-        )
-        trace = ["--trace", str(run / "requests.jsonl")]
-        runs, one_runs = (
-            [
-                simulate(
-                    prof,
-                    trace + ["--seed", str(s)],
-                    out / f"sim_{name}_{rate}_{s}.json",
-                    quiet=True,
-                )
-                for s in range(args.noise_seeds)
-            ]
-            for name, prof in (("speed", at_speed), ("one_speed", at_one))
-        )
-        row = {
-            "rate": float(rate),
-            "speed": speed,
-            "replay_at_run_speed": compare(seed_statistic(runs, METRICS, dig), measured),
-            "replay_at_run_speed_seed_mean": compare(
-                seed_statistic(runs, METRICS, dig, "mean"), measured
-            ),
-            "replay_at_one_speed": compare(seed_statistic(one_runs, METRICS, dig), measured),
-            "seed_band": seed_band(runs, METRICS, dig),
-        }
+        speed, at_speed, at_one = speed_corrected(profile, steps, out, rate)
+        trace = run / "requests.jsonl"
+        runs, one_runs = replays_at_speed(at_speed, at_one, trace, out, rate, args.noise_seeds,
+                                          simulate)  # fmt: skip
+        row = {"rate": float(rate), "speed": speed,
+               **at_speed_results(runs, one_runs, measured, METRICS, dig, compare),
+               "seed_band": seed_band(runs, METRICS, dig)}  # fmt: skip
         results.append(row)
         errors = " ".join(
             f"{k} {v['relative_error']:+.0%}" for k, v in row["replay_at_run_speed"].items()

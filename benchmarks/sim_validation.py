@@ -39,10 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._simval_speed import (  # noqa: E402
+    at_speed_results,
     measured_intervals,
     print_table,
+    replays_at_speed,
     seed_band,
-    seed_statistic,
     speed_corrected,
     verdict,
 )
@@ -350,22 +351,10 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
     steps.write_text(
         json.dumps(httpx.get(f"{base_url}/debug/steps", params={"since": since}).json())
     )
-    speed, at_speed = speed_corrected(profile, steps, out / f"profile_at_run_speed_{rate}.json")
-    _, at_one = speed_corrected(
-        profile, steps, out / f"profile_at_one_speed_{rate}.json", by_kind=False
-    )
-    trace = ["--trace", str(run_dir / "requests.jsonl")]
-    runs, one_runs = (
-        [
-            simulate(
-                prof,
-                trace + ["--seed", str(seed)],
-                out / f"sim_{name}_{rate}_{seed}.json",
-                quiet=seed > 0 or name == "one_speed",
-            )
-            for seed in range(args.noise_seeds)
-        ]
-        for name, prof in (("speed", at_speed), ("one_speed", at_one))
+    speed, at_speed, at_one = speed_corrected(profile, steps, out, rate)
+    trace = run_dir / "requests.jsonl"
+    runs, one_runs = replays_at_speed(
+        at_speed, at_one, trace, out, rate, args.noise_seeds, simulate
     )
     a_priori = simulate(
         profile, workload + ["--request-rate", rate], out / f"sim_a_priori_{rate}.json"
@@ -375,7 +364,8 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
     )
     from kvserve.bench.records import read_jsonl
 
-    at_speed_cmp = compare(seed_statistic(runs, METRICS, dig), measured)
+    replays = at_speed_results(runs, one_runs, measured, METRICS, dig, compare)
+    at_speed_cmp = replays["replay_at_run_speed"]
     band = seed_band(runs, METRICS, dig)
     interval = measured_intervals(read_jsonl(run_dir / "requests.jsonl"))
     return {
@@ -385,11 +375,7 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
         "a_priori": compare(a_priori, measured),
         "replay": compare(replay, measured),
         "speed": speed,
-        "replay_at_run_speed": at_speed_cmp,
-        "replay_at_run_speed_seed_mean": compare(
-            seed_statistic(runs, METRICS, dig, "mean"), measured
-        ),
-        "replay_at_one_speed": compare(seed_statistic(one_runs, METRICS, dig), measured),
+        **replays,
         "seed_band": band,
         "measured_interval": interval,
         "verdict_at_run_speed": {

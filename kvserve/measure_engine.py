@@ -249,14 +249,22 @@ def measure_attention(
 
 
 def _tiny_decoder(
-    num_layers: int, fused: bool, context: int = 64, max_batch: int = 64, shape=None, scheme=None
+    num_layers: int,
+    fused: bool,
+    context: int = 64,
+    max_batch: int = 64,
+    shape=None,
+    scheme=None,
+    cache_rows: int | None = None,
 ) -> tuple[Callable[..., Callable[[], object]], object]:
     """A random tiny DecoderLM in the engine's CPU layout, its fused decode step on or off;
     returns (make_step(batch) -> one decode forward (+ logits of every row) at `context`, the
     model: `model.fused.num_steps` counts the steps that ran fused). `shape` (a
     kvserve.plan.ModelSpec): its layers' widths and heads instead of the tiny ones (the
     vocabulary stays tiny); `scheme` (a TensorScheme): its block linears quantised by RTN, as the
-    engine's `--quantization` does; make_step(batch, at) runs at `at` <= `context` tokens."""
+    engine's `--quantization` does; make_step(batch, at) runs at `at` <= `context` tokens.
+    The cache holds `cache_rows` (default `max_batch`) sequences of `context` tokens, and a step's
+    sequences lie one after another in it, so more rows fit at fewer tokens (ValueError past it)."""
     from kvserve.config import ModelConfig
     from kvserve.model.attention import build_attention_metadata, get_attention_backend
     from kvserve.model.decoder import DecoderLM
@@ -280,7 +288,7 @@ def _tiny_decoder(
     model.use_cpu_weights()
     model.fused_decode = model.fused_decode and fused  # as the engine decides, or the per-op path
     block_size = 16
-    num_blocks = max_batch * (context // block_size + 1) + 1
+    num_blocks = (cache_rows or max_batch) * (context // block_size + 1) + 1
     _, caches = allocate_layers(
         num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32,
         "auto", torch.device("cpu"),
@@ -289,11 +297,13 @@ def _tiny_decoder(
         c.k.normal_()
         c.v.normal_()
     backend = get_attention_backend("auto", torch.device("cpu"), torch.float32)
-    per_seq = context // block_size + 1
 
     def make_step(batch: int, at: int | None = None) -> Callable[[], object]:
         at = context if at is None else at
-        chunks = [(at, 1, list(range(1 + i * per_seq, 1 + i * per_seq + at // block_size + 1)))
+        per_seq = at // block_size + 1
+        if batch * per_seq > num_blocks - 1:
+            raise ValueError(f"{batch} rows of {at} tokens do not fit the {num_blocks - 1} blocks")
+        chunks = [(at, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
                   for i in range(batch)]  # fmt: skip
         ids = torch.zeros(batch, dtype=torch.long)
         positions = torch.full((batch,), at, dtype=torch.long)

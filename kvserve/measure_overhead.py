@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -93,10 +94,16 @@ def measure_overhead(
     import kvserve.runner.model_runner as runner_mod
     from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine.llm import LLM
+    from kvserve.plan import arith, load_model
 
+    # every row's prompt and output in the cache at once, twice over (block rounding): 64 rows of
+    # 48 tokens of a 3B model's fp32 cache take ~0.7 GB, past a fixed 512 MiB, and the engine
+    # would preempt instead of decoding every row
+    per_token = arith.kv_bytes_per_token(load_model(model_dir), 4)
+    cache = max(512 << 20, int(2 * max(rows) * (prompt_len + new_tokens + 16) * per_token))
     llm = LLM(
         model_dir, dtype="float32", max_num_seqs=max(rows), quantization=quantization,
-        kv_cache_memory_bytes=512 << 20,
+        kv_cache_memory_bytes=cache,
     )  # fmt: skip
     runner = llm.engine.runner
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
@@ -130,6 +137,9 @@ def measure_overhead(
                             found.append(split_step(
                                 step_s, step["execute"], step["forward"], step["sample"]))  # fmt: skip
                 by_rows[n] = found
+                if not found:  # said, not silently held at the last row count's values
+                    warnings.warn(f"no decode step ran all {n} rows: no engine-* points at {n}",
+                                  stacklevel=2)  # fmt: skip
                 for p in overhead_points({n: found}):
                     if progress:
                         progress(p)

@@ -106,6 +106,17 @@ def measure_team_host(
 TEAM_LAYER_KIND = "team-layer:"  # + the block linears' format
 HEAD_KIND = "head:"  # + the head's format
 SHORT_CONTEXT = 16
+# the team layers' cache holds this many rows at the longest context; more rows are timed at the
+# longest context that many rows' cache holds (64 rows x 2,048 tokens of a 3B model's layers
+# would not fit 24 GB)
+LONG_CONTEXT_ROWS = 16
+
+
+def row_contexts(contexts: tuple[int, ...], rows: int, cache_blocks: int) -> tuple[int, ...]:
+    """The contexts a step of `rows` rows is timed at when the cache holds `cache_blocks` blocks
+    of 16 tokens: each of `contexts`, capped at the most tokens `rows` sequences fit."""
+    fits = (cache_blocks // rows - 1) * 16  # each sequence takes context // 16 + 1 blocks
+    return tuple(sorted({min(c, max(fits, SHORT_CONTEXT)) for c in contexts}))
 
 
 def _layer_bytes(model, fmt: str) -> tuple[float, int]:
@@ -133,9 +144,10 @@ def measure_team_layers(
     """`team-layer:FMT` points: the team step's own time per layer on `model`'s layer shapes with
     block linears in `fmt` (fp32, or quantised by RTN: a quantised decoder of the same shapes), at
     each row count it takes and at `SHORT_CONTEXT` and the longest of `cfg.attention_contexts`
-    cached tokens (interleaved rounds): (step - `fused-fixed`) / layers. Everything the step does
-    in a layer (its GEMVs inside the one OpenMP region, the attention split across the team, the
-    barriers, the host work) is in it, so the planner prices the team path's linears and cache
+    cached tokens (interleaved rounds; past `LONG_CONTEXT_ROWS` rows the longest context that
+    many rows' cache holds: `row_contexts`): (step - `fused-fixed`) / layers. Everything the step
+    does in a layer (its GEMVs inside the one OpenMP region, the attention split across the team,
+    the barriers, the host work) is in it, so the planner prices the team path's linears and cache
     read from these, not from kernels called alone (docs/planning.md). `bytes_per_s`: the layer's
     weight bytes in `fmt` over the time; `kv_token_bytes`: the K and V bytes of a token of a layer
     (for a plan of another model's shapes). [] when the fused step does not run here."""
@@ -157,17 +169,23 @@ def measure_team_layers(
     limit = fused_rows()  # quantised steps take as many rows as fp32 ones
     contexts = tuple(sorted({SHORT_CONTEXT, *(contexts or (max(cfg.attention_contexts),))}))
     rows = tuple(n for n in rows if n <= limit)
-    make_step, decoder = _tiny_decoder(layers, True, max(contexts), max(rows), model, scheme)
+    longest = max(contexts)
+    # LONG_CONTEXT_ROWS rows at the longest context, and every row count at SHORT_CONTEXT
+    cache_rows = max(min(max(rows), LONG_CONTEXT_ROWS),
+                     -(-max(rows) * (SHORT_CONTEXT // 16 + 1) // (longest // 16 + 1)))  # fmt: skip
+    make_step, decoder = _tiny_decoder(layers, True, longest, max(rows), model, scheme, cache_rows)
+    cache_blocks = cache_rows * (longest // 16 + 1)
     points = []
     with torch.inference_mode():
         for n in rows:
             steps_before = decoder.fused.num_steps if decoder.fused else 0
-            calls = {c: make_step(n, c) for c in contexts}
+            at = row_contexts(contexts, n, cache_blocks)
+            calls = {c: make_step(n, c) for c in at}
             med = interleaved_medians_s(calls, cfg, cfg.dispatch_rounds)
             if not (decoder.fused and decoder.fused.num_steps > steps_before):
                 break  # the fused step did not run at n rows (quantised: more than it takes)
             fixed_s = _interp_log2(tuple(fused_fixed), n)
-            for c in contexts:
+            for c in at:
                 per_layer = max(med[c] - fixed_s, 1e-9) / layers
                 points.append(MeasuredPoint(TEAM_LAYER_KIND + fmt, n, 0.0,
                                             layer_bytes / per_layer, 0.0, per_layer, c,

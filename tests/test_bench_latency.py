@@ -39,7 +39,7 @@ def test_split_phases_with_chunked_prefill_and_an_idle_step():
     split = phases.split_phases(steps, num_requests=3)
     assert split.prefill_s == pytest.approx(0.033)
     assert (split.num_prefill_steps, split.num_mixed_steps) == (3, 1)
-    assert split.decode_step_s == (0.003, 0.004) and split.decode_step_tokens == (3, 3)
+    assert split.decode_step_s == (0.003, 0.004) and split.decode_step_rows == (3, 3)
     assert (split.num_idle_steps, split.idle_s) == (1, 0.002)
     assert split.decode_s == pytest.approx(0.007)
     # a request that never got a token: no prefill time is claimed
@@ -93,11 +93,29 @@ def test_the_full_batch_step_counts_only_the_steps_with_every_request_decoding()
     assert decode["step_s"]["p50"] == pytest.approx(0.005)  # mostly fewer rows
     assert decode["num_full_batch_steps"] == 3
     assert decode["full_batch_step_s"]["p50"] == pytest.approx(0.031)
+    assert decode["batch_step_s"] == pytest.approx(0.031)  # the tokens/s and the roofline's
+    assert decode["aggregate_tokens_per_s"] == pytest.approx(3 / 0.031)
     from benchmarks.plan_vs_measured import decode_step_p50
 
     assert decode_step_p50({"decode": decode}) == pytest.approx(0.031)
-    few = decode | {"num_full_batch_steps": 2}
-    assert decode_step_p50({"decode": few}) == pytest.approx(0.005)  # too few: every step
+    # too few full-batch steps: the p50 of every step
+    split = phases.split_phases(steps[:4] + steps[6:], num_requests=3)
+    it = phases.Iteration(split, 0.2, (), (), ((1,),) * 3, 0)
+    few = phases.point_summary(3, 10, 4, [it])["decode"]
+    assert few["num_full_batch_steps"] == 1 and few["batch_step_s"] == few["step_s"]["p50"]
+    assert decode_step_p50({"decode": few}) == few["step_s"]["p50"]
+    # speculative decoding: rows, not tokens (review): 2 rows with 3 tokens each are not the
+    # batch of 3, and 3 rows with 2 tokens each are
+    spec = [
+        _step(0.010, first=3),
+        phases.StepSample(0.02, 0, 6, 2),
+        phases.StepSample(0.03, 0, 6, 3),
+    ]
+    split = phases.split_phases(spec, num_requests=3)
+    assert split.decode_step_rows == (2, 3)
+    it = phases.Iteration(split, 0.1, (), (), ((1,),) * 3, 0)
+    decode = phases.point_summary(3, 10, 4, [it])["decode"]
+    assert decode["num_full_batch_steps"] == 1 and decode["full_batch_step_s"]["p50"] == 0.03
 
 
 def test_first_difference_and_mismatch_report():

@@ -270,3 +270,33 @@ def test_host_points_are_medians_of_rounds_so_one_slow_round_does_not_move_them(
     got = {p.kind: p.median_s for p in points}
     assert got["dispatch"] == pytest.approx(1e-4)
     assert got["dispatch-fixed"] == pytest.approx(1e-3)
+
+
+def test_the_overhead_engine_holds_every_rows_prompt_and_output(monkeypatch, tmp_path):
+    """Review: a fixed 512 MiB cache held 64 rows of 48 tokens only below ~170 KiB a token; a 3B
+    model's fp32 cache (~229 KiB) would preempt, no step would decode every row, and the 64-row
+    points would be dropped unsaid. The cache is sized from the model's K and V bytes a token."""
+    import json
+
+    import kvserve.engine.llm as llm_mod
+    from kvserve.measure_overhead import measure_overhead
+
+    config = {"model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
+              "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+              "intermediate_size": 8192, "vocab_size": 128256,
+              "max_position_embeddings": 8192}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_llm(model_dir, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(llm_mod, "LLM", fake_llm)
+    with pytest.raises(Stop):
+        measure_overhead(str(tmp_path), rows=(1, 64), prompt_len=32, new_tokens=16)
+    per_token = 2 * 28 * 8 * 128 * 4
+    assert seen["kv_cache_memory_bytes"] >= 64 * (32 + 16) * per_token > 512 << 20

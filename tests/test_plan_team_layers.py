@@ -255,3 +255,40 @@ def test_the_team_layers_the_head_and_the_engine_are_timed_at_every_row_count_th
     )
     assert c.path(48, 500) == "team" and c.decode_bound(48, 500) != "compute"
     assert c.decode_step_s(32, 500) < c.decode_step_s(48, 500) < c.decode_step_s(64, 500)
+
+
+@pytest.mark.skipif(fused_rows() < 64, reason="no 64-row fused step here")
+def test_past_16_rows_the_team_layers_are_timed_at_the_context_16_rows_cache_holds(monkeypatch):
+    """Review: 64 rows at the longest context need 4x the cache of 16 (a 3B model's layers at 64 x
+    2,048 tokens would not fit 24 GB). The cache holds 16 rows at the longest context; 32 and 64
+    rows are timed at the longest context that cache holds, and the fit takes each row count's
+    own two contexts."""
+    import kvserve.measure_engine as me
+    import kvserve.measure_team as mt
+
+    built, seen = [], {}
+    real = me._tiny_decoder
+
+    def spy(*args, **kwargs):
+        built.append(args[6] if len(args) > 6 else kwargs.get("cache_rows"))
+        return real(*args, **kwargs)
+
+    def fake_medians(calls, cfg, rounds):
+        for call in calls.values():  # the real steps run: each fits the cache
+            call()
+        seen.setdefault(len(seen), sorted(calls))
+        return {c: 1e-3 + 1e-6 * c for c in calls}
+
+    monkeypatch.setattr(me, "_tiny_decoder", spy)
+    monkeypatch.setattr(mt, "interleaved_medians_s", fake_medians)
+    cfg = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0, dispatch_rounds=1,
+                        attention_contexts=(16, 256))  # fmt: skip
+    points = mt.measure_team_layers(cfg, WIDE, "fp32", [(1, 1e-4)], rows=(1, 16, 32, 64))
+    assert built == [16]  # 16 rows of 256 tokens, not 64
+    assert list(seen.values()) == [[16, 256], [16, 256], [16, 112], [16, 48]]
+    assert sorted({(p.num_columns, p.context_tokens) for p in points}) == [
+        (1, 16), (1, 256), (16, 16), (16, 256), (32, 16), (32, 112), (64, 16), (64, 48)
+    ]  # fmt: skip
+    assert mt.row_contexts((16, 256), 64, 16 * 17) == (16, 48)
+    with pytest.raises(ValueError, match="do not fit"):
+        real(1, True, 256, 64, WIDE, None, 16)[0](64, 256)

@@ -167,6 +167,11 @@ def test_the_speed_per_kind_of_step_and_the_profile_scaled_by_it():
     )
     assert again.meta["scaled_by_kind"]["factors"]["prefill"] == pytest.approx(2.1)
     assert again.request_overhead_s == 0.01
+    assert again.meta["scaled_by_kind"]["why"] == "test; then twice"
+    broken = by_kind.to_dict()
+    broken["scaled_by_kind"] = {"factors": {"prefill": 1.0}}
+    with pytest.raises(ValueError, match="scaled_by_kind"):
+        StepProfile.from_dict(broken)  # refused on reading, not at the first step priced
     with pytest.raises(ValueError, match="> 0"):
         profile.scaled_by_kind({"prefill": 1.0}, "a kind missing")
     with pytest.raises(ValueError, match="> 0"):

@@ -105,16 +105,18 @@ def run_iteration(llm, prompts: list[list[int]], params, sync) -> phases.Iterati
         t_end = time.perf_counter()
         if changed is None:
             break
-        num_first = num_decode = 0
+        num_first = num_decode = num_rows = 0
         for index, out in changed.items():
             n = len(out.outputs[0].delta_token_ids)
             if n and index not in started:
                 started.add(index)
                 num_first, n = num_first + 1, n - 1
+            elif n:
+                num_rows += 1  # a request past its first token decoded this step
             num_decode += n
             if out.finished:
                 final[index] = out
-        samples.append(phases.StepSample(t_end - t0, num_first, num_decode))
+        samples.append(phases.StepSample(t_end - t0, num_first, num_decode, num_rows))
     if len(final) < len(prompts):
         raise BenchError("the engine stopped with requests unfinished")
     done = [final[i] for i in range(len(prompts))]

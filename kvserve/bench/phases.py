@@ -39,6 +39,11 @@ BOUND_NAMES = {"memory": "bandwidth-bound", "compute": "compute-bound"}
 OVERHEAD_RATIO = 10.0
 
 
+# the decode step at a batch's rows is the median of the steps where every request decoded when
+# there are at least this many of them, else of every decode step
+MIN_FULL_BATCH_STEPS = 3
+
+
 @dataclass(frozen=True)
 class StepSample:
     """One timed engine step: wall seconds (synchronised), and what it produced."""
@@ -46,6 +51,13 @@ class StepSample:
     duration_s: float
     num_first_tokens: int  # requests that got their first token in this step
     num_decode_tokens: int  # tokens for requests that already had their first one
+    # those requests that got a token this step (rows decoding; with speculative decoding a row
+    # may get several tokens); None: as many as num_decode_tokens
+    num_decode_rows: int | None = None
+
+    @property
+    def decode_rows(self) -> int:
+        return self.num_decode_tokens if self.num_decode_rows is None else self.num_decode_rows
 
 
 @dataclass(frozen=True)
@@ -56,10 +68,10 @@ class PhaseSplit:
     decode_step_s: tuple[float, ...]
     num_idle_steps: int  # decode-phase steps with no token (e.g. recompute after preemption)
     idle_s: float
-    # tokens each decode step produced (its decoding rows): with chunked prefill the first
-    # requests decode while later prompts fill, finish first, and the decode phase's later steps
-    # carry fewer rows than the batch
-    decode_step_tokens: tuple[int, ...] = ()
+    # the requests each decode step decoded: with chunked prefill the first requests decode while
+    # later prompts fill, so they finish first and the decode phase's later steps carry fewer rows
+    # than the batch
+    decode_step_rows: tuple[int, ...] = ()
 
     @property
     def decode_s(self) -> float:
@@ -88,7 +100,7 @@ def split_phases(steps: Sequence[StepSample], num_requests: int) -> PhaseSplit:
         decode_step_s=tuple(s.duration_s for s in decode),
         num_idle_steps=len(idle),
         idle_s=sum(s.duration_s for s in idle),
-        decode_step_tokens=tuple(s.num_decode_tokens for s in decode),
+        decode_step_rows=tuple(s.decode_rows for s in decode),
     )
 
 
@@ -117,12 +129,14 @@ def point_summary(
     full = [  # the decode steps with every request of the batch decoding
         s
         for it in iterations
-        for s, n in zip(it.split.decode_step_s, it.split.decode_step_tokens, strict=False)
+        for s, n in zip(it.split.decode_step_s, it.split.decode_step_rows, strict=False)
         if n == batch_size
     ]
     decode_totals = [it.split.decode_s for it in iterations]
     walls = [it.wall_s for it in iterations]
     prefill_med, step_med, wall_med = _median(prefill), _median(steps), _median(walls)
+    # the step at the batch's rows: the full-batch median where there are enough such steps
+    batch_step = _median(full) if len(full) >= MIN_FULL_BATCH_STEPS else step_med
     decode_med = _median(decode_totals)
     other = None
     if None not in (prefill_med, decode_med, wall_med):
@@ -148,9 +162,12 @@ def point_summary(
             # were chunked carry fewer (their requests finished first)
             "full_batch_step_s": Percentiles.of(full).to_json(),
             "num_full_batch_steps": len(full),
+            # the step at the batch's rows (the tokens/s and the roofline's measured step): the
+            # full-batch p50 with at least MIN_FULL_BATCH_STEPS of them, else the p50 of all
+            "batch_step_s": batch_step,
             "num_steps_per_iteration": [len(it.split.decode_step_s) for it in iterations],
-            "per_sequence_tokens_per_s": 1.0 / step_med if step_med else None,
-            "aggregate_tokens_per_s": batch_size / step_med if step_med else None,
+            "per_sequence_tokens_per_s": 1.0 / batch_step if batch_step else None,
+            "aggregate_tokens_per_s": batch_size / batch_step if batch_step else None,
             "itl_engine_s": Percentiles.of(
                 g for it in iterations for g in it.itl_engine_s
             ).to_json(),
@@ -334,5 +351,5 @@ def point_roofline(model: ModelSpec, profile: HardwareProfile, dtype: str, point
         fraction,
     )
     return attach_measured(
-        rf, point["prefill"]["batch_prefill_s"]["p50"], point["decode"]["step_s"]["p50"]
+        rf, point["prefill"]["batch_prefill_s"]["p50"], point["decode"]["batch_step_s"]
     )

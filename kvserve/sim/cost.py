@@ -202,6 +202,15 @@ class StepProfile:
         unknown = [f for f in self.features if f not in FEATURES]
         if unknown or len(self.features) != len(self.coef_s):
             raise ValueError(f"bad step profile: unknown features {unknown} or length mismatch")
+        by_kind = self.meta.get("scaled_by_kind")
+        if by_kind is not None:
+            factors = by_kind.get("factors") if isinstance(by_kind, dict) else None
+            if not (
+                isinstance(factors, dict)
+                and set(factors) == set(STEP_KINDS)
+                and all(isinstance(f, int | float) and f > 0 for f in factors.values())
+            ):
+                raise ValueError(f"bad step profile: scaled_by_kind factors {factors!r}")
 
     def step_s(self, scheduler_output: SchedulerOutput) -> float:
         return self.load_s(StepLoad.of(scheduler_output))
@@ -240,9 +249,11 @@ class StepProfile:
         Applies on top of an earlier `scaled_by_kind`; the residuals and overheads kept."""
         if set(factors) != set(STEP_KINDS) or not all(f > 0 for f in factors.values()):
             raise ValueError(f"per-kind scales must be > 0 for {STEP_KINDS}, got {factors}")
-        old = self.meta.get("scaled_by_kind", {}).get("factors", dict.fromkeys(STEP_KINDS, 1.0))
+        before = self.meta.get("scaled_by_kind", {})
+        old = before.get("factors", dict.fromkeys(STEP_KINDS, 1.0))
         total = {k: old[k] * float(factors[k]) for k in STEP_KINDS}
-        meta = self.meta | {"scaled_by_kind": {"factors": total, "why": why}}
+        whys = f"{before['why']}; then {why}" if before.get("why") else why
+        meta = self.meta | {"scaled_by_kind": {"factors": total, "why": whys}}
         return StepProfile(self.features, self.coef_s, meta)
 
     def describe(self) -> dict[str, Any]:
