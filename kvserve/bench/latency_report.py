@@ -45,6 +45,9 @@ COLUMNS = (
     ("p99", 8, lambda p: _ms(p["decode"]["step_s"]["p99"])),
     ("max", 8, lambda p: _ms(p["decode"]["step_s"]["max"])),
     ("n", 5, lambda p: str(p["decode"]["step_s"]["count"])),
+    # the step at the batch's rows (full-batch steps' p50, `batch_step_s`) and how many there were
+    ("B-row step", 11, lambda p: _ms(p["decode"].get("batch_step_s"))),
+    ("full", 5, lambda p: str(p["decode"].get("num_full_batch_steps", "-"))),
     ("tok/s/seq", 10, lambda p: _num(p["decode"]["per_sequence_tokens_per_s"])),
     ("tok/s agg", 10, lambda p: _num(p["decode"]["aggregate_tokens_per_s"])),
     ("wall s", 8, lambda p: _num(p["wall"]["iteration_s"]["p50"], ".3f")),
@@ -64,7 +67,9 @@ def table(doc: dict) -> str:
         f"threads); {grid['num_iters']} timed iterations per point after "
         f"{grid['num_warmup_iters']} warm-up; forced length, greedy",
         "prefill = batch prefill wall (TTFT proxy, p50 over iterations); step = decode step "
-        "times (ms, pooled over iterations); tok/s from the p50 step; x = measured / roofline",
+        "times (ms, pooled over iterations); B-row step = the p50 of the steps where all B rows "
+        "decoded (with 3 or more of them, else of all), which tok/s and x use; "
+        "x = measured / roofline",
         "".join(f"{h:>{w}}" for h, w, _ in COLUMNS),
     ]
     lines += ["".join(f"{cell(p):>{w}}" for _, w, cell in COLUMNS) for p in doc["points"]]
