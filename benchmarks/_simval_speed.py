@@ -40,7 +40,7 @@ def kind_factors(speed: dict) -> dict[str, float]:
     """{prefill, decode: the run's mean measured / predicted over that kind's steps}, the one
     number where a kind ran fewer than MIN_KIND_STEPS steps."""
     one = speed["mean_measured_over_predicted"]
-    kinds = speed.get("by_kind", {})
+    kinds = speed["by_kind"]
     return {
         kind: kinds[kind]["mean_measured_over_predicted"]
         if kinds.get(kind, {}).get("num_steps", 0) >= MIN_KIND_STEPS
@@ -69,18 +69,14 @@ def replays_at_speed(per_kind: Path, one: Path, trace: Path, out: Path, rate: st
                      simulate) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """`seeds` replays of the trace with each profile, differing only in the noise seed (the
     first per-kind replay prints its table)."""
-    return tuple(  # type: ignore[return-value]
-        [
-            simulate(
-                prof,
-                ["--trace", str(trace), "--seed", str(seed)],
-                out / f"sim_{name}_{rate}_{seed}.json",
-                quiet=seed > 0 or name == "one_speed",
-            )  # fmt: skip
-            for seed in range(seeds)
-        ]
-        for name, prof in (("speed", per_kind), ("one_speed", one))
-    )
+
+    def replays(name: str, prof: Path) -> list[dict]:
+        return [simulate(prof, ["--trace", str(trace), "--seed", str(seed)],
+                         out / f"sim_{name}_{rate}_{seed}.json",
+                         quiet=seed > 0 or name == "one_speed")
+                for seed in range(seeds)]  # fmt: skip
+
+    return replays("speed", per_kind), replays("one_speed", one)
 
 
 def at_speed_results(runs: list[dict], one_runs: list[dict], measured: dict, metrics, dig,
@@ -135,12 +131,12 @@ def print_table(results: list[dict], metrics) -> None:
 
     for r in results:
         kinds = " ".join(f"{k} {v['mean_measured_over_predicted']:.3f} ({v['num_steps']} steps)"
-                         for k, v in r["speed"].get("by_kind", {}).items())  # fmt: skip
+                         for k, v in r["speed"]["by_kind"].items())  # fmt: skip
         print(f"{r['rate']:>5g} {'machine speed':>20} {r['speed']['mean_measured_over_predicted']:>10.3f}"
               f"  (mean measured / predicted step cost during the run; {kinds})")  # fmt: skip
         for name, _ in metrics:
             a, b, c = r["a_priori"][name], r["replay"][name], r["replay_at_run_speed"][name]
-            one = r.get("replay_at_one_speed", {}).get(name, {}).get("relative_error")
+            one = r["replay_at_one_speed"][name]["relative_error"]
             band, m = r["seed_band"][name], a["measured"]
             rel = (
                 "-"

@@ -170,11 +170,12 @@ def measure_team_layers(
     contexts = tuple(sorted({SHORT_CONTEXT, *(contexts or (max(cfg.attention_contexts),))}))
     rows = tuple(n for n in rows if n <= limit)
     longest = max(contexts)
+    per_seq = longest // 16 + 1  # blocks of one sequence at the longest context
     # LONG_CONTEXT_ROWS rows at the longest context, and every row count at SHORT_CONTEXT
     cache_rows = max(min(max(rows), LONG_CONTEXT_ROWS),
-                     -(-max(rows) * (SHORT_CONTEXT // 16 + 1) // (longest // 16 + 1)))  # fmt: skip
+                     -(-max(rows) * (SHORT_CONTEXT // 16 + 1) // per_seq))  # fmt: skip
     make_step, decoder = _tiny_decoder(layers, True, longest, max(rows), model, scheme, cache_rows)
-    cache_blocks = cache_rows * (longest // 16 + 1)
+    cache_blocks = cache_rows * per_seq
     points = []
     with torch.inference_mode():
         for n in rows:
