@@ -13,6 +13,11 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.core.errors import ModelLoadError
+from kvserve.gguf.model_dir import gguf_source
+from kvserve.gguf.reader import open_gguf
+from kvserve.gguf.weights import read_gguf_weights
+from kvserve.model.block_linear import BlockEmbedding, BlockLinear
+from kvserve.model.block_weights import BlockWeight
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.linear import apply_weight_scheme
 from kvserve.model.qlinear import QuantLinear, kernel_summary
@@ -101,7 +106,12 @@ def load_model(
     arch = get_arch(config.model_type)
     with torch.device("meta"):
         model = DecoderLM(config, arch, max_positions)
-    checkpoint = read_checkpoint(model_dir)
+    gguf_file = gguf_source(model_dir)
+    if gguf_file is None:
+        checkpoint, blocks = read_checkpoint(model_dir), {}
+    else:  # the file's blocks run as they are unless --quantization asks to requantise them
+        checkpoint, blocks = read_gguf_checkpoint(gguf_file, config, dtype, quantization,
+                                                  quantization_method)  # fmt: skip
     artifact = artifact_tensors(model_dir, checkpoint)  # a quantised checkpoint's codes, apart
     if artifact is not None and quantization is not None:
         raise QuantizationError(
@@ -138,6 +148,10 @@ def load_model(
         absent = [s for s in sources if s not in checkpoint and s not in codes]
         if absent:
             missing.extend(absent)
+            continue
+        if any(s in blocks for s in sources):  # GGUF blocks: a BlockLinear replaces it below
+            state[name] = _block_stand_in(model, name, [blocks.get(s) for s in sources], meta_tensor)
+            used.update(sources)
             continue
         if any(s in codes for s in sources):
             tensor = _quantized_stand_in(model, name, [codes.get(s) for s in sources], sources)
@@ -187,6 +201,9 @@ def load_model(
         left = [n for n, p in model.named_parameters() if p.is_meta]
         if left:  # a quantised weight whose module is not a linear kvserve can run quantised
             raise ModelLoadError(f"{model_dir}: no quantised kernel for {left[:4]}")
+    if blocks:
+        install_block_weights(model, blocks)
+        log_kernels(model, f"GGUF {gguf_file.name}")
     if scheme is not None and (scheme.is_quantized or scheme.runs_bf16):
         apply_weight_scheme(model, scheme)
         log_kernels(model, quantization)
@@ -210,6 +227,71 @@ def load_model(
             ", ".join(unused[:5]),
         )
     return model.eval()
+
+
+def read_gguf_checkpoint(
+    path: Path, config: ModelConfig, dtype: str, quantization: str | None, method: str
+) -> tuple[dict[str, torch.Tensor], dict[str, BlockWeight]]:
+    """A GGUF file's float tensors and its quantised matrices' blocks, by Hugging Face name; with
+    `quantization`, every tensor dequantised to fp32 (for the requantising path below)."""
+    if dtype != "float32":
+        raise ModelLoadError(
+            f"{path}: a GGUF model runs with fp32 activations (--dtype float32); for bf16 products "
+            "requantise it with --quantization linear=bf16,head=bf16"
+        )
+    if quantization is not None and method != "rtn":
+        raise QuantizationError(
+            f"{path}: --quantization-method {method} calibrates a Hugging Face directory; a GGUF "
+            "file can be requantised by rounding to nearest (rtn) only"
+        )
+    tensors = read_gguf_weights(
+        open_gguf(path), config.num_heads, config.num_kv_heads, keep_blocks=quantization is None
+    )
+    floats = {n: t for n, t in tensors.items() if isinstance(t, torch.Tensor)}
+    return floats, {n: t for n, t in tensors.items() if isinstance(t, BlockWeight)}
+
+
+def _block_stand_in(
+    model: DecoderLM, name: str, parts: list[BlockWeight | None], meta_tensor: torch.Tensor
+) -> torch.Tensor:
+    """What the float state dict holds for a parameter made of GGUF blocks: a meta tensor for a
+    linear's weight or the embedding table (`install_block_weights` puts block modules in their
+    place). A fused weight whose parts are not all blocks is refused (no file seen has one)."""
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if all(p is not None for p in parts):
+        shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+        if shape != tuple(meta_tensor.shape) or any(p.shape[1] != shape[1] for p in parts):
+            raise ModelLoadError(
+                f"{name}: the GGUF tensors have shapes {[tuple(p.shape) for p in parts]}, the "
+                f"metadata implies {tuple(meta_tensor.shape)}"
+            )
+        if attr == "weight" and (isinstance(owner, nn.Linear) or owner is model.embed_tokens):
+            return torch.empty(shape, device="meta")
+    raise ModelLoadError(f"{name}: mixes quantised and float GGUF tensors, which kvserve cannot run")
+
+
+def install_block_weights(model: DecoderLM, blocks: dict[str, BlockWeight]) -> None:
+    """Replace each linear whose weights are GGUF blocks by a BlockLinear of them (q, k, v and gate,
+    up stacked as the float loader fuses them), the table by a BlockEmbedding, and a tied head by a
+    BlockLinear over the table's own blocks (one copy)."""
+    table = blocks.pop("model.embed_tokens.weight", None)
+    if table is not None:
+        model.embed_tokens = BlockEmbedding(table)
+        if model.config.tie_word_embeddings:
+            model.cpu_head, model.lm_head = BlockLinear([table]), None
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        sources = [_hf_name(n) for n in _checkpoint_names(f"{name}.weight")]
+        if not any(s in blocks for s in sources):
+            continue
+        layer = BlockLinear([blocks.pop(s) for s in sources], module.bias)
+        if name == "lm_head":
+            model.cpu_head, model.lm_head = layer, None
+        else:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
 
 
 def _copied_by_cpu_layout(model: DecoderLM, name: str) -> bool:
