@@ -92,7 +92,9 @@ def _dequantize_range(weight: BlockWeight, row0: int, row1: int, native: bool) -
     return weight.select_rows(torch.arange(row0, row1)).dequantize()
 
 
-def dequant_matmul_into(weight: BlockWeight, x: torch.Tensor, y: torch.Tensor, native: bool) -> None:
+def dequant_matmul_into(
+    weight: BlockWeight, x: torch.Tensor, y: torch.Tensor, native: bool
+) -> None:
     """y = x @ W^T, W dequantised DEQUANT_CHUNK_BYTES of rows at a time ([M, K] x and [M, N] y)."""
     chunk_rows = max(16, DEQUANT_CHUNK_BYTES // (4 * weight.num_cols))
     for row0 in range(0, weight.num_rows, chunk_rows):
@@ -142,7 +144,9 @@ class BlockLinear(nn.Module):
         y = x2.new_empty(x2.shape[0], self.out_features)  # [T, N]
         native = native_available()
         use_kernel = native and x2.shape[0] < self.dequant_min_rows
-        for part, row0, row1 in zip(self.parts, self.part_offsets, self.part_offsets[1:]):
+        for part, row0, row1 in zip(
+            self.parts, self.part_offsets, self.part_offsets[1:], strict=False
+        ):
             out = y[:, row0:row1]
             if use_kernel:
                 bias = None if self.bias is None else self.bias[row0:row1]
@@ -179,4 +183,3 @@ class BlockEmbedding(nn.Module):
     def tied_head(self) -> BlockLinear:
         """The output projection that shares this table (no copy)."""
         return BlockLinear([self.weight])
-

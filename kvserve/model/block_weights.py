@@ -64,14 +64,20 @@ class BlockWeight:
             raise ValueError(f"{self.num_cols} columns are not whole groups of {self.group_len}")
         width = self.num_cols // 2 if self.nibble else self.num_cols
         if self.codes.shape != (num_rows, width) or not self.codes.is_contiguous():
-            raise ValueError(f"codes {tuple(self.codes.shape)} are not contiguous [{num_rows}, {width}]")
+            raise ValueError(
+                f"codes {tuple(self.codes.shape)} are not contiguous [{num_rows}, {width}]"
+            )
         if self.nibble and self.group_len != NIBBLE_GROUP_LEN:
             raise ValueError(f"nibble codes need groups of {NIBBLE_GROUP_LEN}")
         num_groups = self.num_cols // self.group_len
         for name, t in (("scales", self.scales), ("biases", self.biases)):
             if t is None:
                 continue
-            if t.dtype != torch.float32 or t.shape != (num_rows, num_groups) or not t.is_contiguous():
+            if (
+                t.dtype != torch.float32
+                or t.shape != (num_rows, num_groups)
+                or not t.is_contiguous()
+            ):
                 raise ValueError(f"{name} must be contiguous fp32 [{num_rows}, {num_groups}]")
 
     @property
@@ -132,12 +138,18 @@ class BlockWeight:
 
 # --- repacking: raw GGUF blocks [N, blocks per row, type bytes] -> (c, scale, bias) -------------------
 
-Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # c [N, K] int, scale [N, G], bias [N, G]
+Unpacked = tuple[
+    np.ndarray, np.ndarray, np.ndarray | None
+]  # c [N, K] int, scale [N, G], bias [N, G]
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """[N, nb] fp32 of the fp16 field at byte `start` of every block."""
-    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].astype(np.float32)
+    return (
+        np.ascontiguousarray(blocks[..., start : start + 2])
+        .view(np.float16)[..., 0]
+        .astype(np.float32)
+    )
 
 
 def _nibbles32(qs: np.ndarray) -> np.ndarray:
@@ -256,9 +268,7 @@ def _pack_nibbles(c: np.ndarray, offset: int) -> np.ndarray:
     return (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(c.shape[0], -1)
 
 
-def repack(
-    raw: np.ndarray, ggml_type: object, shape_rows_cols: tuple[int, int]
-) -> BlockWeight:
+def repack(raw: np.ndarray, ggml_type: object, shape_rows_cols: tuple[int, int]) -> BlockWeight:
     """A GGUF tensor's raw blocks (uint8, any shape holding N * K / block_len blocks in row order)
     as a BlockWeight [N, K]; `shape_rows_cols` is the torch shape (ggml's shape reversed)."""
     name = _type_name(ggml_type)
@@ -272,7 +282,9 @@ def repack(
     expected_bytes = num_rows * blocks_per_row * fmt.block_bytes
     data = np.asarray(raw).view(np.uint8).reshape(-1)
     if data.size != expected_bytes:
-        raise ValueError(f"{name} [{num_rows}, {num_cols}] needs {expected_bytes} bytes, not {data.size}")
+        raise ValueError(
+            f"{name} [{num_rows}, {num_cols}] needs {expected_bytes} bytes, not {data.size}"
+        )
     c, scale, bias = fmt.unpack(data.reshape(num_rows, blocks_per_row, fmt.block_bytes))
     c = c.reshape(num_rows, num_cols)
     if fmt.nibble_offset is None:

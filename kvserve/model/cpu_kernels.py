@@ -116,9 +116,15 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
         "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
         # blocks.c (model/block_linear.py): x, ldx, M, K, codes, nibble, offset, scales, biases, group
         # length, N, out bias, y, ldy, threads
-        "block_linear": ([_PTR, i64, _INT, _INT, _PTR, _INT, _INT, _PTR, _PTR, _INT, _INT, _PTR, _PTR, i64, _INT], _INT),
+        "block_linear": (
+            [_PTR, i64, _INT, _INT, _PTR, _INT, _INT, _PTR, _PTR, _INT, _INT, _PTR, _PTR, i64, _INT],
+            _INT,
+        ),
         # codes, nibble, offset, scales, biases, group length, K, row ids, row0, R, out, ldo, threads
-        "block_dequant_rows": ([_PTR, _INT, _INT, _PTR, _PTR, _INT, _INT, _PTR, i64, _INT, _PTR, i64, _INT], _INT),
+        "block_dequant_rows": (
+            [_PTR, _INT, _INT, _PTR, _PTR, _INT, _INT, _PTR, i64, _INT, _PTR, i64, _INT],
+            _INT,
+        ),
         # bf16dot.c
         "decode_has_bf16_insn": ([], _INT),
         "decode_set_bf16_insn": ([_INT], None),
