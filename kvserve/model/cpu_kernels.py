@@ -117,7 +117,11 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
         # blocks.c (model/block_linear.py): x, ldx, M, K, codes, nibble, offset, scales, biases, group
         # length, N, out bias, y, ldy, threads
         "block_linear": (
-            [_PTR, i64, _INT, _INT, _PTR, _INT, _INT, _PTR, _PTR, _INT, _INT, _PTR, _PTR, i64, _INT],
+            [_PTR, i64, _INT, _INT, _PTR, _INT, _INT]
+            + [_PTR] * 2
+            + [_INT] * 2
+            + [_PTR] * 2
+            + [i64, _INT],
             _INT,
         ),
         # codes, nibble, offset, scales, biases, group length, K, row ids, row0, R, out, ldo, threads
