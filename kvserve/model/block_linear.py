@@ -22,10 +22,14 @@ from torch import nn
 from kvserve.model import cpu_kernels, fused_decode
 from kvserve.model.block_weights import BlockWeight
 
-# Rows from which dequantise + torch.matmul beats the native kernel. Measured on the 2-core AMD Zen 3
-# (AVX2) dev machine, 2 threads, SmolLM2-135M Q4_1 576x1536 / 1536x576 and the Q8_0 head 49152x576
-# (benchmarks/block_linear.py; numbers in docs/gguf-blocks.md): see that table.
-DEQUANT_MIN_ROWS = 32
+# Rows from which dequantise + torch.matmul beats the native kernel. Measured (benchmarks/block_linear.py,
+# benchmarks/results/zen3_avx2/gguf_blocks_threads1.json; AMD Zen 3, AVX2, 1 thread, load average 0.5,
+# median of 5 alternated rounds), kernel vs dequantise + matmul in ms:
+#   Q4_1 576x1536   M=4 0.37 vs 0.47   M=16 1.26 vs 0.76
+#   Q4_1 1536x576   M=4 0.55 vs 0.64   M=16 1.67 vs 0.92
+#   Q8_0 49152x576  M=4 11.3 vs 20.1   M=16 34.3 vs 25.1
+# M between 4 and 16 is not measured yet; 16 is the smallest measured row count where the matmul wins.
+DEQUANT_MIN_ROWS = 16
 DEQUANT_CHUNK_BYTES = 4 << 20  # fp32 weight rows dequantised per matmul (fits L2+L3 comfortably)
 
 
