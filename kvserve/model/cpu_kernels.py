@@ -1,7 +1,8 @@
 """CPU kernels in C: decode attention that reads the paged cache in place (csrc/paged_attention.c), the
 decoder's small fused ops (csrc/layer_ops.c: add + RMSNorm, RoPE, KV write, SiLU-and-multiply) and the
 whole decode step for a few rows (csrc/decode_step.c, driven by model/fused_decode.py) with the quantised
-GEMV on its panel-interleaved layout (csrc/qgemv.c, csrc/decode_step.h).
+GEMV on its panel-interleaved layout (csrc/qgemv.c, csrc/decode_step.h), and GGUF block weights times
+fp32 activations (csrc/blocks.c, driven by model/block_linear.py).
 
 The C sources are compiled once per machine with the system compiler (`-O3 -march=native -fopenmp`, about a
 second) into ~/.cache/kvserve/kernels and loaded with ctypes; it shares torch's OpenMP runtime (libgomp is
@@ -28,7 +29,7 @@ from kvserve.paths import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c", "bf16dot.c")
+_SOURCES = ("paged_attention.c", "layer_ops.c", "decode_step.c", "qgemv.c", "bf16dot.c", "blocks.c")
 _HEADERS = ("decode_step.h", "paged_attention.h", "vexp.h", "half.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _PTR, _INT = ctypes.c_void_p, ctypes.c_int
@@ -113,6 +114,21 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
         "decode_f32_max_rows": ([], _INT),
         "decode_step_max_rows": ([_PTR], _INT),
         "small_linear": ([_PTR, _PTR, _INT, _PTR, _INT], _INT),
+        # blocks.c (model/block_linear.py): x, ldx, M, K, codes, nibble, offset, scales, biases, group
+        # length, N, out bias, y, ldy, threads
+        "block_linear": (
+            [_PTR, i64, _INT, _INT, _PTR, _INT, _INT]
+            + [_PTR] * 2
+            + [_INT] * 2
+            + [_PTR] * 2
+            + [i64, _INT],
+            _INT,
+        ),
+        # codes, nibble, offset, scales, biases, group length, K, row ids, row0, R, out, ldo, threads
+        "block_dequant_rows": (
+            [_PTR, _INT, _INT, _PTR, _PTR, _INT, _INT, _PTR, i64, _INT, _PTR, i64, _INT],
+            _INT,
+        ),
         # bf16dot.c
         "decode_has_bf16_insn": ([], _INT),
         "decode_set_bf16_insn": ([_INT], None),
