@@ -300,21 +300,25 @@ def _merges_from_vocab(
 ) -> list[tuple[str, str]]:
     """Every way to cut a token into two vocabulary tokens, best-ranked token first.
 
-    Order (transformers' `generate_merges`, so both rebuild the same BPE): higher rank first, then
-    the longer left piece; cuts of one token with equal keys keep (left id, right id) order.
+    The order is transformers' `generate_merges`, so both rebuild the same BPE: by the merged
+    token's rank, high first; then by the left piece's length, long first; then the right piece's;
+    ties keep `ranks`' order. Tokens are grouped by rank so only equal ranks need a sort.
     """
-    candidates: list[tuple[float, str, str]] = []
+    by_rank: dict[float, list[tuple[int, int, str, str]]] = {}
     for token, rank in ranks.items():
-        cuts = [
-            (token_ids[token[:k]], token_ids[token[k:]], k)
-            for k in range(1, len(token))
-            if token[:k] in token_ids and token[k:] in token_ids
-        ]
-        cuts.sort()
-        candidates.extend((rank, token[:k], token[k:]) for _, _, k in cuts)
-    # Descending by (rank, len(left), len(right)); `sort` is stable, so ties keep their order.
-    candidates.sort(key=lambda c: (-c[0], -len(c[1]), -len(c[2])))
-    return [(left, right) for _, left, right in candidates]
+        for k in range(len(token) - 1, 0, -1):  # long left piece first
+            left = token[:k]
+            if left in token_ids:
+                right = token[k:]
+                if right in token_ids:
+                    by_rank.setdefault(rank, []).append((-k, k - len(token), left, right))
+    merges: list[tuple[str, str]] = []
+    for rank in sorted(by_rank, reverse=True):
+        cuts = by_rank[rank]
+        if len(cuts) > 1:
+            cuts.sort(key=lambda cut: (cut[0], cut[1]))  # stable: equal keys keep `ranks`' order
+        merges.extend((left, right) for _, _, left, right in cuts)
+    return merges
 
 
 def _parse_merges(merges: Sequence[str], token_ids: Mapping[str, int]) -> list[tuple[str, str]]:
