@@ -42,8 +42,19 @@ def gemma3_gguf() -> Path:
 
 
 # GGUF value types -> numpy dtype (scalars and array items); 7 is bool, 8 string, 9 array.
-_NUMERIC = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
-            10: "<u8", 11: "<i8", 12: "<f8"}
+_NUMERIC = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "<u1",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 _STRING, _ARRAY, _BOOL = 8, 9, 7
 
 

@@ -106,7 +106,9 @@ class GGUFVocab:
 
     def __post_init__(self) -> None:
         if not self.tokens:
-            raise ModelLoadError("GGUF metadata has no tokenizer.ggml.tokens: cannot build a tokenizer")
+            raise ModelLoadError(
+                "GGUF metadata has no tokenizer.ggml.tokens: cannot build a tokenizer"
+            )
         for key, values in (("token_type", self.token_types), ("scores", self.scores)):
             if values is not None and len(values) != len(self.tokens):
                 raise ModelLoadError(
@@ -223,7 +225,9 @@ def _build_byte_level(vocab: GGUFVocab) -> Tokenizer:
             f"{', '.join(sorted(PRE_TOKENIZER_SPLITS))})"
         )
     if not vocab.merges:
-        raise ModelLoadError("GGUF tokenizer.ggml.merges is missing: a gpt2 vocabulary needs merges")
+        raise ModelLoadError(
+            "GGUF tokenizer.ggml.merges is missing: a gpt2 vocabulary needs merges"
+        )
     spelling = _byte_spelling()
     alphabet = frozenset(spelling.values())
     # A token outside the byte alphabet is spelled in text (llama.cpp writes some that way); respell
@@ -279,9 +283,7 @@ def _build_sentencepiece(vocab: GGUFVocab) -> Tokenizer:
         merges = _merges_from_vocab(token_ids, ranks)
     unk = vocab.special_token("unk_token")
     tokenizer = Tokenizer(
-        models.BPE(
-            vocab=token_ids, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True
-        )
+        models.BPE(vocab=token_ids, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
     )
     prepend = "first" if vocab.add_space_prefix else "never"
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
@@ -337,7 +339,9 @@ def _parse_merges(merges: Sequence[str], token_ids: Mapping[str, int]) -> list[t
 # --- shared pieces -------------------------------------------------------------------------------
 
 
-def _add_special_tokens(tokenizer: Tokenizer, vocab: GGUFVocab, keep: Callable[[int], bool]) -> None:
+def _add_special_tokens(
+    tokenizer: Tokenizer, vocab: GGUFVocab, keep: Callable[[int], bool]
+) -> None:
     """Control tokens as special added tokens, user-defined ones as plain added tokens, each kept
     whole in the text; `keep(id)` is False for tokens whose vocabulary spelling was changed."""
     control = [

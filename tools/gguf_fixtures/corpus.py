@@ -14,52 +14,123 @@ import unicodedata
 from collections.abc import Callable
 from pathlib import Path
 
-_SUBJECTS = ["The engineer", "A small robot", "My neighbour", "The old ferry", "Every parser",
-             "Our team", "She", "The cache", "This scheduler", "A quiet river", "Nobody", "I"]
-_VERBS = ["quietly rebuilt", "never finished", "counted", "carried", "didn't notice", "measured",
-          "won't forget", "shared", "re-read", "painted", "can't explain", "evicted"]
-_OBJECTS = ["the bridge", "three hundred lanterns", "every page of the manual", "a blue kettle",
-            "the last block", "its own shadow", "the prefix tree", "forty-two apples",
-            "the morning train", "what we'd planned", "the Kalman filter", "an UPPERCASE NOTICE"]
+_SUBJECTS = [
+    "The engineer",
+    "A small robot",
+    "My neighbour",
+    "The old ferry",
+    "Every parser",
+    "Our team",
+    "She",
+    "The cache",
+    "This scheduler",
+    "A quiet river",
+    "Nobody",
+    "I",
+]
+_VERBS = [
+    "quietly rebuilt",
+    "never finished",
+    "counted",
+    "carried",
+    "didn't notice",
+    "measured",
+    "won't forget",
+    "shared",
+    "re-read",
+    "painted",
+    "can't explain",
+    "evicted",
+]
+_OBJECTS = [
+    "the bridge",
+    "three hundred lanterns",
+    "every page of the manual",
+    "a blue kettle",
+    "the last block",
+    "its own shadow",
+    "the prefix tree",
+    "forty-two apples",
+    "the morning train",
+    "what we'd planned",
+    "the Kalman filter",
+    "an UPPERCASE NOTICE",
+]
 _ENDINGS = [".", "!", "?", "...", ";", " -- really.", " (again).", ", didn't it?", ":", "!!"]
-_OPENERS = ["", "", "Yesterday, ", "In 2026 ", "Honestly, ", "\"Well,\" she said, ", "However ",
-            "At 07:45 ", "If it's late, ", "O'Brien's note: ", "They'll say ", "WE'VE seen "]
+_OPENERS = [
+    "",
+    "",
+    "Yesterday, ",
+    "In 2026 ",
+    "Honestly, ",
+    '"Well," she said, ',
+    "However ",
+    "At 07:45 ",
+    "If it's late, ",
+    "O'Brien's note: ",
+    "They'll say ",
+    "WE'VE seen ",
+]
 
 _C_SNIPPETS = [
     "int main(int argc, char **argv) {\n    return argc > 1 ? atoi(argv[1]) : 0;\n}",
     "for (size_t i = 0; i < n; ++i) {\n\tsum += a[i] * b[i];\n}",
     "#include <stdio.h>\n#define MAX(a, b) ((a) > (b) ? (a) : (b))",
     "static inline uint32_t rotl(uint32_t x, int k) { return (x << k) | (x >> (32 - k)); }",
-    "if (ptr == NULL && errno != 0) { perror(\"malloc\"); exit(EXIT_FAILURE); }",
+    'if (ptr == NULL && errno != 0) { perror("malloc"); exit(EXIT_FAILURE); }',
     "struct node { struct node *next; void *data; };",
     "while (*s != '\\0') s++;  /* find the end */",
-    "printf(\"%d items, %.2f%% done\\n\", count, 100.0 * done / total);",
+    'printf("%d items, %.2f%% done\\n", count, 100.0 * done / total);',
     "x ^= x >> 33; x *= 0xff51afd7ed558ccdULL; x ^= x >> 33;",
     "switch (c) {\n  case 'a': case 'b':\n    break;\n  default:\n    return -1;\n}",
 ]
 
 _UNICODE = [
-    "Crème brûlée à la française, naïve café résumé.", "Ça va? Où êtes-vous? Élodie répond.",
-    "Ñandú, pingüino, señor, año.", "Straße, Größe, Übermut, ÄÖÜ.",
-    "我们今天去公园散步。", "東京でラーメンを食べました。", "カタカナとひらがな、漢字。",
-    "안녕하세요, 반갑습니다.", "مرحبا بالعالم، كيف حالك؟", "שלום עולם, מה שלומך?",
-    "Привет, как дела? Всё хорошо.", "Καλημέρα κόσμε.", "नमस्ते दुनिया, आप कैसे हैं?",
-    "สวัสดีครับ ยินดีต้อนรับ", "Tiếng Việt có dấu: Hà Nội, Đà Nẵng.",
-    "👩‍👩‍👧‍👦 family, 🇫🇷 flag, 👍🏽 thumbs, 😀🎉🚀 party", "∑ x² ≤ ∞, ∀ε>0 ∃δ, √2 ≈ 1.414",
+    "Crème brûlée à la française, naïve café résumé.",
+    "Ça va? Où êtes-vous? Élodie répond.",
+    "Ñandú, pingüino, señor, año.",
+    "Straße, Größe, Übermut, ÄÖÜ.",
+    "我们今天去公园散步。",
+    "東京でラーメンを食べました。",
+    "カタカナとひらがな、漢字。",
+    "안녕하세요, 반갑습니다.",
+    "مرحبا بالعالم، كيف حالك؟",
+    "שלום עולם, מה שלומך?",
+    "Привет, как дела? Всё хорошо.",
+    "Καλημέρα κόσμε.",
+    "नमस्ते दुनिया, आप कैसे हैं?",
+    "สวัสดีครับ ยินดีต้อนรับ",
+    "Tiếng Việt có dấu: Hà Nội, Đà Nẵng.",
+    "👩‍👩‍👧‍👦 family, 🇫🇷 flag, 👍🏽 thumbs, 😀🎉🚀 party",
+    "∑ x² ≤ ∞, ∀ε>0 ∃δ, √2 ≈ 1.414",
     "e\u0301 vs é, a\u0300\u0301\u0302\u0303 stacked, Z\u0336a\u0337l\u0338g\u0335o",
-    "mixed: English العربية English עברית 123", "½ ¾ ™ © ® § ¶ † ‡ • … ‰ € £ ¥ ₹",
+    "mixed: English العربية English עברית 123",
+    "½ ¾ ™ © ® § ¶ † ‡ • … ‰ € £ ¥ ₹",
     "\u200b zero\u200dwidth \ufeff bom \u00a0nbsp \u3000ideographic",
-    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝕄𝕒𝕥𝕙 𐍈 𓀀 🜁", "Ｆｕｌｌｗｉｄｔｈ ＡＢＣ １２３",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝕄𝕒𝕥𝕙 𐍈 𓀀 🜁",
+    "Ｆｕｌｌｗｉｄｔｈ ＡＢＣ １２３",
 ]
 
 _SPECIAL = [
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>",
-    "text <|im_end|> more text", "<|im_start|><|im_start|>", "partial <|im_start and <|im_end|>>",
-    "<<|endoftext|>>", " <|endoftext|> ", "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
-    "<bos>starts with bos", "ends with eos<eos>", "<pad><pad> padded", "<unk> and <mask>",
-    "<unused3> reserved", "[multimodal] tag", "<start_of_image> an image <end_of_image>",
-    "<repo_name>kvserve<file_sep>main.py", "<filename>x.py\n<gh_stars>10",
-    "a\n\n\nb\n\n\n\n\nc", "tab\tand\t\ttabs\t\t\t\tend", "<im_start> not special",
+    "text <|im_end|> more text",
+    "<|im_start|><|im_start|>",
+    "partial <|im_start and <|im_end|>>",
+    "<<|endoftext|>>",
+    " <|endoftext|> ",
+    "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
+    "<bos>starts with bos",
+    "ends with eos<eos>",
+    "<pad><pad> padded",
+    "<unk> and <mask>",
+    "<unused3> reserved",
+    "[multimodal] tag",
+    "<start_of_image> an image <end_of_image>",
+    "<repo_name>kvserve<file_sep>main.py",
+    "<filename>x.py\n<gh_stars>10",
+    "a\n\n\nb\n\n\n\n\nc",
+    "tab\tand\t\ttabs\t\t\t\tend",
+    "<im_start> not special",
 ]
 
 
@@ -91,7 +162,9 @@ def _digits(rng: random.Random) -> str:
         lambda: f"0x{rng.getrandbits(32):08x}",
         lambda: f"+1 ({rng.randint(200, 999)}) {rng.randint(100, 999)}-{rng.randint(0, 9999):04d}",
         lambda: f"v{rng.randint(0, 9)}.{rng.randint(0, 99)}.{rng.randint(0, 999)}",
-        lambda: f"{rng.randint(1, 99)}% of {rng.randint(100, 100000)} items cost ${rng.randint(1, 999)}.{rng.randint(0, 99):02d}",
+        lambda: (
+            f"{rng.randint(1, 99)}% of {rng.randint(100, 100000)} items cost ${rng.randint(1, 999)}.{rng.randint(0, 99):02d}"
+        ),
     ]
     return " ".join(rng.choice(forms)() for _ in range(rng.randint(1, 4)))
 
@@ -112,13 +185,27 @@ def _special(rng: random.Random) -> str:
 def _python_lines(limit_files: int = 12) -> list[str]:
     """Source lines of a fixed list of standard-library modules, blank lines dropped."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    names = ["textwrap.py", "json/decoder.py", "heapq.py", "bisect.py", "string.py", "shlex.py",
-             "fnmatch.py", "colorsys.py", "difflib.py", "csv.py", "statistics.py", "argparse.py"]
+    names = [
+        "textwrap.py",
+        "json/decoder.py",
+        "heapq.py",
+        "bisect.py",
+        "string.py",
+        "shlex.py",
+        "fnmatch.py",
+        "colorsys.py",
+        "difflib.py",
+        "csv.py",
+        "statistics.py",
+        "argparse.py",
+    ]
     lines: list[str] = []
     for name in names[:limit_files]:
         path = stdlib / name
         if path.exists():
-            lines.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+            lines.extend(
+                line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+            )
     return lines
 
 
@@ -132,7 +219,14 @@ def corpus_lines(num_lines: int = 2400, seed: int = 0) -> list[str]:
         return "\n".join(python[start : start + rng.randint(1, 4)])
 
     kinds: list[Callable[[random.Random], str]] = [
-        _prose, _prose, _prose, _whitespace, _digits, _unicode, _c_code, _special,
+        _prose,
+        _prose,
+        _prose,
+        _whitespace,
+        _digits,
+        _unicode,
+        _c_code,
+        _special,
     ]
     if python:
         kinds += [python_window, python_window]

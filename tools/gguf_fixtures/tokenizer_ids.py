@@ -80,7 +80,9 @@ def reference_fixture(gguf_path: Path, lines: list[str]) -> dict:
     return fixture
 
 
-def _special_affixes(reference, lines: list[str], ids: list[list[int]]) -> tuple[list[int], list[int]]:
+def _special_affixes(
+    reference, lines: list[str], ids: list[list[int]]
+) -> tuple[list[int], list[int]]:
     """The ids `add_special_tokens=True` puts before and after every line (the same for all).
 
     A line's own ids may start or end with the BOS/EOS id, so each line admits several splits of
@@ -112,7 +114,9 @@ def read_fixture(path: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("gguf", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--num-lines", type=int, default=2400)
@@ -121,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     fixture = reference_fixture(args.gguf, corpus_lines(args.num_lines, args.seed))
     write_fixture(fixture, args.out)
     num_tokens = sum(len(ids.split()) for ids in fixture["ids"])
-    print(f"{args.out}: {len(fixture['lines'])} lines, {num_tokens} tokens, {args.out.stat().st_size} bytes")
+    print(
+        f"{args.out}: {len(fixture['lines'])} lines, {num_tokens} tokens, {args.out.stat().st_size} bytes"
+    )
 
 
 if __name__ == "__main__":
