@@ -1,0 +1,1 @@
+"""Reference fixtures for kvserve.gguf (see tokenizer_ids.py)."""
