@@ -145,7 +145,7 @@ def load_model(
     views: set[int] = set()  # data pointers of parameters left as views of the file
     for name, meta_tensor in expected.items():
         sources = [_hf_name(n) for n in _checkpoint_names(name)]
-        absent = [s for s in sources if s not in checkpoint and s not in codes]
+        absent = [s for s in sources if s not in checkpoint and s not in codes and s not in blocks]
         if absent:
             missing.extend(absent)
             continue
@@ -216,7 +216,7 @@ def load_model(
     if torch.device(device).type == "cpu":
         model.use_cpu_weights()
     table = getattr(model.embed_tokens, "weight", None)
-    if table is not None and table.data_ptr() in views:  # tied, but a quantised head took no panels
+    if isinstance(table, torch.Tensor) and table.data_ptr() in views:  # tied, quantised head: no panels
         model.embed_tokens.weight = nn.Parameter(table.detach().clone(), requires_grad=False)
     if unused:
         logger.warning(
