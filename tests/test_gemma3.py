@@ -136,13 +136,34 @@ def test_prefix_cache_hit_on_a_prompt_past_the_window_equals_cold_run(gemma, bac
     reference = torch.log_softmax(
         _hf_logits(hf_model, PROMPT + cold.outputs[0].token_ids)[len(PROMPT) - 1 : -1], dim=-1
     )
-    for step, (c, w) in enumerate(zip(cold.outputs[0].logprobs, warm.outputs[0].logprobs)):
+    pairs = zip(cold.outputs[0].logprobs, warm.outputs[0].logprobs, strict=True)
+    for step, (c, w) in enumerate(pairs):
         cold_top, warm_top = dict(c.top), dict(w.top)
         assert cold_top.keys() == warm_top.keys(), f"step {step}: top-20 tokens differ"
         ids = sorted(cold_top)
         cold_lp, warm_lp = (torch.tensor([top[t] for t in ids]) for top in (cold_top, warm_top))
         assert_logits_close(warm_lp, cold_lp, TOL, f"step {step}: prefix-cache hit")
         assert_logits_close(cold_lp, reference[step, ids], TOL, f"step {step}: transformers")
+    llm.engine.check_invariants()
+
+
+def test_speculative_decoding_reproduces_greedy(gemma):
+    """Verification chunks of 5 tokens attend through the window like prompt chunks (n-gram
+    proposals on a repetitive prompt; a draft model needs a tokenizer, which the tiny checkpoint
+    lacks); both accepted and rejected proposals must occur."""
+    model_dir, hf_model = gemma
+    prompt = PROMPT[:10] * 3
+    expected = _hf_greedy(hf_model, prompt, 40)
+    llm = LLM(
+        str(model_dir), num_blocks=64, block_size=4, speculative_method="ngram",
+        num_speculative_tokens=4,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    actual = llm.generate([prompt], params)[0].outputs[0].token_ids
+    reference = _hf_logits(hf_model, prompt + expected)[len(prompt) - 1 :]
+    assert_same_tokens(actual, expected, reference, "speculative (n-gram)")
+    stats = llm.engine.runner.spec_stats
+    assert 0 < stats.num_accepted < stats.num_proposed, "both acceptance and rejection must occur"
     llm.engine.check_invariants()
 
 
@@ -302,7 +323,7 @@ def test_decode_rows_read_only_their_window(isa, window):
     q = torch.randn(len(contexts), 4, 32, generator=torch.Generator().manual_seed(1))
     expected = torch.cat([
         _windowed_reference(q[i : i + 1], k, v, [c - 1], window, 0.2)
-        for i, (c, (k, v)) in enumerate(zip(contexts, written))
+        for i, (c, (k, v)) in enumerate(zip(contexts, written, strict=True))
     ])  # fmt: skip
     fused_decode.set_max_isa(isa)
     try:
