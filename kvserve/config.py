@@ -80,11 +80,6 @@ class ModelConfig:
                 f"config.json: layer_types has {len(self.layer_types)} entries for "
                 f"{self.num_layers} layers"
             )
-        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ModelLoadError(
-                f"config.json: unknown layer_types {unknown} (kvserve runs {', '.join(LAYER_TYPES)})"
-            )
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:

@@ -248,6 +248,7 @@ def test_saved_config_round_trips(gemma):
         ({"sliding_window_pattern": None}, "layer_types"),
         ({"rope_local_base_freq": None}, "rope_local_theta"),
         ({"hidden_activation": "relu"}, "activation 'relu'"),
+        ({"layer_types": ["linear_attention"] * 6}, "layer_types.*linear_attention"),
     ],
 )
 def test_what_kvserve_cannot_run_or_would_assume_is_refused(tmp_path, gemma, change, message):

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.config import ModelConfig
+from kvserve.config import LAYER_TYPES, ModelConfig
 from kvserve.core.errors import UnsupportedModelError
 from kvserve.model import cpu_kernels, fused_decode
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, cpu_attention
@@ -214,6 +214,12 @@ def _check_supported(config: ModelConfig, arch: ArchSpec) -> None:
             f"{config.model_type}: config.json gives no {', '.join(missing)}, which kvserve reads "
             "rather than assumes (layer_types may come as sliding_window_pattern, rope_local_theta "
             "as rope_local_base_freq or rope_parameters.sliding_attention.rope_theta)"
+        )
+    unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
+    if unknown:  # (ModelConfig keeps them: the planner may still size such a model)
+        raise UnsupportedModelError(
+            f"{config.model_type}: layer_types {unknown} are not supported (kvserve runs "
+            f"{', '.join(LAYER_TYPES)})"
         )
     if config.attn_logit_softcapping is not None:
         raise UnsupportedModelError(
