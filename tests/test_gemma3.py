@@ -71,6 +71,22 @@ def test_prompt_logits_match_transformers(gemma, backend, block_size):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_size", [None, 200])
+def test_long_prompt_chunks_match_transformers(gemma, backend, chunk_size):
+    """400 tokens, whole or in chunks of 200: chunks past forward.py's row-by-row bound, so the CPU
+    backend attends them at once (the window's mask, after a cached prefix for the second chunk)
+    rather than as decode rows."""
+    from kvserve.runner.forward import attends_by_row
+
+    model_dir, hf_model = gemma
+    prompt = [(i * 53 + 7) % 500 + 3 for i in range(400)]
+    assert not attends_by_row(0, 200) and not attends_by_row(200, 200)
+    llm = LLM(str(model_dir), num_blocks=128, block_size=16, attention_backend=backend)
+    actual = llm.engine.score(prompt, chunk_size=chunk_size)
+    assert_logits_close(actual, _hf_logits(hf_model, prompt), TOL, f"{backend} chunk {chunk_size}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunk_size", [1, 7, 20])
 def test_chunked_prefill_and_decode_rows_match_transformers(gemma, backend, chunk_size):
     """Chunks of 1 (every position a decode row: the C kernel's window), 7 (chunks whose queries
