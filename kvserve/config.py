@@ -16,6 +16,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 KV_SCALE_BYTES = 2
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
+# config.json `layer_types` values (transformers' names): attend to the whole context, or a window
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # adaptive: kvserve/threads.py TeamSizer; fixed: every step on all of torch's threads
 THREAD_POLICIES = ("adaptive", "fixed")
 
@@ -45,6 +47,15 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    hidden_activation: str = "silu"  # the gated MLP's activation (hidden_act / hidden_activation)
+    # per layer, LAYER_TYPES; () when config.json gives none (every layer attends in full)
+    layer_types: tuple[str, ...] = ()
+    # sliding-window layers' RoPE when it differs from the global one (Gemma 3's rope_local_base_freq)
+    rope_local_theta: float | None = None
+    rope_local_scaling: tuple[tuple[str, object], ...] = ()
+    query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,6 +75,30 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelLoadError(
+                f"config.json: layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_layers} layers"
+            )
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the number of keys a query attends to (itself and the W - 1 before it, as
+        transformers' sliding-window mask), or None for full attention."""
+        return tuple(
+            self.sliding_window if kind == "sliding_attention" else None
+            for kind in (self.layer_types or ("full_attention",) * self.num_layers)
+        )
+
+    @property
+    def caps_context_at_window(self) -> bool:
+        """A window given for the whole model (no per-layer `layer_types`, Mistral): kvserve does not
+        mask it, so the context is capped at the window, where the two agree."""
+        return self.sliding_window is not None and not self.layer_types
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def rope_type(self) -> str:
@@ -86,10 +121,20 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             num_heads = int(raw["num_attention_heads"])
             rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+            local_rope: dict | None = None
+            if "full_attention" in rope or "sliding_attention" in rope:
+                # transformers >= 5, per layer type (Gemma 3): rope_parameters[layer_type]
+                local_rope = dict(rope.get("sliding_attention") or {})
+                rope = dict(rope.get("full_attention") or {})
+            elif raw.get("rope_local_base_freq") is not None:  # transformers < 5 (Gemma 3)
+                local_rope = {"rope_theta": raw["rope_local_base_freq"]}
             # transformers < 5 keeps theta at the top level; >= 5 moves it into rope_parameters.
             theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-            if "type" in rope and "rope_type" not in rope:
-                rope["rope_type"] = rope.pop("type")
+            _normalise_rope_type(rope)
+            local_theta = None
+            if local_rope is not None and "rope_theta" in local_rope:
+                local_theta = float(local_rope.pop("rope_theta"))
+                _normalise_rope_type(local_rope)
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             sliding = raw.get("sliding_window")
@@ -115,6 +160,15 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+                hidden_activation=str(
+                    raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+                ),
+                layer_types=_layer_types(raw),
+                rope_local_theta=local_theta,
+                rope_local_scaling=tuple(sorted((local_rope or {}).items())),
+                query_pre_attn_scalar=_optional_float(raw.get("query_pre_attn_scalar")),
+                attn_logit_softcapping=_optional_float(raw.get("attn_logit_softcapping")),
+                final_logit_softcapping=_optional_float(raw.get("final_logit_softcapping")),
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json is missing the key {exc.args[0]!r}") from exc
@@ -137,6 +191,30 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{path} is not a JSON object")
         return cls.from_dict(raw)
+
+
+def _normalise_rope_type(rope: dict) -> None:
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None else float(value)
+
+
+def _layer_types(raw: dict) -> tuple[str, ...]:
+    """config.json's `layer_types`, or the one transformers derives from `sliding_window_pattern`
+    (every pattern-th layer global, the others sliding); () when it gives neither."""
+    if raw.get("layer_types"):
+        return tuple(str(kind) for kind in raw["layer_types"])
+    pattern = raw.get("sliding_window_pattern")
+    if pattern is None:
+        return ()
+    pattern = int(pattern)
+    return tuple(
+        "sliding_attention" if (i + 1) % pattern else "full_attention"
+        for i in range(int(raw["num_hidden_layers"]))
+    )
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ def test_unknown_architecture_is_a_clear_error(tmp_path, llama_dir):
     config["model_type"] = "gpt_neox"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        UnsupportedModelError, match="gpt_neox.*supported: llama, mistral, qwen2, qwen3"
+        UnsupportedModelError,
+        match="gpt_neox.*supported: gemma3_text, llama, mistral, qwen2, qwen3",
     ):
         LLM(str(tmp_path), num_blocks=8)
 

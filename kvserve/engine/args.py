@@ -256,7 +256,7 @@ class EngineArgs:
         model_dir = resolve_model(self.model)
         model = ModelConfig.from_dir(model_dir)
         limit = model.max_position_embeddings
-        if model.sliding_window is not None and model.sliding_window < limit:
+        if model.caps_context_at_window and model.sliding_window < limit:
             # Within the window, sliding-window attention is full attention: cap the context to stay exact.
             limit = model.sliding_window
         max_model_len = self.max_model_len

@@ -4,6 +4,11 @@ The KV cache of one layer is a `LayerKVCache` (model/kv_cache.py). Backends take
 the cache themselves: `cpu` runs decode rows through a kernel that reads the blocks in place
 (model/cpu_kernels.py) and prompt chunks through torch's CPU flash kernel (causal, without a mask);
 `torch` gathers each chunk's blocks into a contiguous copy for SDPA with a mask (any device, any dtype).
+
+Sliding-window layers pass their window W to the backend: a query at position p sees the keys at
+p - W + 1 .. p (transformers' `sliding_window_overlay`: kv > q - W), and only the blocks that hold
+those keys are read (the C kernel starts at the window's first position; the torch paths gather the
+window's blocks alone). The cache itself keeps every block.
 """
 
 from __future__ import annotations
@@ -38,6 +43,28 @@ class SingleTokenGroup:
     def long_block_table(self) -> torch.Tensor:
         return self.block_table.long()
 
+    @cached_property
+    def _windows(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        return {}
+
+    def windowed(self, window: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table, mask) of each row's last `window` keys only (torch backend; built once per
+        step and window): [B, num_window_blocks] long, [B, 1, 1, num_window_blocks x block_size]."""
+        if window not in self._windows:
+            context = self.context_lens.long()  # [B]
+            first_key = (context - window).clamp(min=0)  # [B]
+            first_block = first_key // block_size
+            # window keys span at most this many blocks, wherever the window starts
+            num_blocks = min((window + block_size - 2) // block_size + 1, self.block_table.shape[1])
+            steps = torch.arange(num_blocks, device=context.device)
+            index = (first_block[:, None] + steps).clamp(max=self.block_table.shape[1] - 1)
+            table = self.long_block_table.gather(1, index)  # [B, num_blocks]
+            offsets = torch.arange(num_blocks * block_size, device=context.device)
+            key_pos = first_block[:, None] * block_size + offsets  # [B, num_blocks x block_size]
+            mask = (key_pos >= first_key[:, None]) & (key_pos < context[:, None])
+            self._windows[window] = (table, mask[:, None, None, :])
+        return self._windows[window]
+
 
 @dataclass(frozen=True)
 class MultiTokenChunk:
@@ -56,6 +83,25 @@ class MultiTokenChunk:
         query_pos = torch.arange(start, self.context_len, device=device).unsqueeze(1)
         key_pos = torch.arange(self.context_len, device=device).unsqueeze(0)
         return (key_pos <= query_pos)[None, None]
+
+    @cached_property
+    def _windows(self) -> dict[int, tuple[torch.Tensor, int, torch.Tensor]]:
+        return {}
+
+    def windowed(self, window: int, block_size: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(block ids, first key position, mask [1, 1, num_new, num_keys]) over the keys that some
+        query of the chunk sees through a window of `window` keys: from the first query's window
+        start, rounded down to its block."""
+        if window not in self._windows:
+            device = self.block_ids.device
+            start = self.context_len - (self.row_end - self.row_start)
+            first_block = max(0, start - window + 1) // block_size
+            first_key = first_block * block_size
+            query_pos = torch.arange(start, self.context_len, device=device).unsqueeze(1)
+            key_pos = torch.arange(first_key, self.context_len, device=device).unsqueeze(0)
+            mask = (key_pos <= query_pos) & (key_pos > query_pos - window)
+            self._windows[window] = (self.block_ids[first_block:], first_key, mask[None, None])
+        return self._windows[window]
 
 
 @dataclass(frozen=True)
@@ -148,14 +194,22 @@ def _general_metadata(
 
 
 def _single_torch(
-    q: torch.Tensor, cache: LayerKVCache, group: SingleTokenGroup, scale: float
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    group: SingleTokenGroup,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [B, num_heads, head_dim] -> [B, num_heads, head_dim]; gathers the padded KV of the group."""
-    batch, max_blocks = group.block_table.shape
+    """q: [B, num_heads, head_dim] -> [B, num_heads, head_dim]; gathers the padded KV of the group
+    (with a window: of the window's blocks only)."""
     _, block_size, num_kv_heads, head_dim = cache.k.shape
-    mask = group.mask
+    if window is None or group.max_context <= window:  # no key outside any row's window
+        table, mask = group.long_block_table, group.mask
+    else:
+        table, mask = group.windowed(window, block_size)
+    batch, max_blocks = table.shape
     max_context = mask.shape[-1]
-    keys, values = cache.gather(group.long_block_table, q.dtype)
+    keys, values = cache.gather(table, q.dtype)
     # [B, max_blocks, block_size, kv_heads, head_dim] -> [B, kv_heads, max_context, head_dim]
     keys = keys.view(batch, max_blocks * block_size, num_kv_heads, head_dim)
     values = values.view(batch, max_blocks * block_size, num_kv_heads, head_dim)
@@ -168,19 +222,29 @@ def _single_torch(
 
 
 def _multi_torch(
-    q: torch.Tensor, cache: LayerKVCache, chunk: MultiTokenChunk, scale: float
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    chunk: MultiTokenChunk,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [num_new, num_heads, head_dim] of one chunk -> the same shape, causal over its context."""
+    """q: [num_new, num_heads, head_dim] of one chunk -> the same shape, causal over its context
+    (with a window: over the window's blocks only)."""
     _, block_size, num_kv_heads, head_dim = cache.k.shape
-    num_blocks = chunk.block_ids.shape[0]
-    keys, values = cache.gather(chunk.block_ids, q.dtype)
-    keys = keys.view(num_blocks * block_size, num_kv_heads, head_dim)[: chunk.context_len]
-    values = values.view(num_blocks * block_size, num_kv_heads, head_dim)[: chunk.context_len]
+    if window is None or chunk.context_len <= window:  # no key outside any query's window
+        block_ids, first_key, mask = chunk.block_ids, 0, chunk.mask
+    else:
+        block_ids, first_key, mask = chunk.windowed(window, block_size)
+    num_keys = chunk.context_len - first_key
+    num_blocks = block_ids.shape[0]
+    keys, values = cache.gather(block_ids, q.dtype)
+    keys = keys.view(num_blocks * block_size, num_kv_heads, head_dim)[:num_keys]
+    values = values.view(num_blocks * block_size, num_kv_heads, head_dim)[:num_keys]
     attended = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, num_heads, num_new, head_dim]
-        keys.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, ctx, head_dim]
+        keys.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, num_keys, head_dim]
         values.transpose(0, 1).unsqueeze(0),
-        attn_mask=chunk.mask,
+        attn_mask=mask,
         scale=scale,
         enable_gqa=True,
     )
@@ -194,14 +258,21 @@ def _flash_cpu():
 
 
 def _multi_cpu(
-    q: torch.Tensor, cache: LayerKVCache, chunk: MultiTokenChunk, scale: float
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    chunk: MultiTokenChunk,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """As `_multi_torch`, without a mask: the chunk's own keys causally (the kernel skips the masked
     blocks, where a mask makes it compute every score), the cached prefix's keys in full, the two
-    softmaxes merged by their logsumexps (flash-decoding's merge)."""
+    softmaxes merged by their logsumexps (flash-decoding's merge). A window that hides some key
+    from some query of the chunk needs the mask: `_multi_torch` over the window's blocks."""
     flash = _flash_cpu()
-    if flash is None or q.dtype != torch.float32:
-        return _multi_torch(q, cache, chunk, scale)
+    if window is not None and chunk.context_len <= window:
+        window = None  # every query sees its whole context: the window is not binding
+    if flash is None or q.dtype != torch.float32 or window is not None:
+        return _multi_torch(q, cache, chunk, scale, window)
     _, block_size, num_kv_heads, head_dim = cache.k.shape
     num_blocks = chunk.block_ids.shape[0]
     num_new = q.shape[0]
@@ -225,8 +296,13 @@ def _multi_cpu(
     return own.squeeze(0).transpose(0, 1)  # [num_new, num_heads, head_dim]
 
 
-SingleAttention = Callable[[torch.Tensor, LayerKVCache, SingleTokenGroup, float], torch.Tensor]
-MultiAttention = Callable[[torch.Tensor, LayerKVCache, MultiTokenChunk, float], torch.Tensor]
+# (q, cache, group or chunk, scale, window) -> attended
+SingleAttention = Callable[
+    [torch.Tensor, LayerKVCache, SingleTokenGroup, float, "int | None"], torch.Tensor
+]
+MultiAttention = Callable[
+    [torch.Tensor, LayerKVCache, MultiTokenChunk, float, "int | None"], torch.Tensor
+]
 
 
 def _attend(
@@ -234,32 +310,42 @@ def _attend(
     cache: LayerKVCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None,
     single_fn: SingleAttention,
     multi_fn: MultiAttention = _multi_torch,
 ) -> torch.Tensor:
     """q: [T, num_heads, head_dim] -> [T, num_heads, head_dim]: one call for the decode rows, one per
     multi-token chunk."""
     if meta.single is not None and not meta.multi:
-        return single_fn(q, cache, meta.single, scale)  # rows are 0 .. T-1 in order
+        return single_fn(q, cache, meta.single, scale, window)  # rows are 0 .. T-1 in order
     out = torch.empty_like(q)
     if meta.single is not None:
-        out[meta.single.rows] = single_fn(q[meta.single.rows], cache, meta.single, scale)
+        out[meta.single.rows] = single_fn(q[meta.single.rows], cache, meta.single, scale, window)
     for chunk in meta.multi:
         out[chunk.row_start : chunk.row_end] = multi_fn(
-            q[chunk.row_start : chunk.row_end], cache, chunk, scale
+            q[chunk.row_start : chunk.row_end], cache, chunk, scale, window
         )
     return out
 
 
 def torch_attention(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Reference backend: every chunk's KV gathered into a contiguous copy, then SDPA."""
-    return _attend(q, cache, meta, scale, _single_torch)
+    """Reference backend: every chunk's KV gathered into a contiguous copy, then SDPA. `window`:
+    the keys each query sees (itself and the window - 1 before it); None: its whole context."""
+    return _attend(q, cache, meta, scale, window, _single_torch)
 
 
 def _single_cpu(
-    q: torch.Tensor, cache: LayerKVCache, group: SingleTokenGroup, scale: float
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    group: SingleTokenGroup,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     from kvserve.model.cpu_kernels import paged_decode
 
@@ -270,20 +356,26 @@ def _single_cpu(
     out = q.new_empty(q.shape)  # [B, num_heads, head_dim]
     paged_decode(
         q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kind,
-        group.block_table, group.context_lens, scale, out,
+        group.block_table, group.context_lens, scale, out, window or 0,
     )  # fmt: skip
     return out
 
 
 def cpu_attention(
-    q: torch.Tensor, cache: LayerKVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    cache: LayerKVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Decode rows read the paged cache in place (C kernel, fp32 model); prompt chunks through torch's
-    CPU flash kernel without a mask (causal over the chunk, the cached prefix in full)."""
-    return _attend(q, cache, meta, scale, _single_cpu, _multi_cpu)
+    """Decode rows read the paged cache in place (C kernel, fp32 model; with a window, only the
+    window's positions); prompt chunks through torch's CPU flash kernel without a mask (causal over
+    the chunk, the cached prefix in full) where no window hides a key, else `_multi_torch`."""
+    return _attend(q, cache, meta, scale, window, _single_cpu, _multi_cpu)
 
 
-AttentionBackend = Callable[[torch.Tensor, LayerKVCache, AttentionMetadata, float], torch.Tensor]
+# (q, cache, metadata, scale, window) -> attended; window None (the default): full attention
+AttentionBackend = Callable[..., torch.Tensor]
 
 ATTENTION_BACKENDS: dict[str, AttentionBackend] = {"torch": torch_attention, "cpu": cpu_attention}
 

@@ -97,6 +97,10 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
     i64, f32 = ctypes.c_int64, ctypes.c_float
     signatures = {
         "paged_decode_attention": ([_PTR] * 9 + [i64] + [_INT] * 6 + [f32, _INT], _INT),
+        "paged_decode_attention_window": (
+            [_PTR] * 9 + [i64] + [_INT] * 6 + [f32, _INT, _INT],
+            _INT,
+        ),
         "add_rms_norm": ([_PTR] * 5 + [_INT, _INT, f32, _INT], None),
         "rotary": ([_PTR, i64, _PTR, _PTR, _INT, _INT, _INT, _INT], None),
         "write_kv": ([_PTR, _PTR, i64, _PTR, _PTR, _PTR, _INT, _INT, _INT], None),
@@ -194,12 +198,13 @@ def paged_decode(
     context_lens: torch.Tensor,  # [B] int32
     scale: float,
     out: torch.Tensor,  # [B, num_heads, head_dim] fp32, written in place
+    window: int = 0,  # > 0: each row reads its last `window` positions only
 ) -> None:
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k.shape
     block_table, context_lens = table_args(block_table, context_lens)
     lut = None if kind == "float" else code_table(kind)
-    status = load_kernel().paged_decode_attention(
+    args = (
         q.data_ptr(), k.data_ptr(), v.data_ptr(),
         None if k_scale is None else k_scale.data_ptr(),
         None if v_scale is None else v_scale.data_ptr(),
@@ -208,6 +213,11 @@ def paged_decode(
         batch, num_heads, num_kv_heads, head_dim, block_size, block_table.shape[1],
         scale, torch.get_num_threads(),
     )  # fmt: skip
+    kernel = load_kernel()
+    if window > 0:
+        status = kernel.paged_decode_attention_window(*args, window)
+    else:
+        status = kernel.paged_decode_attention(*args)
     if status == -3:
         raise context_error(context_lens, block_table, block_size)
     if status != 0:

@@ -1,6 +1,8 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3), over a flat batch of tokens and a paged cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3), over a flat batch of tokens and a
+paged cache.
 
-Architectures differ by a few flags (`ArchSpec`, registered in model/registry.py). q/k/v and gate/up are
+Architectures differ by a few flags (`ArchSpec`, registered in model/registry.py) and by what their
+config.json says (activation, attention scale, per-layer sliding windows and RoPE, softcapping). q/k/v and gate/up are
 fused into one matmul each; the loader concatenates the checkpoint's separate tensors. The residual stream
 is carried beside the hidden state so the add fuses into the next norm (vLLM's layout).
 
@@ -11,11 +13,14 @@ Elsewhere they are torch ops with the same arithmetic.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.config import ModelConfig
+from kvserve.config import LAYER_TYPES, ModelConfig
+from kvserve.core.errors import UnsupportedModelError
 from kvserve.model import cpu_kernels, fused_decode
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, cpu_attention
 from kvserve.model.kv_cache import LayerKVCache
@@ -46,20 +51,53 @@ class RMSNorm(nn.Module):
         return self(x), x
 
 
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is an offset from 1, and normalising and scaling both run in fp32
+    before the cast back (transformers' Gemma3RMSNorm, op for op)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `RMSNorm.add_norm` (torch ops: the C kernel scales by w, not 1 + w)."""
+        if residual is not None:
+            x = x + residual
+        return self(x), x
+
+
+def norm_class(arch: ArchSpec) -> type[nn.Module]:
+    return OffsetRMSNorm if arch.offset_norms else RMSNorm
+
+
+# config.json's hidden_act / hidden_activation -> the gated MLP's activation
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, arch: ArchSpec) -> None:
+    def __init__(self, config: ModelConfig, arch: ArchSpec, window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = window  # keys each query sees (itself and the window - 1 before), None: all
         qkv_bias = arch.qkv_bias or config.attention_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        norm = norm_class(arch)
+        self.q_norm = norm(config.head_dim, config.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = norm(config.head_dim, config.rms_norm_eps) if arch.qk_norm else None
         self.cpu_kernels = False  # set by DecoderLM.use_cpu_weights
 
     def forward(
@@ -89,7 +127,7 @@ class Attention(nn.Module):
             cpu_kernels.write_kv_q(k, v, meta.slot_mapping, kv_cache)
         else:
             kv_cache.write(k, v, meta.slot_mapping)
-        out = backend(q, kv_cache, meta, self.scale)  # [T, num_heads, head_dim]
+        out = backend(q, kv_cache, meta, self.scale, self.window)  # [T, num_heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -97,6 +135,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        if config.hidden_activation not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"activation {config.hidden_activation!r} is not supported "
+                f"(supported: {', '.join(ACTIVATIONS)})"
+            )
+        self.act = ACTIVATIONS[config.hidden_activation]
         self.gate_up_proj = nn.Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
@@ -107,17 +151,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 intermediate_size]
-        if self.cpu_kernels:
+        if self.cpu_kernels and self.act is F.silu:
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, arch: ArchSpec) -> None:
+    def __init__(
+        self, config: ModelConfig, arch: ArchSpec, window: int | None = None, local_rope=False
+    ) -> None:
         super().__init__()
+        self.local_rope = local_rope  # RoPE of the sliding-window layers (DecoderLM.rotary_local)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, arch)
+        self.self_attn = Attention(config, arch, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -132,17 +179,75 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class SandwichDecoderLayer(nn.Module):
+    """Gemma's layer: a norm before and after attention and before and after the MLP; each block's
+    normed output joins the residual stream (carried as in `DecoderLayer`)."""
+
+    def __init__(
+        self, config: ModelConfig, arch: ArchSpec, window: int | None = None, local_rope=False
+    ) -> None:
+        super().__init__()
+        norm = norm_class(arch)
+        self.local_rope = local_rope
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, arch, window)
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+        self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden, residual, rope, kv_cache, meta, backend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual)
+        hidden = self.post_attention_layernorm(
+            self.self_attn(hidden, rope, kv_cache, meta, backend)
+        )
+        hidden, residual = self.pre_feedforward_layernorm.add_norm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+def _check_supported(config: ModelConfig, arch: ArchSpec) -> None:
+    missing = [key for key in arch.required_config if getattr(config, key) in (None, ())]
+    if missing:
+        raise UnsupportedModelError(
+            f"{config.model_type}: config.json gives no {', '.join(missing)}, which kvserve reads "
+            "rather than assumes (layer_types may come as sliding_window_pattern, rope_local_theta "
+            "as rope_local_base_freq or rope_parameters.sliding_attention.rope_theta)"
+        )
+    unknown = sorted(set(config.layer_types) - set(LAYER_TYPES))
+    if unknown:  # (ModelConfig keeps them: the planner may still size such a model)
+        raise UnsupportedModelError(
+            f"{config.model_type}: layer_types {unknown} are not supported (kvserve runs "
+            f"{', '.join(LAYER_TYPES)})"
+        )
+    if config.attn_logit_softcapping is not None:
+        raise UnsupportedModelError(
+            f"{config.model_type}: attn_logit_softcapping={config.attn_logit_softcapping} is not "
+            "supported by kvserve's attention kernels"
+        )
+
+
 class DecoderLM(nn.Module):
     """Embedding -> decoder layers -> final norm; `compute_logits` applies the head to chosen rows only."""
 
     def __init__(self, config: ModelConfig, arch: ArchSpec, max_positions: int) -> None:
         super().__init__()
+        _check_supported(config, arch)
         self.config = config
         self.arch = arch
         self.rotary = RotaryEmbedding(config, max_positions)
+        self.rotary_local: RotaryEmbedding | None = None  # sliding layers' own RoPE, if any
+        if config.rope_local_theta is not None:
+            self.rotary_local = RotaryEmbedding(config, max_positions, local=True)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, arch) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer_cls = SandwichDecoderLayer if arch.sandwich_norms else DecoderLayer
+        layer_types = config.layer_types or ("full_attention",) * config.num_layers
+        self.layers = nn.ModuleList(
+            layer_cls(config, arch, window, kind == "sliding_attention")
+            for window, kind in zip(config.layer_windows, layer_types, strict=True)
+        )
+        self.norm = norm_class(arch)(config.hidden_size, config.rms_norm_eps)
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -169,10 +274,16 @@ class DecoderLM(nn.Module):
                 single.context_lens,
             )  # fmt: skip
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        if self.arch.embed_scale:
+            # as transformers: sqrt(hidden) rounded to fp32, then to the model's dtype
+            scale = torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32)
+            hidden = hidden * scale.to(hidden.dtype)
         residual = None
         rope = self.rotary(positions)
+        local_rope = rope if self.rotary_local is None else self.rotary_local(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, meta, backend)
+            layer_rope = local_rope if layer.local_rope else rope
+            hidden, residual = layer(hidden, residual, layer_rope, kv_cache, meta, backend)
         return self.norm.add_norm(hidden, residual)[0]
 
     def use_cpu_kernels(self, enabled: bool) -> None:
@@ -202,9 +313,20 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden_size] -> [S, vocab_size], fp32 for the sampler
         if self.cpu_head is not None:
-            return self.cpu_head(hidden).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+            logits = self.cpu_head(hidden).float()
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def build_rotary(self, device: torch.device | str) -> None:
+        """(Re)compute the RoPE tables on `device` (after loading a model built on the meta device)."""
+        self.rotary.build(device)
+        if self.rotary_local is not None:
+            self.rotary_local.build(device)
 
     def use_cpu_weights(self) -> None:
         """CPU layout (model/linear.py): every projection, and the head, run from a weight laid out for

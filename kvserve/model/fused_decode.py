@@ -237,6 +237,8 @@ class FusedDecoder:
     def build(cls, model: torch.nn.Module, kv_caches: list) -> FusedDecoder | None:
         """None when some part of `model` has no native path (the per-op path runs it)."""
         cfg = model.config
+        if not model.arch.fused_decode:  # the native step computes Llama's layer only
+            return None
         if max_rows() == 0 or len(kv_caches) != len(model.layers):
             return None
         keep: list = []

@@ -194,7 +194,7 @@ def load_model(
     # QuantLinear's scales back to the fp32 weight it came from, and kept every such weight alive
     model.requires_grad_(False)
     # Buffers (rotary cos/sin) were on meta: rebuild them for real.
-    model.rotary.build(device)
+    model.build_rotary(device)
     if artifact:
         install_artifact_linears(model, artifact, device)
         log_kernels(model, str(model_dir))

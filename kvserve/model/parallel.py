@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.config import ModelConfig
-from kvserve.core.errors import ModelLoadError
+from kvserve.core.errors import ModelLoadError, UnsupportedModelError
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.loader import TORCH_DTYPES, read_checkpoint
 from kvserve.model.registry import ArchSpec, get_arch
@@ -245,6 +245,17 @@ def shard_state_dict(
         raise ModelLoadError(f"{model_dir}: checkpoint is missing tensor {exc.args[0]}") from exc
 
 
+def check_tensor_parallel_arch(config: ModelConfig) -> ArchSpec:
+    """The architecture of `config`, if model/parallel.py can shard it."""
+    arch = get_arch(config.model_type)
+    if not arch.tensor_parallel:
+        raise UnsupportedModelError(
+            f"model_type {config.model_type!r} does not run tensor-parallel yet: use "
+            "--tensor-parallel-size 1"
+        )
+    return arch
+
+
 def load_tensor_parallel_model(
     model_dir: str | Path,
     config: ModelConfig,
@@ -258,9 +269,10 @@ def load_tensor_parallel_model(
 ) -> TensorParallelDecoderLM:
     """Rank `rank`'s model, reading only the checkpoint (every rank reads its own slices). The
     process group must be initialised (gloo on CPU, NCCL on CUDA) when world_size > 1."""
+    arch = check_tensor_parallel_arch(config)
     layout = TensorParallelLayout(rank, world_size, config)
     with torch.device("meta"):
-        model = TensorParallelDecoderLM(layout, get_arch(config.model_type), max_positions, group)
+        model = TensorParallelDecoderLM(layout, arch, max_positions, group)
     expected = model.state_dict()
     state = shard_state_dict(model_dir, layout, list(expected), dtype)
     for name, tensor in state.items():
@@ -271,7 +283,7 @@ def load_tensor_parallel_model(
             )
     model = model.to_empty(device=device)
     model.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
-    model.rotary.build(device)
+    model.build_rotary(device)
     if cpu_weights and torch.device(device).type == "cpu":
         model.use_cpu_weights()
     return model.eval()

@@ -45,13 +45,23 @@ ROPE_SCALINGS: dict[str, Callable[[torch.Tensor, dict], torch.Tensor]] = {
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin for every position up to `max_positions`; applied to flat [T, heads, head_dim]."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        device: torch.device | str = "cpu",
+        local: bool = False,
+    ):
+        """`local`: the sliding-window layers' RoPE (config.rope_local_*), else the global one."""
         super().__init__()
-        rope_type = config.rope_type
+        self.theta = config.rope_local_theta if local else config.rope_theta
+        self.scaling = dict(config.rope_local_scaling if local else config.rope_scaling)
+        rope_type = str(self.scaling.get("rope_type", "default"))
         if rope_type not in ROPE_SCALINGS:
             raise UnsupportedModelError(
                 f"rope scaling {rope_type!r} is not supported (supported: {sorted(ROPE_SCALINGS)})"
             )
+        self.rope_type = rope_type
         self.config = config
         self.max_positions = max_positions
         self.build(device)
@@ -62,8 +72,8 @@ class RotaryEmbedding(torch.nn.Module):
         dim = config.head_dim
         # Explicit devices: the model may be constructed under a `torch.device("meta")` context.
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-        inv_freq = 1.0 / (config.rope_theta**exponents)
-        inv_freq = ROPE_SCALINGS[config.rope_type](inv_freq, config.rope_scaling_dict)
+        inv_freq = 1.0 / (self.theta**exponents)
+        inv_freq = ROPE_SCALINGS[self.rope_type](inv_freq, self.scaling)
         positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         self.register_buffer("cos", freqs.cos().to(device), persistent=False)

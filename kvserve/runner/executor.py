@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
-from kvserve.model.parallel import TensorParallelLayout
+from kvserve.model.parallel import TensorParallelLayout, check_tensor_parallel_arch
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.runner.worker import (
     ERROR,
@@ -53,6 +53,7 @@ class WorkerFailedError(RuntimeError):
 def make_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, num_blocks)
+    check_tensor_parallel_arch(config.model)  # before any rank starts
     return TensorParallelRunner(config, num_blocks)
 
 

@@ -1,6 +1,8 @@
 /* Decode attention that reads the paged KV cache in place (docs/performance.md).
  *
- * One query token per batch row attends to its first context_lens[b] cached positions. Keys and values are
+ * One query token per batch row attends to its first context_lens[b] cached positions (a sliding-window
+ * layer's call, window W > 0: to its last W of them, context_lens[b] - W .. context_lens[b] - 1, as
+ * transformers' sliding-window mask; only those positions' blocks are read). Keys and values are
  * read straight from their blocks through the block table: nothing is gathered or copied. The cache holds
  * fp32 values, or 8-bit codes with one fp16 scale per (token, kv head): value = lut[code] * scale, where
  * lut maps a code to its float (int8: the signed integer; fp8 e4m3: the decoded float).
@@ -360,25 +362,44 @@ static void attend_avx2(const AttnWork *a, int b, int hq0, int hq1, int t0, int 
 }
 #endif /* __AVX2__ */
 
+/* First position row b reads: 0, or the start of its window. */
+static inline int first_position(const AttnWork *w, int b) {
+    const int c = w->context_lens[b];
+    return w->window > 0 && c > w->window ? c - w->window : 0;
+}
+
 int attention_setup(AttnWork *w, const float *q, const void *k, const void *v,
                     const uint16_t *k_scale, const uint16_t *v_scale, const float *lut,
                     const int32_t *block_table, const int32_t *context_lens, float *out,
                     int64_t q_row_stride, int batch, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int max_blocks, float scale, int num_threads) {
+    return attention_setup_window(w, q, k, v, k_scale, v_scale, lut, block_table, context_lens, out,
+                                  q_row_stride, batch, num_heads, num_kv_heads, head_dim,
+                                  block_size, max_blocks, scale, num_threads, 0);
+}
+
+int attention_setup_window(AttnWork *w, const float *q, const void *k, const void *v,
+                           const uint16_t *k_scale, const uint16_t *v_scale, const float *lut,
+                           const int32_t *block_table, const int32_t *context_lens, float *out,
+                           int64_t q_row_stride, int batch, int num_heads, int num_kv_heads,
+                           int head_dim, int block_size, int max_blocks, float scale,
+                           int num_threads, int window) {
     if (num_kv_heads < 1 || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP ||
-        head_dim > MAX_HEAD_DIM || block_size < 1)
+        head_dim > MAX_HEAD_DIM || block_size < 1 || window < 0)
         return -1;
     *w = (AttnWork){q, k, v, k_scale, v_scale, lut, block_table, context_lens, out, q_row_stride,
                     batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
+    w->window = window;
     const int G = num_heads / num_kv_heads;
     int max_splits = 1;
     int64_t total_tokens = 0;
     for (int b = 0; b < batch; b++) {
         /* a longer context would read past its block-table row */
         if (context_lens[b] < 0 || context_lens[b] > (int64_t)max_blocks * block_size) return -3;
-        int n = (context_lens[b] + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
+        const int read = context_lens[b] - first_position(w, b); /* positions this row reads */
+        int n = (read + SPLIT_TOKENS - 1) / SPLIT_TOKENS;
         max_splits = n > max_splits ? n : max_splits;
-        total_tokens += context_lens[b];
+        total_tokens += read;
     }
     w->max_splits = max_splits;
     w->total_values = total_tokens * num_kv_heads * head_dim;
@@ -414,7 +435,7 @@ void attention_items(const AttnWork *w, float *parts, int64_t i0, int64_t i1) {
     for (int64_t item = i0; item < i1; item++) {
         const int split = item % S, hq0 = (item / S) % ranges * per, hq1 = hq0 + per;
         const int b = item / (S * ranges);
-        int t0 = split * SPLIT_TOKENS, t1 = t0 + SPLIT_TOKENS;
+        int t0 = first_position(w, b) + split * SPLIT_TOKENS, t1 = t0 + SPLIT_TOKENS;
         t1 = t1 < w->context_lens[b] ? t1 : w->context_lens[b];
         float *m = parts + ((int64_t)b * S + split) * H * (D + 2), *l = m + H;
         /* one split: acc straight into the output row */
@@ -463,15 +484,16 @@ void attention_merge(const AttnWork *w, const float *parts, int64_t r0, int64_t 
     }
 }
 
-int paged_decode_attention(const float *q, const void *k, const void *v, const uint16_t *k_scale,
-                           const uint16_t *v_scale, const float *lut, const int32_t *block_table,
-                           const int32_t *context_lens, float *out, int64_t q_row_stride, int batch,
-                           int num_heads, int num_kv_heads, int head_dim, int block_size,
-                           int max_blocks, float scale, int num_threads) {
+int paged_decode_attention_window(const float *q, const void *k, const void *v,
+                                  const uint16_t *k_scale, const uint16_t *v_scale, const float *lut,
+                                  const int32_t *block_table, const int32_t *context_lens, float *out,
+                                  int64_t q_row_stride, int batch, int num_heads, int num_kv_heads,
+                                  int head_dim, int block_size, int max_blocks, float scale,
+                                  int num_threads, int window) {
     AttnWork w;
-    const int refused = attention_setup(&w, q, k, v, k_scale, v_scale, lut, block_table, context_lens,
-                                        out, q_row_stride, batch, num_heads, num_kv_heads, head_dim,
-                                        block_size, max_blocks, scale, num_threads);
+    const int refused = attention_setup_window(
+        &w, q, k, v, k_scale, v_scale, lut, block_table, context_lens, out, q_row_stride, batch,
+        num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, num_threads, window);
     if (refused) return refused;
     /* Small work stays on this thread: waking the others costs more than it saves. */
     const int parallel = w.total_values >= PARALLEL_MIN_VALUES && num_threads > 1;
@@ -492,4 +514,14 @@ int paged_decode_attention(const float *q, const void *k, const void *v, const u
     }
     free(parts);
     return 0;
+}
+
+int paged_decode_attention(const float *q, const void *k, const void *v, const uint16_t *k_scale,
+                           const uint16_t *v_scale, const float *lut, const int32_t *block_table,
+                           const int32_t *context_lens, float *out, int64_t q_row_stride, int batch,
+                           int num_heads, int num_kv_heads, int head_dim, int block_size,
+                           int max_blocks, float scale, int num_threads) {
+    return paged_decode_attention_window(q, k, v, k_scale, v_scale, lut, block_table, context_lens,
+                                         out, q_row_stride, batch, num_heads, num_kv_heads, head_dim,
+                                         block_size, max_blocks, scale, num_threads, 0);
 }

@@ -22,6 +22,7 @@ typedef struct {
                                                  q-head chunks per kv head (kv_per_item 1) */
     int64_t num_items, total_values;
     int int8_lut; /* lut is the int8 table (lut[c] = (int8_t)c): codes convert without it */
+    int window;   /* > 0: a row reads its last `window` positions only (sliding-window layers) */
 } AttnWork;
 
 /* Describe one call (the arguments of paged_decode_attention); -1 for shapes it refuses, -3 for a
@@ -31,6 +32,13 @@ int attention_setup(AttnWork *w, const float *q, const void *k, const void *v,
                     const int32_t *block_table, const int32_t *context_lens, float *out,
                     int64_t q_row_stride, int batch, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int max_blocks, float scale, int num_threads);
+/* As attention_setup, each row reading positions [context - window, context) only (window > 0). */
+int attention_setup_window(AttnWork *w, const float *q, const void *k, const void *v,
+                           const uint16_t *k_scale, const uint16_t *v_scale, const float *lut,
+                           const int32_t *block_table, const int32_t *context_lens, float *out,
+                           int64_t q_row_stride, int batch, int num_heads, int num_kv_heads,
+                           int head_dim, int block_size, int max_blocks, float scale,
+                           int num_threads, int window);
 /* floats of the `parts` scratch: [B, splits, H, D + 2] */
 int64_t attention_parts_floats(const AttnWork *w);
 /* items [i0, i1) of w->num_items (any thread, any order); then, once every item is done, */
