@@ -331,7 +331,7 @@ def register(bench_subparsers) -> None:
         "--output-lens 32\n  (writes latency.json and latency.png to --out)",
         formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", default=None, help=MODEL_HELP + " (default: kvserve-demo)")
+    p.add_argument("--model", default=None, help=MODEL_HELP + " (default: smollm2-135m-instruct)")
     p.add_argument("--batch-sizes", type=_ints, default=(1, 8), help="e.g. 1,4,16")
     p.add_argument("--prompt-lens", type=_ints, default=(128,), help="prompt tokens, e.g. 32,256")
     p.add_argument("--output-lens", type=_ints, default=(32,), help="generated tokens, e.g. 32")

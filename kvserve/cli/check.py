@@ -105,11 +105,13 @@ def read_prompts(path: str | None) -> list[str | list[int]]:
 
 
 def resolve_model(name: str) -> str:
-    if name in ("kvserve-demo", "demo"):
-        from kvserve.models import default_model_dir
+    """A built-in name (`demo`: kvserve-demo) or a GGUF file -> its model directory."""
+    from kvserve.gguf.model_dir import is_gguf_path
+    from kvserve.models import BUILTIN_MODELS, DEMO_MODEL
+    from kvserve.models import resolve_model as resolve
 
-        return str(default_model_dir())
-    return name
+    name = DEMO_MODEL if name == "demo" else name
+    return str(resolve(name)) if name in BUILTIN_MODELS or is_gguf_path(name) else name
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,8 +39,8 @@ def register(subparsers) -> None:
     ppl.add_argument(
         "model",
         nargs="?",
-        default="kvserve-demo",
-        help="model directory, or a built-in name: kvserve-demo, kvserve-demo-draft",
+        default=None,
+        help="model directory, GGUF file, or a built-in name (default: smollm2-135m-instruct)",
     )
     ppl.add_argument(
         "--data",

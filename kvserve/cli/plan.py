@@ -324,10 +324,11 @@ def _measure(args: argparse.Namespace) -> Any:
 
 
 def _builtin_to_dir(model: str) -> str:
-    """`kvserve-demo` / `kvserve-demo-draft` -> their directories; anything else unchanged."""
+    """A built-in name or a GGUF file -> its model directory; anything else unchanged."""
+    from kvserve.gguf.model_dir import is_gguf_path
     from kvserve.models import BUILTIN_MODELS, resolve_model
 
-    return str(resolve_model(model)) if model in BUILTIN_MODELS else model
+    return str(resolve_model(model)) if model in BUILTIN_MODELS or is_gguf_path(model) else model
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ _EXIT_MARGIN_S = 2.0  # after the grace period: time for the cut streams' error 
 
 EPILOG = """\
 examples:
-  kvserve serve                                   # the built-in kvserve-demo on 127.0.0.1:8000
+  kvserve serve                                   # the built-in smollm2-135m-instruct on 127.0.0.1:8000
   kvserve serve kvserve-demo --speculative-model kvserve-demo-draft
   kvserve serve /path/to/hf-model --served-model-name my-model --port 8001
 then open http://127.0.0.1:8000/ for the chat playground and the live dashboard.
@@ -33,7 +33,7 @@ def register(subparsers) -> None:
         epilog=EPILOG,
     )
     parser.add_argument(
-        "model", nargs="?", default=None, help=MODEL_HELP + " (default: kvserve-demo)"
+        "model", nargs="?", default=None, help=MODEL_HELP + " (default: smollm2-135m-instruct)"
     )
     parser.add_argument(
         "--model",

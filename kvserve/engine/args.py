@@ -36,7 +36,10 @@ from kvserve.quant.methods import METHODS
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
-MODEL_HELP = "model directory, or a built-in name: kvserve-demo, kvserve-demo-draft"
+MODEL_HELP = (
+    "model directory, GGUF file, or a built-in name: smollm2-135m-instruct, kvserve-demo, "
+    "kvserve-demo-draft"
+)
 DTYPES = ("auto", *sorted(DTYPE_BYTES))
 
 
@@ -65,7 +68,7 @@ class EngineArgs:
     """The engine's options, validated on construction (types and choices here; ranges in the config
     dataclasses that `create_engine_config` builds)."""
 
-    model: str | None = _option(None, MODEL_HELP + " (default: kvserve-demo)", optional=True,
+    model: str | None = _option(None, MODEL_HELP + " (default: smollm2-135m-instruct)", optional=True,
                                 metavar="MODEL", cli=False)  # fmt: skip
     dtype: str = _option(
         "auto",

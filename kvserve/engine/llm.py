@@ -19,7 +19,8 @@ PromptType = str | Sequence[int]
 
 
 class LLM:
-    """Runs a local Hugging Face checkpoint, or a built-in model (`kvserve-demo`, the default).
+    """Runs a local Hugging Face checkpoint, a GGUF file, or a built-in model (`smollm2-135m-instruct`,
+    the default; `kvserve-demo`).
 
     `engine_options` are `EngineArgs` fields (`dtype`, `max_num_seqs`, `kv_cache_memory_bytes`, ...),
     validated by it: an unknown name or a wrong type raises `InvalidRequestError`."""

@@ -56,6 +56,8 @@ def gguf_model_dir(path: str | Path) -> Path:
     config = hf_config(gguf)
     tokenizer = build_tokenizer(gguf.metadata)
     tok_config = tokenizer_config(gguf.metadata)
+    if tok_config.get("chat_template"):
+        check_chat_template(tok_config["chat_template"], path)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         work = Path(tmp)
@@ -76,6 +78,35 @@ def gguf_model_dir(path: str | Path) -> Path:
                 raise
         work.mkdir()  # for TemporaryDirectory's cleanup
     return target
+
+
+def check_chat_template(template: str, path: Path) -> None:
+    """Compile the file's chat template as the server will (transformers' sandboxed compiler) and
+    render one conversation: a syntax error, or a template that reaches outside the sandbox (e.g.
+    `''.__class__.__mro__`), is a load error naming the file, not a failure on the first chat. Other
+    runtime errors are left to the request that triggers them (a template may refuse, say, a system
+    message by design)."""
+    import jinja2
+    from jinja2.sandbox import SecurityError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    conversation = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Bye"},
+    ]
+    try:
+        compiled = _compile_jinja_template(template)
+        compiled.render(messages=conversation, add_generation_prompt=True, bos_token="", eos_token="")
+    except jinja2.TemplateSyntaxError as exc:
+        raise ModelLoadError(f"{path}: tokenizer.chat_template line {exc.lineno}: {exc.message}") from None
+    except SecurityError as exc:
+        raise ModelLoadError(
+            f"{path}: tokenizer.chat_template tries to leave its sandbox: {exc}"
+        ) from None
+    except jinja2.TemplateError:
+        pass
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:

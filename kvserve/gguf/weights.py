@@ -15,7 +15,6 @@ from kvserve.gguf.config import GGUFArch, gguf_arch, hf_tensor_name, unpermute_r
 from kvserve.gguf.reader import GGUFFile
 from kvserve.model.block_weights import (
     FLOAT_TYPES,
-    SUPPORTED_TYPES,
     BlockWeight,
     UnsupportedQuantizationError,
     float_tensor,
@@ -45,7 +44,7 @@ def read_gguf_weights(
             try:
                 tensor = repack(gguf.raw(name), type_name, shape)
             except UnsupportedQuantizationError as exc:
-                raise UnsupportedQuantizationError(f"{gguf.path}: tensor {name!r}: {exc}") from None
+                raise ModelLoadError(f"{gguf.path}: tensor {name!r}: {exc}") from None
             if not keep_blocks:
                 tensor = tensor.dequantize()
         weights[hf_name] = _undo_converter(tensor, hf_name, arch, num_heads, num_kv_heads)
@@ -63,8 +62,4 @@ def _undo_converter(
     if arch.norm_shift and hf_name.endswith("norm.weight"):
         return tensor - arch.norm_shift
     return tensor
-
-
-def supported_types() -> str:
-    return ", ".join(sorted(SUPPORTED_TYPES | set(FLOAT_TYPES)))
 
