@@ -73,6 +73,6 @@ def test_eval_text_ships_with_its_licence():
         assert len(documents) >= 5 and all(d.strip() for d in documents)
         assert sum(len(d.split()) for d in documents) >= min_words
         assert name in licence
-    assert "Apache-2.0" in licence
+    assert "Apache License 2.0" in licence
     for document in read_documents(EVAL_DIR / "code.jsonl"):
         compile(document, "<code.jsonl>", "exec")  # every code document is valid Python
