@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from kvserve.config import KV_CACHE_DTYPES
+
 
 def _at_least(low: int):
     """argparse type: an integer >= low (fuzzing: --window 1 failed after the model loaded, and
@@ -68,6 +70,12 @@ def register(subparsers) -> None:
     )
     cmp.add_argument("--data", required=True, help=".jsonl with a 'text' field, or a text file")
     cmp.add_argument(
+        "--reference-quantization",
+        default=None,
+        help="quantise (or dequantise) the reference at load; fp32 on a GGUF model: every block "
+        "dequantised to fp32, the reference for the file's own blocks and their requantisations",
+    )
+    cmp.add_argument(
         "--candidate-quantization", default=None, help="quantise the candidate at load"
     )
     cmp.add_argument(
@@ -77,6 +85,13 @@ def register(subparsers) -> None:
     )
     cmp.add_argument(
         "--candidate-calib", default=None, help="calibration text for --candidate-method"
+    )
+    cmp.add_argument(
+        "--candidate-kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the candidate's KV cache: the model's dtype (auto), or 8-bit codes (int8, fp8 e4m3) "
+        "with an fp16 scale per token and head; the reference keeps the model's dtype",
     )
     cmp.add_argument("--window", type=_at_least(2), default=256, help="window length in tokens")
     cmp.add_argument(
@@ -182,17 +197,27 @@ def run_compare(args: argparse.Namespace) -> int:
                 f"--record would write into the built-in {args.candidate!r}: copy it first",
                 "record",
             )
-        if args.record and args.candidate_quantization:
+        at_load = [
+            flag
+            for flag, given in (
+                ("--candidate-quantization", args.candidate_quantization),
+                ("--candidate-kv-cache-dtype", args.candidate_kv_cache_dtype != "auto"),
+            )
+            if given
+        ]
+        if args.record and at_load:
             raise InvalidRequestError(
-                "--record describes a candidate directory; with --candidate-quantization the "
-                "directory holds the float model (write the report with --json instead)",
+                f"--record describes a candidate directory; with {at_load[0]} the report "
+                "describes the directory as loaded, not its files (write it with --json instead)",
                 "record",
             )
         report = compare(
             reference,
             candidate,
             args.data,
+            ref_quantization=args.reference_quantization,
             cand_quantization=args.candidate_quantization,
+            cand_kv_cache_dtype=args.candidate_kv_cache_dtype,
             cand_method=args.candidate_method,
             cand_calib=args.candidate_calib,
             window=args.window,

@@ -33,18 +33,60 @@ class Thresholds:
 
 
 def model_identity(
-    model_dir: str | Path, quantization: str | None, method: str = "rtn", calib: str | None = None
+    model_dir: str | Path,
+    quantization: str | None,
+    method: str = "rtn",
+    calib: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> dict:
-    """What determines the model's weights: the files, the scheme applied at load and, for a
-    calibrated method at load, the method and the calibration text's hash."""
+    """What determines the model's outputs: the files (for a GGUF model, the GGUF file's hash too:
+    its directory's config.json does not hold the weights), the scheme applied at load, for a
+    calibrated method at load the method and the calibration text's hash, and an 8-bit KV cache."""
+    from kvserve.gguf.model_dir import gguf_source
     from kvserve.paths import sha256_file
     from kvserve.quant.convert import artifact_sha256
 
     identity = {"artifact_sha256": artifact_sha256(model_dir), "quantization": quantization}
+    if (source := gguf_source(model_dir)) is not None:
+        identity["gguf_sha256"] = sha256_file(source)
     if method != "rtn":
         identity |= {"method": method, "calibration_sha256": sha256_file(Path(calib))}
+    if kv_cache_dtype != "auto":  # absent when "auto": earlier reports' hashes stay the same
+        identity["kv_cache_dtype"] = kv_cache_dtype
     identity["sha256"] = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return identity
+
+
+@dataclass(frozen=True)
+class EvalModel:
+    """One side of a comparison: the model's files and what is applied at load."""
+
+    model_dir: Path
+    quantization: str | None = None
+    method: str = "rtn"
+    calib: str | None = None
+    kv_cache_dtype: str = "auto"
+
+    def load(self, max_num_seqs: int):
+        from kvserve.engine.llm import LLM
+
+        return LLM(
+            str(self.model_dir),
+            quantization=self.quantization,
+            quantization_method=self.method,
+            calib=self.calib,
+            kv_cache_dtype=self.kv_cache_dtype,
+            max_num_seqs=max_num_seqs,
+            num_blocks=None,
+        )
+
+    def identity(self) -> dict:
+        return {
+            "dir": str(self.model_dir),
+            **model_identity(
+                self.model_dir, self.quantization, self.method, self.calib, self.kv_cache_dtype
+            ),
+        }
 
 
 def window_stats(ref_logits: torch.Tensor, cand_logits: torch.Tensor, window: list[int]) -> dict:
@@ -68,77 +110,85 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(
-    ref_dir: str | Path,
-    cand_dir: str | Path,
+@dataclass(frozen=True)
+class ReferenceRun:
+    """The reference's side of a comparison on one text, computed once and reused for every candidate
+    (`benchmarks/quality_table.py` compares several)."""
+
+    data: str
+    windows: list[list[int]]
+    logits: list[torch.Tensor]  # per window [T, V]
+    prompts: list[list[int]]
+    greedy: list[list[int]]  # the reference's greedy continuation of each prompt
+    greedy_tokens: int
+
+
+def reference_run(
+    ref,
     data: str | Path,
     *,
-    ref_quantization: str | None = None,
-    cand_quantization: str | None = None,
-    cand_method: str = "rtn",
-    cand_calib: str | None = None,
     window: int = 256,
     max_tokens: int | None = None,
     num_prompts: int = 8,
     prompt_len: int = 16,
     greedy_tokens: int = 32,
-    thresholds: Thresholds = Thresholds(),
-) -> dict:
-    from kvserve.core.sampling_params import SamplingParams
-    from kvserve.engine.llm import LLM
+) -> ReferenceRun:
+    """Score `data` (read_documents) with the loaded reference `ref` (an LLM)."""
     from kvserve.evaluation import fixed_windows, read_documents, token_stream
 
-    options = dict(max_num_seqs=num_prompts, num_blocks=None)
-    ref = LLM(str(ref_dir), quantization=ref_quantization, **options)
-    cand = LLM(
-        str(cand_dir),
-        quantization=cand_quantization,
-        quantization_method=cand_method,
-        calib=cand_calib,
-        **options,
-    )
     if ref.tokenizer is None:
-        raise InvalidRequestError(f"{ref_dir} has no tokenizer", "reference")
+        raise InvalidRequestError(f"{ref.config.model_dir} has no tokenizer", "reference")
     ids = token_stream(ref.tokenizer, read_documents(data))[:max_tokens]
-    windows = fixed_windows(ids, min(window, ref.engine.max_model_len))
+    windows = [list(w) for w in fixed_windows(ids, min(window, ref.engine.max_model_len))]
     if not windows:  # fuzzing: an empty file gave an IndexError
         raise InvalidRequestError(f"{data} holds fewer than 2 tokens", "data")
-    ref_vocab, cand_vocab = ref.engine.config.model.vocab_size, cand.engine.config.model.vocab_size
-    if ref_vocab != cand_vocab:  # fuzzing: a tensor-size RuntimeError from the KL
+    prompts = [w[:prompt_len] for w in windows[:num_prompts] if len(w) >= prompt_len]
+    return ReferenceRun(
+        data=str(data),
+        windows=windows,
+        logits=[ref.engine.score(w) for w in windows],
+        prompts=prompts,
+        greedy=_greedy(ref, prompts, greedy_tokens),
+        greedy_tokens=greedy_tokens,
+    )
+
+
+def _greedy(llm, prompts: list[list[int]], greedy_tokens: int) -> list[list[int]]:
+    from kvserve.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=greedy_tokens, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+def candidate_stats(run: ReferenceRun, cand, thresholds: Thresholds = Thresholds()) -> dict:
+    """The report's measurements of the loaded candidate `cand` (an LLM) against `run`."""
+    vocab_sizes = {run.logits[0].shape[-1], cand.engine.config.model.vocab_size}
+    if len(vocab_sizes) != 1:  # fuzzing: a tensor-size RuntimeError from the KL
         raise InvalidRequestError(
-            f"the reference's vocabulary ({ref_vocab}) and the candidate's ({cand_vocab}) differ: "
-            "compare models that share a tokenizer",
+            f"the reference's vocabulary ({run.logits[0].shape[-1]}) and the candidate's "
+            f"({cand.engine.config.model.vocab_size}) differ: compare models that share a tokenizer",
             "candidate",
         )
     stats = [
-        window_stats(ref.engine.score(list(w)), cand.engine.score(list(w)), list(w))
-        for w in windows
+        window_stats(ref_logits, cand.engine.score(w), w)
+        for ref_logits, w in zip(run.logits, run.windows, strict=True)
     ]
     cat = {k: torch.cat([s[k] for s in stats]) for k in stats[0]}
-    num_scored = int(cat["kl"].numel())
-    prompts = [list(w[:prompt_len]) for w in windows[:num_prompts] if len(w) >= prompt_len]
-    params = SamplingParams(max_tokens=greedy_tokens, temperature=0.0, ignore_eos=True)
-    ref_out = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
-    cand_out = [o.outputs[0].token_ids for o in cand.generate(prompts, params)]
-    firsts = [first_difference(list(a), list(b)) for a, b in zip(ref_out, cand_out, strict=True)]
+    cand_out = _greedy(cand, run.prompts, run.greedy_tokens)
+    firsts = [first_difference(a, b) for a, b in zip(run.greedy, cand_out, strict=True)]
     report = {
-        "reference": {"dir": str(ref_dir), **model_identity(ref_dir, ref_quantization)},
-        "candidate": {
-            "dir": str(cand_dir),
-            **model_identity(cand_dir, cand_quantization, cand_method, cand_calib),
-        },
-        "data": str(data),
-        "window": len(windows[0]) if windows else window,
-        "num_windows": len(windows),
-        "num_scored_tokens": num_scored,
+        "data": run.data,
+        "window": len(run.windows[0]),
+        "num_windows": len(run.windows),
+        "num_scored_tokens": int(cat["kl"].numel()),
         "ppl_reference": math.exp(cat["ref_nll"].mean().item()),
         "ppl_candidate": math.exp(cat["cand_nll"].mean().item()),
         "kl_mean": cat["kl"].mean().item(),
         "kl_p99": torch.quantile(cat["kl"].float(), 0.99).item(),
         "top1_agreement": cat["top1"].float().mean().item(),
         "greedy": {
-            "num_prompts": len(prompts),
-            "tokens": greedy_tokens,
+            "num_prompts": len(run.prompts),
+            "tokens": run.greedy_tokens,
             "first_difference": firsts,  # None: identical continuation
             "identical_share": sum(f is None for f in firsts) / max(1, len(firsts)),
         },
@@ -154,8 +204,46 @@ def compare(
     given = {k: ok for k, (bound, ok) in checks.items() if bound is not None}
     report["thresholds"] = {k: bound for k, (bound, _) in checks.items() if bound is not None}
     report["passed"] = all(given.values()) if given else None
+    return report
+
+
+def signed_report(reference: EvalModel, candidate: EvalModel, stats: dict) -> dict:
+    """The report: both models' identities, then the measurements, and the hash of it all."""
+    report = {"reference": reference.identity(), "candidate": candidate.identity(), **stats}
     report["sha256"] = hashlib.sha256(json.dumps(report, sort_keys=True).encode()).hexdigest()
     return report
+
+
+def compare(
+    ref_dir: str | Path,
+    cand_dir: str | Path,
+    data: str | Path,
+    *,
+    ref_quantization: str | None = None,
+    cand_quantization: str | None = None,
+    cand_method: str = "rtn",
+    cand_calib: str | None = None,
+    cand_kv_cache_dtype: str = "auto",
+    window: int = 256,
+    max_tokens: int | None = None,
+    num_prompts: int = 8,
+    prompt_len: int = 16,
+    greedy_tokens: int = 32,
+    thresholds: Thresholds = Thresholds(),
+) -> dict:
+    """`ref_quantization` "fp32" on a GGUF model: every block dequantised to fp32, the reference
+    for its quantisations (docs/quantization.md)."""
+    reference = EvalModel(Path(ref_dir), ref_quantization)
+    candidate = EvalModel(
+        Path(cand_dir), cand_quantization, cand_method, cand_calib, cand_kv_cache_dtype
+    )
+    ref = reference.load(num_prompts)
+    cand = candidate.load(num_prompts)
+    run = reference_run(
+        ref, data, window=window, max_tokens=max_tokens, num_prompts=num_prompts,
+        prompt_len=prompt_len, greedy_tokens=greedy_tokens,
+    )  # fmt: skip
+    return signed_report(reference, candidate, candidate_stats(run, cand, thresholds))
 
 
 def recorded_evaluation(model_dir: str | Path) -> dict | None:
