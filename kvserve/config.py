@@ -346,8 +346,16 @@ class EngineConfig:
     # THREAD_POLICIES. adaptive: on CPU, a step's thread count drops while a neighbour takes CPU time
     # from the team (kvserve.threads.TeamSizer); fixed: every step uses torch's thread count.
     thread_policy: str = "adaptive"
+    # A grammar still compiling after this long is abandoned (its worker process killed) and its request
+    # gets a 400 (kvserve.structured.compile_worker, docs/structured-output.md).
+    grammar_compile_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if not self.grammar_compile_timeout_s > 0:
+            raise InvalidRequestError(
+                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}",
+                "grammar_compile_timeout",
+            )
         if self.tensor_parallel_size < 1:
             raise InvalidRequestError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",

@@ -47,7 +47,7 @@ def test_a_slow_grammar_does_not_hold_up_plain_requests(gpt2_model_dir, tmp_path
 def test_a_grammar_check_past_the_timeout_is_the_requests_400_not_a_500():
     from kvserve.core.errors import InvalidRequestError
     from kvserve.core.sampling_params import SamplingParams, StructuredOutput
-    from kvserve.engine.client import VALIDATE_TIMEOUT_S, EngineClient
+    from kvserve.engine.client import VALIDATE_MARGIN_S, EngineClient
     from kvserve.engine.wire import EngineDeadError
 
     client = object.__new__(EngineClient)  # only validate(), over a core that never answers
@@ -61,14 +61,15 @@ def test_a_grammar_check_past_the_timeout_is_the_requests_400_not_a_500():
         raise TimeoutError("the engine core did not answer in time")
 
     client._call = never_answers
+    client.info = SimpleNamespace(grammar_compile_timeout_s=2.0)
     client._cores = [SimpleNamespace(index=0, alive=False), SimpleNamespace(index=1, alive=True)]
     grammar = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
-    with pytest.raises(InvalidRequestError, match="did not compile within 60 s") as info:
+    with pytest.raises(InvalidRequestError, match="did not compile within 34 s") as info:
         client.validate([1, 2], grammar)
     assert info.value.param == grammar.structured.param  # fuzzing: it was null
     with pytest.raises(TimeoutError):  # without a grammar the core itself is late: not a 400
         client.validate([1, 2], SamplingParams())
-    assert timeouts == [VALIDATE_TIMEOUT_S] * 2
+    assert timeouts == [2 * 2.0 + VALIDATE_MARGIN_S] * 2  # the core's limit, twice, + margin
     assert asked == [1, 1]  # the first live core checks it
     client._cores[1].alive = False
     client.dead_reason = "every core exited"

@@ -96,6 +96,13 @@ def register(subparsers) -> None:
         default=limits.max_stop_chars,
         help="characters per stop string",
     )
+    parser.add_argument(
+        "--max-grammar-bytes",
+        type=int,
+        default=limits.max_grammar_bytes,
+        help="largest structured-output constraint (JSON schema, regex, grammar, choices as JSON); "
+        "each compile is also bounded in time by --grammar-compile-timeout",
+    )
     parser.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # tests only
     parser.add_argument(
         "--request-timeout",
@@ -193,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             max_n=args.max_n,
             max_stop_strings=args.max_stop_strings,
             max_stop_chars=args.max_stop_chars,
+            max_grammar_bytes=args.max_grammar_bytes,
         )
         api_keys = parse_api_keys(args.api_key)
     except ValueError as exc:

@@ -149,6 +149,12 @@ class EngineArgs:
         'torch\'s thread count (docs/performance.md "Threads")',
         choices=THREAD_POLICIES,
     )
+    grammar_compile_timeout: float = _option(
+        60.0,
+        "seconds a structured-output grammar may compile; past it the compile is stopped and its "
+        "request gets a 400 (docs/structured-output.md)",
+        type=float,
+    )
     tensor_parallel_size: int = _option(
         1,
         "shard the model over N ranks (worker processes; gloo on CPU, NCCL on CUDA; "
@@ -182,6 +188,8 @@ class EngineArgs:
             if value is None and meta["optional"]:
                 continue
             kind = meta["type"]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, value := float(value))  # 2 means 2.0 s
             # bool is an int in Python: refuse True for a count, and 1 for a switch
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise InvalidRequestError(
@@ -295,6 +303,7 @@ class EngineArgs:
             calib=self.calib,
             tensor_parallel_size=self.tensor_parallel_size,
             thread_policy=self.thread_policy,
+            grammar_compile_timeout_s=self.grammar_compile_timeout,
         )
 
     def _speculative_config(self, model_dir: Path) -> SpeculativeConfig | None:

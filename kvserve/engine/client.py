@@ -40,7 +40,15 @@ from kvserve.engine.wire import (
     error_from_wire,
 )
 
-VALIDATE_TIMEOUT_S = 60.0  # a request's check in the core, its grammar's compilation included
+# A request's check in the core, its grammar's compilation included: the core abandons a compile past
+# `info.grammar_compile_timeout_s`; one more may run ahead of it in the core's check thread (a request
+# that left while its grammar compiled), and a replacement worker may be starting.
+VALIDATE_MARGIN_S = 30.0
+
+
+def validate_timeout_s(info: EngineInfo | None) -> float:
+    compile_s = info.grammar_compile_timeout_s if info is not None else 60.0
+    return 2 * compile_s + VALIDATE_MARGIN_S
 
 
 class CoreHandle:
@@ -157,20 +165,22 @@ class EngineClient:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Check a request (compiling its grammar, if any); returns its max_tokens. Blocking: call it
-        off the event loop. A grammar still compiling after VALIDATE_TIMEOUT_S is this request's
-        error (400), not the engine's: the core compiles grammars beside its other work."""
+        off the event loop. The core stops a compile past its limit (a 400 naming it); a core that
+        still has not answered after `validate_timeout_s` gives this request a 400, not the engine a
+        failure: the core compiles grammars beside its other work."""
         ids = list(prompt_token_ids)
+        timeout_s = validate_timeout_s(self.info)
         # Any live core can check it (data parallel: core 0 may be the one that died).
         core = self._live_cores()[0]
         try:
             return self._call(
-                core.index, lambda call_id: ValidateCmd(call_id, ids, params), VALIDATE_TIMEOUT_S
+                core.index, lambda call_id: ValidateCmd(call_id, ids, params), timeout_s
             )
         except TimeoutError:
             if params.structured is None:
                 raise
             raise InvalidRequestError(
-                f"the structured-output grammar did not compile within {VALIDATE_TIMEOUT_S:.0f} s",
+                f"the structured-output grammar did not compile within {timeout_s:.0f} s",
                 params.structured.param,
             ) from None
 

@@ -84,6 +84,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         tokenizer=None if tok is None else str(getattr(tok, "name_or_path", "") or c.model_dir),
         eos_token_ids=tuple(engine.eos_token_ids),
         threads=describe_threads(torch.get_num_threads()),
+        grammar_compile_timeout_s=c.grammar_compile_timeout_s,
     )
 
 

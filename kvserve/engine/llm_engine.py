@@ -134,14 +134,18 @@ class LLMEngine:
                     self.config.model.vocab_size,
                     self.eos_token_ids,
                     on_compile=lambda s: self.on_grammar_compile and self.on_grammar_compile(s),
+                    compile_timeout_s=self.config.grammar_compile_timeout_s,
                 )
                 self._grammars.injected_delay_s = self.grammar_delay_s
                 self.runner.grammars = self._grammars
             return self._grammars
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done when the engine is collected)."""
+        """Stop the tensor-parallel workers and grammar compile workers, if any (also done when the
+        engine is collected)."""
         self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.close()
 
     # --- intake -----------------------------------------------------------------------------------------
 

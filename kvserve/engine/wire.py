@@ -57,6 +57,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     tokenizer: str | None  # the tokenizer's identity (name_or_path), None: the model has none
     eos_token_ids: tuple[int, ...] = ()
     threads: str = ""  # the core's OpenMP threads and variables (kvserve.threads.describe_threads)
+    grammar_compile_timeout_s: float = 60.0  # the core abandons a compile past this
 
 
 class EngineStats(msgspec.Struct, frozen=True):

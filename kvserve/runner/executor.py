@@ -15,7 +15,6 @@ their own when the engine process is gone (their pipe closes).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
 from kvserve.model.parallel import TensorParallelLayout, check_tensor_parallel_arch
+from kvserve.mp_children import children_allowed
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.runner.worker import (
     ERROR,
@@ -69,21 +69,6 @@ def _rendezvous() -> tuple[str, str]:
     rank 0 binds it (seen in CI beside other servers: rank 0 aborted at set-up)."""
     directory = tempfile.mkdtemp(prefix="kvserve-tp-")
     return f"file://{os.path.join(directory, 'rendezvous')}", directory
-
-
-@contextlib.contextmanager
-def _children_allowed():
-    """Let a daemonic process (an engine core started with daemon=True) start the workers:
-    multiprocessing refuses children of daemons only so that they are not orphaned, and ours are
-    not (a worker exits when its pipe to the engine closes)."""
-    config = mp.current_process()._config  # noqa: SLF001 (multiprocessing keeps the flag here)
-    daemon = config.get("daemon")
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        if daemon is not None:
-            config["daemon"] = daemon
 
 
 def _rank_device(device: str, rank: int) -> str:
@@ -146,7 +131,7 @@ class TensorParallelRunner(ModelRunner):
                     name=f"kvserve-tp-rank{spec.rank}",
                     daemon=True,
                 )
-                with _children_allowed(), spawn_environment():  # the OpenMP defaults too
+                with children_allowed(), spawn_environment():  # the OpenMP defaults too
                     process.start()
                 child.close()
                 self._workers.append(process)

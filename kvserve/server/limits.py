@@ -34,6 +34,9 @@ class RequestLimits:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    # a structured-output constraint's text (schema, regex, grammar, the choices as JSON): a 20,000-value
+    # enum (440 KB) compiled for over a minute; larger constraints are refused before any compile
+    max_grammar_bytes: int = 128 * 1024
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

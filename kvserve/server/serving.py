@@ -194,6 +194,13 @@ class OpenAIServing(JobAccounting):
             raise InvalidRequestError(
                 f"n must be at most {limits.max_n} on this server (--max-n), got {params.n}", "n"
             )
+        structured = params.structured
+        if structured is not None and len(structured.spec.encode()) > limits.max_grammar_bytes:
+            raise InvalidRequestError(
+                f"the structured-output constraint is {len(structured.spec.encode())} bytes; this "
+                f"server compiles at most {limits.max_grammar_bytes} bytes (--max-grammar-bytes)",
+                structured.param,
+            )
         if len(params.stop) > limits.max_stop_strings:
             raise InvalidRequestError(
                 f"at most {limits.max_stop_strings} stop strings, got {len(params.stop)}", "stop"

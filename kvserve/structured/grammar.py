@@ -21,6 +21,13 @@ import torch
 
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import StructuredOutput
+from kvserve.structured.compile_worker import (
+    CompileWorkerError,
+    GrammarCompileTimeoutError,
+    IsolatedCompiler,
+)
+
+DEFAULT_COMPILE_TIMEOUT_S = 60.0
 
 # xgrammar's C++ errors start "[HH:MM:SS] /path/to/file.cc:LINE: " and may hold an internal check:
 # neither means anything to a client, and a source path is not ours to publish.
@@ -106,6 +113,27 @@ def refuse_unenforceable_schema(node: object, path: str = "") -> None:
             refuse_unenforceable_schema(value, f"{path}/{key}")
 
 
+def compile_constraint(compiler, kind: str, spec: str):
+    """Compile one constraint with an xgrammar `GrammarCompiler` (run in a compile worker process)."""
+    if kind == "json_object":  # OpenAI's JSON mode: an object, whatever its keys
+        return compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
+    if kind == "json_schema":
+        refuse_unenforceable_schema(json.loads(spec))
+        return compiler.compile_json_schema(spec, any_whitespace=False)
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "grammar":
+        return compiler.compile_grammar(spec)
+    if kind == "structural_tag":  # xgrammar's format JSON (forced tool calls, docs/tools.md)
+        refuse_unenforceable_schema(json.loads(spec))  # the tools' parameter schemas
+        return compiler.compile_structural_tag(spec)
+    if kind == "choice":
+        choices = json.loads(spec)
+        alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+        return compiler.compile_grammar(f"root ::= ({alternatives})")
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
 class GrammarCache:
     """Compiled grammars keyed by the constraint; compilation errors become 400-class errors."""
 
@@ -115,6 +143,7 @@ class GrammarCache:
         vocab_size: int,
         stop_token_ids: frozenset[int],
         on_compile: Callable[[float], None] | None = None,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
         import xgrammar as xgr
 
@@ -122,7 +151,10 @@ class GrammarCache:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
         )
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.info = info
+        # Compiles run in worker processes that are killed past the limit (kvserve.structured.compile_worker).
+        self.compiler = IsolatedCompiler(info.serialize_json(), compile_timeout_s)
+        self.compiler.prestart()
         # xgrammar 0.2.9 lets JSON strings with minLength/maxLength take raw control characters
         # (U+0000-U+001F), which JSON forbids (RFC 8259 section 7). Our JSON grammars use fixed separators
         # (any_whitespace=False), so a valid document never needs a token containing one: ban them.
@@ -137,11 +169,15 @@ class GrammarCache:
         )
         self.vocab_size = vocab_size
         self.on_compile = on_compile
-        # tests (`--inject-fault grammar:S`): every compile sleeps this long
+        # tests (`--inject-fault grammar:S`): every compile sleeps this long (before, not under, the limit)
         self.injected_delay_s = 0.0
         self._compiled: dict[StructuredOutput, object] = {}
         self._lock = threading.Lock()  # compiled from HTTP threads and from the engine thread
         self.compile_times_s: list[float] = []
+
+    def close(self) -> None:
+        """Stop the compile workers."""
+        self.compiler.close()
 
     def is_compiled(self, structured: StructuredOutput) -> bool:
         with self._lock:
@@ -156,9 +192,15 @@ class GrammarCache:
         if self.injected_delay_s:
             time.sleep(self.injected_delay_s)
         try:
-            compiled = self._compile(structured)
+            serialized = self.compiler.compile(structured.kind, structured.spec)
+            compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self.info)
             self._refuse_if_empty(compiled)
+        except GrammarCompileTimeoutError as exc:
+            exc.param = structured.param
+            raise
         except (RuntimeError, ValueError, TypeError) as exc:
+            if isinstance(exc, CompileWorkerError):
+                raise
             raise InvalidRequestError(
                 f"invalid {structured.kind} constraint: {sanitize_compiler_error(exc)}",
                 structured.param,
@@ -170,26 +212,6 @@ class GrammarCache:
         if self.on_compile is not None:
             self.on_compile(elapsed)
         return compiled
-
-    def _compile(self, structured: StructuredOutput):
-        kind, spec = structured.kind, structured.spec
-        if kind == "json_object":  # OpenAI's JSON mode: an object, whatever its keys
-            return self.compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
-        if kind == "json_schema":
-            refuse_unenforceable_schema(json.loads(spec))
-            return self.compiler.compile_json_schema(spec, any_whitespace=False)
-        if kind == "regex":
-            return self.compiler.compile_regex(spec)
-        if kind == "grammar":
-            return self.compiler.compile_grammar(spec)
-        if kind == "structural_tag":  # xgrammar's format JSON (forced tool calls, docs/tools.md)
-            refuse_unenforceable_schema(json.loads(spec))  # the tools' parameter schemas
-            return self.compiler.compile_structural_tag(spec)
-        if kind == "choice":
-            choices = json.loads(spec)
-            alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
-            return self.compiler.compile_grammar(f"root ::= ({alternatives})")
-        raise InvalidRequestError(f"unknown constraint kind {kind!r}", structured.param)
 
     def _refuse_if_empty(self, compiled) -> None:
         """ValueError for a grammar that no output can satisfy from its first token on: no token may
