@@ -57,6 +57,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     tokenizer: str | None  # the tokenizer's identity (name_or_path), None: the model has none
     eos_token_ids: tuple[int, ...] = ()
     threads: str = ""  # the core's OpenMP threads and variables (kvserve.threads.describe_threads)
+    weights: str = ""  # the weights' format (kvserve.quant.describe.describe_weights)
+    kv_cache_sizing: str = ""  # how the KV cache's size was chosen (kvserve.kv_sizing)
 
 
 class EngineStats(msgspec.Struct, frozen=True):
