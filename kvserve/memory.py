@@ -112,4 +112,3 @@ def auto_kv_cache_bytes(
         return KVCacheSize(seq_bytes, f"{text} is less than one {max_model_len}-token sequence: "
                                       "one sequence (pass --kv-cache-memory to choose)")  # fmt: skip
     return KVCacheSize(share_bytes, text)
-

@@ -103,7 +103,8 @@ def test_banner_names_the_weight_format_and_the_kv_sizing():
     weights = describe_weights("float32", "int8", "rtn")
     text = startup_summary(
         _info(quantization="int8", weights=weights, kv_cache_sizing="auto: 50% of 1.0 GiB"),
-        "demo", "http://h:1",
+        "demo",
+        "http://h:1",
     )
     assert "  weights    int8 (rtn), activations int8 per 32-input block (Q8_0), sums fp32" in text
     assert "  KV sizing  auto: 50% of 1.0 GiB" in text
@@ -114,8 +115,16 @@ def test_banner_names_the_weight_format_and_the_kv_sizing():
     [
         (None, "rtn", "fp32, activations fp32"),
         ("w8a8", "smoothquant", "w8a8 (smoothquant), activations int8 per token (W8A8), sums fp32"),
-        ("int4-g128", "gptq", "int4-g128 (gptq), activations int8 per 32-input block (Q8_0), sums fp32"),
-        ("linear=bf16,head=bf16", "rtn", "linear=bf16,head=bf16, bf16 products, activations and sums fp32"),
+        (
+            "int4-g128",
+            "gptq",
+            "int4-g128 (gptq), activations int8 per 32-input block (Q8_0), sums fp32",
+        ),
+        (
+            "linear=bf16,head=bf16",
+            "rtn",
+            "linear=bf16,head=bf16, bf16 products, activations and sums fp32",
+        ),
     ],
 )
 def test_describe_weights(quantization, method, expected):

@@ -44,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(subparsers)
     show_defaults(parser)
     finite_floats_only(parser)
-    for sub in _subparsers(parser):
-        if "--max-num-seqs" in sub._option_string_actions:  # the engine's flags: serve, generate, ...
+    for sub in _subparsers(parser):  # the commands with the engine's flags: serve, generate, ...
+        if "--max-num-seqs" in sub._option_string_actions:
             add_foreign_flags(sub)
     return parser
 

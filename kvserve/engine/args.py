@@ -29,13 +29,13 @@ from kvserve.config import (
     SpeculativeConfig,
 )
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
-from kvserve.models import resolve_model
 from kvserve.memory import (
     KV_CACHE_MEMORY_FRACTION,
     auto_kv_cache_bytes,
     checkpoint_bytes,
     device_memory_reading,
 )
+from kvserve.models import resolve_model
 from kvserve.options import format_bytes, parse_bytes
 from kvserve.quant.methods import METHODS
 

@@ -33,10 +33,7 @@ def describe_weights(
             name, linear, origin = found
     if linear is None:
         return f"{compute}, activations {compute}"
-    return (
-        f"{name} ({origin}), activations {_ACTS.get(linear.act, linear.act)}, "
-        f"sums {compute}"
-    )
+    return f"{name} ({origin}), activations {_ACTS.get(linear.act, linear.act)}, sums {compute}"
 
 
 def _checkpoint_scheme(model_dir: Path) -> tuple[str, TensorScheme | None, str] | None:
