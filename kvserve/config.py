@@ -226,6 +226,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 512 * 1024**2
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    sizing: str = ""  # how the size was chosen, for the startup banner (kvserve/memory.py)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -113,7 +113,7 @@ def resolve_model(model: str | Path | None, *, role: str = "model") -> Path:
         raise ModelLoadError(
             f"{role} {text!r} is not a local directory. kvserve loads models from local Hugging "
             f"Face directories and never downloads. Fetch it on a machine with access, e.g. "
-            f"`huggingface-cli download {text} --local-dir ./{text.split('/')[-1]}`, then pass "
+            f"`hf download {text} --local-dir ./{text.split('/')[-1]}`, then pass "
             f"that directory; or use a built-in model: {builtins}"
         )
     raise ModelLoadError(f"{role} directory {text!r} does not exist (built-in models: {builtins})")

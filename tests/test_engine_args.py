@@ -50,7 +50,12 @@ def test_help_shows_the_defaults(command, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args([*command.split(), "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for shown in ("(default: 64)", "(default: 2048)", "(default: 512MiB)", "(default: on_demand)"):
+    for shown in (
+        "(default: 64)",
+        "(default: 2048)",
+        "(default: auto, 50% of the memory",
+        "(default: on_demand)",
+    ):
         assert shown in text, f"{command} --help lacks {shown}"
 
 

@@ -42,7 +42,7 @@ def test_hub_id_gets_a_message_not_a_traceback():
     result = _kvserve("generate", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--prompt", "hi")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct" in result.stderr
+    assert "hf download Qwen/Qwen2.5-0.5B-Instruct" in result.stderr
     assert "kvserve-demo" in result.stderr
 
 

@@ -45,11 +45,15 @@ def test_startup_summary_names_model_cache_capacity_and_url(server):
     assert match, text
     num_blocks, num_tokens = (int(g.replace(",", "")) for g in match.groups())
     assert num_tokens == num_blocks * 16
-    # 512 MiB of cache (the default) / bytes per token, in whole blocks
-    assert num_blocks == (512 * 2**20) // (model.kv_bytes_per_token("float32") * 16)
-    full = num_blocks // math.ceil(model.max_position_embeddings / 16)
+    # sized from this machine's memory (the default): at most 64 full-length sequences' worth
+    # (--max-num-seqs 64 x 512 tokens), at least one, and the banner says how it was chosen
+    blocks_per_seq = math.ceil(model.max_position_embeddings / 16)
+    assert blocks_per_seq <= num_blocks <= 64 * blocks_per_seq
+    assert re.search(r"KV sizing  auto: 50% of [\d.]+ GiB \((MemAvailable|cgroup)", text), text
+    full = num_blocks // blocks_per_seq
     assert f"capacity   {full:,d} sequences at the full 512-token length" in text
     assert "serving 'kvserve-demo'" in text and "compute    float32 on cpu" in text
+    assert "  weights    fp32, activations fp32" in text
     assert f"URL        {url}" in text
 
 

@@ -1,4 +1,4 @@
-"""API keys on every route but /health, /ready, /metrics (checked before the body is parsed), per-key
+"""API keys on every route but /health, /ready, /metrics and the pages (checked before the body is parsed), per-key
 metering (Prometheus counters by key id and outcome, GET /v1/usage) and an exact --max-waiting bound."""
 
 from __future__ import annotations
@@ -64,6 +64,20 @@ def test_open_routes_and_key_checked_before_the_body(server):
     assert all(v == before.get(k, 0) for k, v in errors.items()), "401s are not request errors"
 
 
+def test_pages_and_their_assets_load_without_a_key(server):
+    """issue 46: with --api-key the pages answered 401 (a browser cannot send a header when it opens
+    a page); they load, ask for the key and send it (tests/test_web.py drives that in a browser)."""
+    url, _ = server
+    for path in ("/", "/dashboard", "/docs", "/static/auth.js", "/static/dashboard.js",
+                 "/static/swagger/swagger-ui-bundle.js"):  # fmt: skip
+        assert httpx.get(f"{url}{path}").status_code == 200, path
+    assert httpx.get(f"{url}/static/../openapi.json").status_code == 401  # no way around the key
+    # /ready without a key: ready or not, nothing else; with it, the details
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert httpx.get(f"{url}/ready", headers=headers).json() == {"status": "ready"}
+    assert "manifest_sha256" in httpx.get(f"{url}/ready", headers=ALICE).json()
+
+
 def test_metering_per_key_with_failed_attempts_and_usage(server):
     url, _ = server
     before = metric_values(url)
@@ -124,13 +138,16 @@ def test_max_waiting_is_exact(server):
     url, _ = server
     long = {"prompt": "Story:", "max_tokens": 240, "ignore_eos": True}  # 4.8 s at 20 ms a step
     burst = 8
-    assert wait_until(lambda: httpx.get(f"{url}/ready").json()["num_unfinished"] == 0)
+    assert wait_until(
+        lambda: httpx.get(f"{url}/ready", headers=ALICE).json()["num_unfinished"] == 0
+    )
 
     async def main():
         async with httpx.AsyncClient(timeout=120, headers=ALICE) as http:
             first = asyncio.create_task(http.post(f"{url}/v1/completions", json=long))
             await asyncio.to_thread(
-                wait_until, lambda: httpx.get(f"{url}/ready").json()["num_running"] == 1
+                wait_until,
+                lambda: httpx.get(f"{url}/ready", headers=ALICE).json()["num_running"] == 1,
             )
             others = [
                 http.post(f"{url}/v1/completions", json=long | {"max_tokens": 2})
@@ -144,4 +161,4 @@ def test_max_waiting_is_exact(server):
     codes = sorted(r.status_code for r in others)
     assert codes == [200] * MAX_WAITING + [429] * (burst - MAX_WAITING), codes
     assert all(r.headers["retry-after"] == "1" for r in others if r.status_code == 429)
-    assert httpx.get(f"{url}/ready").json()["num_waiting"] == 0
+    assert httpx.get(f"{url}/ready", headers=ALICE).json()["num_waiting"] == 0

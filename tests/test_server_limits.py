@@ -163,6 +163,50 @@ def test_ready_is_503_while_loading(gpt2_model_dir):
         thread.join(30)
 
 
+def test_loading_503s_are_not_errors_and_ready_details_need_the_key(gpt2_model_dir):
+    """issue 46: the dashboard counted the loading phase's 503s as request errors (1,016 of 1,047),
+    and /ready without a key gave the manifest hash, queue, KV usage and engine PIDs."""
+    import uvicorn
+
+    from kvserve.server.app import build_app
+    from kvserve.server.serving import ServingOptions
+    from tests.test_server import metric_values
+
+    release = threading.Event()
+    config = build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=512)
+
+    def slow_factory():
+        from kvserve.engine.async_engine import AsyncEngine
+
+        release.wait(60)
+        return AsyncEngine(LLMEngine(config))
+
+    app = build_app(slow_factory, ServingOptions(served_model_name="m"), api_keys=("a:secret",))
+    port = free_port()
+    server = NotifyingServer(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = server.start_in_thread()
+    url, key = f"http://127.0.0.1:{port}", {"Authorization": "Bearer secret"}
+    try:
+        for _ in range(3):
+            busy = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers=key)
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_loading"
+        assert httpx.get(f"{url}/ready").json() == {"status": "loading"}
+        values = metric_values(url)
+        assert values[("kvserve_not_ready_requests_total", ())] == 3
+        assert not any(k[0] == "kvserve_request_errors_total" for k in values), values
+        release.set()
+        assert wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, timeout_s=60)
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert httpx.get(f"{url}/ready", headers=headers).json() == {"status": "ready"}
+        ready = httpx.get(f"{url}/ready", headers=key).json()
+        assert ready["model"] == "m" and len(ready["manifest_sha256"]) == 64
+        assert ready["kv_total_blocks"] == 64 and "engines" in ready
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(30)
+
+
 def test_preparation_keeps_the_engines_timeout_apart_from_the_requests():
     """review: `prepare` took any TimeoutError for the request's budget running out (with no budget set
     it then failed formatting None). The engine's own TimeoutError stays itself; the budget's is a 504."""

@@ -140,3 +140,52 @@ def test_parameters_are_an_object_schema():
         with pytest.raises(InvalidRequestError, match="of type 'object'") as info:
             _check_tool(tool(bad), 3)
         assert info.value.param == "tools[3].function.parameters"
+
+
+CITY_TOOL = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
+
+
+def _matcher(fmt: dict):
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from tests.checkpoints import GPT2_TOKENIZER
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(GPT2_TOKENIZER)))
+    spec = json.dumps({"type": "structural_tag", "format": fmt})
+    return xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_structural_tag(spec))
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral"])
+def test_forced_parallel_calls_end_after_max_calls(name):
+    """issue 46: `required` with parallel calls let the grammar go on calling forever (the demo model
+    filled its context, and the response had no calls); it now ends after max_calls."""
+    parser = get_tool_parser(name)
+    fmt = parser.forced_format([CITY_TOOL], parallel=True, max_calls=3)
+    one = _one_call_text(parser)
+    for count in (1, 3):
+        matcher = _matcher(fmt)
+        assert matcher.accept_string(_calls_text(parser, [one] * count)), count
+        assert matcher.is_completed()
+    assert not _matcher(fmt).accept_string(_calls_text(parser, [one] * 4))  # a fourth: refused
+
+
+def _one_call_text(parser) -> str:
+    begin, end = parser._call_tag(CITY_TOOL)
+    return begin + '{"city": "Paris"}' + end
+
+
+def _calls_text(parser, calls: list[str]) -> str:
+    body = parser.separator.join(calls)
+    return f"{parser.marker}[{body}]" if parser.name == "mistral" else body
+
+
+def test_a_reply_cut_by_length_keeps_its_complete_calls():
+    parser = get_tool_parser("hermes")
+    done = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    text = done + '<tool_call>{"name": "get_weather", "argu'
+    content, calls = parser.parse(text, cut=True)
+    assert calls == [ToolCall("get_weather", '{"city": "Paris"}')]
+    assert content == '<tool_call>{"name": "get_weather", "argu'
+    assert parser.parse(text) == (text, [])  # not cut: a malformed output is content, whole

@@ -184,7 +184,37 @@ def test_dashboard_numbers_follow_the_server_under_load(page, server_url, artifa
     itl_count = _number(page, "#row-inter_token_latency .count")
     assert itl_count == num_requests * (max_tokens - 1)
     assert _number(page, "#tok-rate") > 0
+    # the charts have a time axis: wall-clock labels under the plot (issue 46)
+    page.wait_for_function(
+        "(document.getElementById('chart-tokens').dataset.timeAxis || '').length"
+    )
+    for chart in ("#chart-queue", "#chart-tokens"):
+        labels = page.get_attribute(chart, "data-time-axis").split()
+        assert len(labels) >= 2 and all(re.fullmatch(r"\d\d:\d\d:\d\d", x) for x in labels), labels
     _screenshot(page, artifacts, "dashboard.png")
+
+
+def test_dashboard_rates_are_over_the_busy_time(page, server_url):
+    """issue 46: the window's tokens/s disagreed with the load tool's: it divided by the whole window
+    (idle polls included). A 60 s run inside a 5-minute window, polled every 2 s: 6,000 tokens."""
+    page.goto(f"{server_url}/dashboard")
+    page.wait_for_function("Number(document.body.dataset.polls || 0) >= 1")
+    span = page.evaluate("""() => {
+      const snap = (t, running, tokens) => ({ t, m: new Map([
+        ["kvserve_num_requests_running", running], ["kvserve_num_requests_waiting", 0],
+        ["kvserve_generation_tokens_total", tokens], ["kvserve_request_success_total", tokens / 100]]) });
+      const recent = [];
+      for (let t = 0; t <= 300; t += 2) {
+        const running = t > 101 && t < 161 ? 4 : 0;  // the run: from 101 s to 161 s
+        const tokens = t < 101 ? 0 : Math.min(6000, Math.floor((t - 101) / 10) * 1000);
+        recent.push(snap(t, running, tokens));
+      }
+      const s = busySpan(recent);
+      return { seconds: s.seconds, tokens: s.end.m.get("kvserve_generation_tokens_total")
+               - s.start.m.get("kvserve_generation_tokens_total") };
+    }""")
+    assert span["tokens"] == 6000
+    assert abs(span["tokens"] / span["seconds"] - 100.0) <= 5.0, span  # the load tool's 100 tok/s
 
 
 def test_docs_render_from_packaged_swagger_assets(page, server_url):
@@ -193,3 +223,44 @@ def test_docs_render_from_packaged_swagger_assets(page, server_url):
     paths = page.inner_text(".swagger-ui")
     assert "/v1/chat/completions" in paths and "/reset_prefix_cache" in paths
     assert httpx.get(f"{server_url}/redoc").status_code == 404  # it would load a CDN: off
+
+
+@pytest.fixture(scope="module")
+def keyed_url():
+    args = ("--api-key", "web:s3cret-key", "--kv-cache-memory", "64MiB")
+    with running_server("kvserve-demo", *args) as (url, _):
+        yield url
+
+
+def test_pages_with_api_key_ask_for_it_and_send_it(browser, keyed_url):
+    """issue 46: with --api-key every page and asset answered 401. They load, ask for the key once per
+    tab (sessionStorage only: no cookie, nothing on disk), and every API call sends it."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    pg = context.new_page()
+    pg.set_default_timeout(TIMEOUT_MS)
+    sent: list[tuple[str, str | None]] = []
+    pg.on("request", lambda r: sent.append((urlparse(r.url).path, r.headers.get("authorization"))))
+    try:
+        pg.goto(f"{keyed_url}/")
+        pg.wait_for_selector("#auth-form")  # /v1/models answered 401: the page asks
+        pg.fill("#auth-key", "s3cret-key")
+        pg.click("#auth-submit")
+        shown = _send(pg, "def fibonacci(n):", 8)
+        assert shown["text"].strip() and "8 tokens" in shown["stats"]
+        assert pg.evaluate("sessionStorage.getItem('kvserve_api_key')") == "s3cret-key"
+        assert pg.evaluate("localStorage.length") == 0 and context.cookies() == []
+        # the dashboard, same tab: no second question, and /ready's details (they need the key)
+        pg.goto(f"{keyed_url}/dashboard?interval_ms=250")
+        pg.wait_for_function("Number(document.body.dataset.polls || 0) >= 2")
+        assert pg.inner_text("#model") == "kvserve-demo"
+        assert pg.query_selector("#auth-form") is None
+        pg.goto(f"{keyed_url}/docs")
+        pg.wait_for_selector(".swagger-ui .opblock")
+        assert "/v1/chat/completions" in pg.inner_text(".swagger-ui")
+        api = [(p, a) for p, a in sent if p.startswith("/v1/") or p in ("/ready", "/openapi.json")]
+        keyed = [p for p, a in api if a == "Bearer s3cret-key"]
+        assert {"/v1/chat/completions", "/ready", "/openapi.json"} <= set(keyed), api
+        unkeyed = [p for p, a in api if a is None]
+        assert unkeyed == ["/v1/models"], api  # the first call only, which asked for the key
+    finally:
+        context.close()

@@ -13,6 +13,7 @@ import math
 import sys
 
 from kvserve._version import __version__
+from kvserve.options import add_foreign_flags
 from kvserve.threads import apply_thread_defaults
 
 # name -> module under kvserve.cli; a module that is not there yet is skipped.
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
         module.register(subparsers)
     show_defaults(parser)
     finite_floats_only(parser)
+    for sub in _subparsers(parser):  # the commands with the engine's flags: serve, generate, ...
+        if "--max-num-seqs" in sub._option_string_actions:
+            add_foreign_flags(sub)
     return parser
 
 

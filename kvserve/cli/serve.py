@@ -12,7 +12,7 @@ from kvserve.core.errors import InvalidRequestError
 from kvserve.engine.args import MODEL_HELP, EngineArgs
 from kvserve.options import HelpFormatter
 from kvserve.server.limits import RequestLimits
-from kvserve.server.tool_parsers import TOOL_PARSERS
+from kvserve.server.tool_parsers import DEFAULT_MAX_PARALLEL_CALLS, TOOL_PARSERS
 
 _EXIT_MARGIN_S = 2.0  # after the grace period: time for the cut streams' error events to go out
 
@@ -118,6 +118,14 @@ def register(subparsers) -> None:
         help="find tool calls in the output of tool_choice auto requests (docs/tools.md)",
     )
     parser.add_argument(
+        "--max-parallel-tool-calls",
+        type=int,
+        default=DEFAULT_MAX_PARALLEL_CALLS,
+        metavar="N",
+        help='most calls in one response to tool_choice "required" with parallel calls: the call '
+        "grammar ends after N, so a model that never stops calling still ends (docs/tools.md)",
+    )
+    parser.add_argument(
         "--log-content",
         action="store_true",
         help="log prompt and output text (off: sizes and timings)",
@@ -216,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
         log_content=args.log_content,
         limits=limits,
         tool_call_parser=args.tool_call_parser,
+        max_parallel_tool_calls=args.max_parallel_tool_calls,
     )
     url = f"http://{args.host}:{args.port}"
     faults = FaultInjection.parse(args.inject_fault)
@@ -300,6 +309,7 @@ def _check_serving_numbers(args: argparse.Namespace) -> None:
         (args.grace_period >= 0, "--grace-period must be >= 0"),
         (args.max_waiting is None or args.max_waiting >= 1, "--max-waiting must be >= 1"),
         (args.max_waiting_grammars >= 1, "--max-waiting-grammars must be >= 1"),
+        (1 <= args.max_parallel_tool_calls <= 64, "--max-parallel-tool-calls must be in [1, 64]"),
         (0 <= args.port <= 65535, "--port must be in [0, 65535]"),
     )
     for ok, message in checks:

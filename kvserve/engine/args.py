@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from kvserve.config import (
@@ -29,13 +29,18 @@ from kvserve.config import (
     SpeculativeConfig,
 )
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
+from kvserve.memory import (
+    KV_CACHE_MEMORY_FRACTION,
+    auto_kv_cache_bytes,
+    checkpoint_bytes,
+    device_memory_reading,
+)
 from kvserve.models import resolve_model
 from kvserve.options import format_bytes, parse_bytes
 from kvserve.quant.methods import METHODS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024**2
 MODEL_HELP = (
     "model directory, GGUF file, or a built-in name: smollm2-135m-instruct, kvserve-demo, "
     "kvserve-demo-draft"
@@ -93,11 +98,13 @@ class EngineArgs:
         type=int,
         optional=True,
     )
-    kv_cache_memory_bytes: int = _option(
-        DEFAULT_KV_CACHE_MEMORY_BYTES,
-        "memory for the KV cache, e.g. 512MiB, 2GiB, or bytes "
-        f"(default: {format_bytes(DEFAULT_KV_CACHE_MEMORY_BYTES)})",
+    kv_cache_memory_bytes: int | None = _option(
+        None,
+        "memory for the KV cache, e.g. 512MiB, 2GiB, or bytes (default: auto, "
+        f"{KV_CACHE_MEMORY_FRACTION * 100:.0f}%% of the memory available after the weights, at most what "
+        "--max-num-seqs full-length sequences use; docs/operations.md)",
         type=int,
+        optional=True,
         flag="--kv-cache-memory",
         parse=parse_bytes,
         metavar="SIZE",
@@ -276,13 +283,12 @@ class EngineArgs:
                 "max_model_len",
             )
         speculative = self._speculative_config(model_dir)
-        return EngineConfig(
+        config = EngineConfig(
             model_dir=str(model_dir),
             model=model,
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
-                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
             ),
@@ -305,6 +311,29 @@ class EngineArgs:
             thread_policy=self.thread_policy,
             grammar_compile_timeout_s=self.grammar_compile_timeout,
         )
+        return replace(config, cache=self._sized_cache(config))
+
+    def _sized_cache(self, config: EngineConfig) -> CacheConfig:
+        """The cache config with its byte budget and how it was chosen: --num-blocks, else
+        --kv-cache-memory, else from this machine's memory (kvserve/memory.py)."""
+        cache = config.cache
+        if self.num_blocks is not None:
+            return replace(cache, sizing=f"--num-blocks {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None:
+            return replace(
+                cache,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                sizing=f"--kv-cache-memory {format_bytes(self.kv_cache_memory_bytes)}",
+            )
+        size = auto_kv_cache_bytes(
+            device_memory_reading(self.device),
+            weights_bytes=_weights_bytes(config),
+            kv_bytes_per_token=config.kv_bytes_per_token,
+            block_size=cache.block_size,
+            max_model_len=config.scheduler.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+        )
+        return replace(cache, kv_cache_memory_bytes=size.num_bytes, sizing="auto: " + size.reason)
 
     def _speculative_config(self, model_dir: Path) -> SpeculativeConfig | None:
         if self.speculative_model is None and self.speculative_method is None:
@@ -332,6 +361,28 @@ class EngineArgs:
             ngram_min=self.ngram_min,
             ngram_max=self.ngram_max,
         )
+
+
+def _weights_bytes(config: EngineConfig) -> int:
+    """About what the weights will take once loaded: the files' bytes, widened when a 16-bit float
+    checkpoint runs in fp32 (quantised checkpoints and formats: their file size)."""
+    total = 0
+    for model_dir, model in ((config.model_dir, config.model), _draft(config)):
+        if model_dir is None:
+            continue
+        num_bytes = checkpoint_bytes(model_dir)
+        stored = DTYPE_BYTES.get(model.torch_dtype, DTYPE_BYTES[config.dtype])
+        if config.quantization is None and DTYPE_BYTES[config.dtype] > stored:
+            num_bytes = num_bytes * DTYPE_BYTES[config.dtype] // stored
+        total += num_bytes
+    return total
+
+
+def _draft(config: EngineConfig) -> tuple[str | None, ModelConfig | None]:
+    spec = config.speculative
+    if spec is None or spec.draft_model is None:
+        return None, None
+    return spec.draft_model_dir, spec.draft_model
 
 
 def engine_option_defaults() -> dict:

@@ -48,6 +48,7 @@ from kvserve.engine.wire import (
     UtilityResult,
     failure_of,
 )
+from kvserve.quant.describe import describe_weights
 from kvserve.threads import describe_threads
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,10 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         eos_token_ids=tuple(engine.eos_token_ids),
         threads=describe_threads(torch.get_num_threads()),
         grammar_compile_timeout_s=c.grammar_compile_timeout_s,
+        weights=describe_weights(
+            str(c.dtype), c.quantization, c.quantization_method, model_dir=c.model_dir
+        ),
+        kv_cache_sizing=c.cache.sizing,
     )
 
 

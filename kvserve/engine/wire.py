@@ -58,6 +58,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...] = ()
     threads: str = ""  # the core's OpenMP threads and variables (kvserve.threads.describe_threads)
     grammar_compile_timeout_s: float = 60.0  # the core abandons a compile past this
+    weights: str = ""  # the weights' format (kvserve.quant.describe.describe_weights)
+    kv_cache_sizing: str = ""  # how the KV cache's size was chosen (kvserve.kv_sizing)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

@@ -81,7 +81,10 @@ class ServerState:
             return
         error.accounted = True
         if self.metrics is not None:
-            self.metrics.observe_error(error.error_type)
+            if error.code == NOT_READY_CODE:  # the server's state, not the request's fault
+                self.metrics.not_ready.inc()
+            else:
+                self.metrics.observe_error(error.error_type)
         if self.metering is not None and key_id is not None:
             self.metering.record(key_id, outcome_of(error.status_code, error.code))
 
@@ -106,6 +109,9 @@ class ServerState:
                     logger.warning("grace period over: %d requests cut", self.num_cut_at_shutdown)
 
         asyncio.get_running_loop().call_later(grace_period_s, expire)
+
+
+NOT_READY_CODE = "model_loading"  # a 503 before the model is ready: not a request error
 
 
 def _load(state: ServerState, client_factory: Callable[[], EngineClient]) -> None:
@@ -213,7 +219,10 @@ def build_app(
             raise APIError(503, "the server is shutting down", "service_unavailable")
         if state.serving is None:
             message = state.load_error or "the model is still loading"
-            raise APIError(503, message, "service_unavailable", headers={"Retry-After": "2"})
+            code = "model_load_failed" if state.load_error else NOT_READY_CODE
+            raise APIError(
+                503, message, "service_unavailable", code=code, headers={"Retry-After": "2"}
+            )
         return state.serving
 
     def key_id(request: Request) -> str | None:
@@ -226,9 +235,13 @@ def build_app(
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready(request: Request) -> JSONResponse:
+        # With --api-key, a caller without a valid key learns ready or not, nothing else: the
+        # details (manifest, queue, cache, engine PIDs, errors) need the key.
+        detailed = request.scope.get("state", {}).get("open_key_id") is not None
         if state.dead_reason is not None:
-            return JSONResponse({"status": "dead", "error": state.dead_reason}, status_code=503)
+            body = {"status": "dead", "error": state.dead_reason}
+            return JSONResponse(body if detailed else {"status": "dead"}, status_code=503)
         if state.serving is None or state.shutting_down:
             status = (
                 "failed"
@@ -237,7 +250,10 @@ def build_app(
                 if state.shutting_down
                 else "loading"
             )
-            return JSONResponse({"status": status, "error": state.load_error}, status_code=503)
+            body = {"status": status, "error": state.load_error}
+            return JSONResponse(body if detailed else {"status": status}, status_code=503)
+        if not detailed:
+            return JSONResponse({"status": "ready"})
         stats = state.engine.stats
         return JSONResponse(
             {

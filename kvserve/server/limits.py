@@ -1,6 +1,7 @@
 """The server's front door, as one ASGI middleware that runs before any route parses a body:
 
-1. the API key (every path but /health, /ready and /metrics), checked on the headers alone;
+1. the API key (every path but /health, /ready, /metrics and the browser pages with their static assets),
+   checked on the headers alone; on the open paths a valid key is still recognised (/ready's details);
 2. the request-body size (`--max-request-bytes`, 413), from Content-Length when given, else while reading;
 3. the body's shape: valid UTF-8, JSON nesting at most `--max-json-depth`, no lone UTF-16 surrogates (which
    no tokenizer can encode and no JSON encoder can write back), each a 400 naming what is wrong.
@@ -21,6 +22,18 @@ from kvserve.server.errors import APIError, bad_request
 from kvserve.server.workers import offload
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# A browser cannot send a header when it opens a page: the pages and their assets hold no data and load
+# without a key, then ask for one and send it on every API call they make (kvserve/server/web.py).
+PAGE_PATHS = frozenset({"/", "/dashboard", "/docs"})
+STATIC_PREFIX = "/static/"
+
+
+def is_open_path(path: str) -> bool:
+    if path in OPEN_PATHS or path in PAGE_PATHS:
+        return True
+    return path.startswith(STATIC_PREFIX) and ".." not in path  # only files under static/
+
+
 _OFFLOAD_BYTES = 256 * 1024  # bodies above this are checked in the worker pool
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -136,8 +149,10 @@ class GuardMiddleware:
         state = self.state
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         scope.setdefault("state", {})
-        if scope["path"] not in OPEN_PATHS:
-            key_id = state.keys.authenticate(headers.get("authorization", ""))
+        key_id = state.keys.authenticate(headers.get("authorization", ""))
+        if is_open_path(scope["path"]):
+            scope["state"]["open_key_id"] = key_id  # None: no valid key (/ready shows less)
+        else:
             if key_id is None:
                 state.metrics.unauthorized.inc()  # not a request error: its own counter
                 error = APIError(

@@ -181,6 +181,11 @@ class ServerMetrics:
             "Requests refused for a missing or wrong API key (not in kvserve_request_errors)",
             registry=r,
         )
+        self.not_ready = Counter(
+            "kvserve_not_ready_requests",
+            "Requests answered 503 while the model was still loading (not in kvserve_request_errors)",
+            registry=r,
+        )
         self.grammar_compile = Histogram(
             "kvserve_grammar_compile_seconds", "Compiling one structured-output constraint",
             buckets=_FAST_BUCKETS, registry=r,

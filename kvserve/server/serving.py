@@ -33,6 +33,7 @@ from kvserve.server.openai_fields import check_fields
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.responses import Job, ResponseBuilder, server_metrics
 from kvserve.server.token_bound import TokenBound
+from kvserve.server.tool_parsers import DEFAULT_MAX_PARALLEL_CALLS
 from kvserve.server.workers import offload
 
 logger = logging.getLogger("kvserve.requests")
@@ -49,6 +50,9 @@ class ServingOptions:
     log_content: bool = False
     limits: RequestLimits = RequestLimits()
     tool_call_parser: str | None = None  # docs/tools.md: finds calls for tool_choice auto
+    max_parallel_tool_calls: int = (
+        DEFAULT_MAX_PARALLEL_CALLS  # forced parallel calls (docs/tools.md)
+    )
 
 
 async def _unless_gone(
@@ -238,7 +242,9 @@ class OpenAIServing(JobAccounting):
         plan = request.tool_plan()
         parser = tools.output_parser(plan, self.options.tool_call_parser)
         try:
-            params = tools.constrain(request.to_sampling_params(), plan, parser)
+            params = tools.constrain(
+                request.to_sampling_params(), plan, parser, self.options.max_parallel_tool_calls
+            )
             self.check_limits(params, 1)
             text = self.render_chat(request)
             ids = self.encode_prompt(text, False, params, "messages")

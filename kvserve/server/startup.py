@@ -7,7 +7,7 @@ import math
 
 def startup_summary(info, served_model_name: str, url: str, num_cores: int = 1) -> str:
     """A few lines for the terminal once the model is loaded (`info`: an engine core's EngineInfo):
-    model, dtype, KV blocks and tokens, how many full-length sequences fit at once, and the URLs."""
+    model, dtype, weight format, KV blocks and tokens and how their number was chosen, how many full-length sequences fit at once, and the URLs."""
     block_size = info.block_size
     num_kv_tokens = info.num_blocks * block_size
     blocks_per_full_seq = math.ceil(info.max_model_len / block_size)
@@ -19,9 +19,11 @@ def startup_summary(info, served_model_name: str, url: str, num_cores: int = 1) 
         f"  model      {info.model_type}, {info.num_layers} layers, "
         f"vocab {info.vocab_size:,d}, context {info.max_model_len:,d} tokens",
         f"  compute    {info.dtype} on {info.device}{cores}",
+        f"  weights    {info.weights or info.quantization or info.dtype}",
         f"  KV cache   {info.num_blocks:,d} blocks x {block_size} tokens = {num_kv_tokens:,d} "
         f"tokens ({kv_bytes / 2**20:,.1f} MiB); prefix caching "
         f"{'on' if info.enable_prefix_caching else 'off'}",
+        f"  KV sizing  {info.kv_cache_sizing or 'given'}",
         f"  capacity   {max_full_len_seqs:,d} sequences at the full {info.max_model_len:,d}-token "
         f"length at once (max running sequences {info.max_num_seqs})",
         f"  speculative {info.speculative}",

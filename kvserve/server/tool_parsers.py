@@ -32,6 +32,15 @@ _ARGS_KEY = re.compile(r'"(arguments|parameters)"\s*:\s*')
 _SCALAR = re.compile(r"-?\d+(\.\d+)?([eE][-+]?\d+)?|true|false|null")
 
 
+# Forced parallel calls (tool_choice "required"): at most this many in one response, unless the
+# server's --max-parallel-tool-calls says otherwise (docs/tools.md).
+DEFAULT_MAX_PARALLEL_CALLS = 4
+
+
+def _const(text: str) -> dict:
+    return {"type": "const_string", "value": text}
+
+
 @dataclass(frozen=True)
 class CallView:
     """A tool call as far as the text shows it: name once known, the argument text so far."""
@@ -142,10 +151,12 @@ class ToolParser(ABC):
         """Content and calls of `text`. `final`: the output has ended. Calls with index < `started`
         were announced while streaming and stay calls even if their JSON turns out invalid."""
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
         """Non-streaming: (content or None, calls). An output with a call that does not parse is
-        returned whole, as content."""
-        scan = self.scan(text, final=True, started=1 << 30)  # keep malformed calls to see them
+        returned whole, as content; unless `cut` (ended by length): then the calls completed before
+        the cut are calls and the cut one is content."""
+        # started: keep malformed calls as calls, to see them (or, when cut, leave them as content)
+        scan = self.scan(text, final=True, started=0 if cut else 1 << 30)
         if any(not c.valid or not c.name for c in scan.calls):
             return text, []
         calls = [ToolCall(c.name, c.arguments) for c in scan.calls if c.valid and c.name]
@@ -170,10 +181,25 @@ class ToolParser(ABC):
 
     separator = ""
 
-    def forced_format(self, tools: list[dict], parallel: bool) -> dict:
-        """Structural-tag format: one call (or several when `parallel`) of one of `tools`."""
-        return {"type": "tags_with_separator", "tags": self._tags(tools), "separator": self.separator,
-                "at_least_one": True, "stop_after_first": not parallel}  # fmt: skip
+    def forced_format(
+        self, tools: list[dict], parallel: bool, max_calls: int = DEFAULT_MAX_PARALLEL_CALLS
+    ) -> dict:
+        """Structural-tag format: one call of one of `tools`, or with `parallel` one to
+        `max_calls` calls. The bound makes the grammar end: unbounded, a model that never
+        chooses EOS after a call (the demo model) emitted calls until the context was full, and the
+        response had none (issue 46; docs/tools.md)."""
+        one = {"type": "tags_with_separator", "tags": self._tags(tools), "separator": "",
+               "at_least_one": True, "stop_after_first": True}  # fmt: skip
+        if not parallel:
+            return one
+        calls = one
+        for _ in range(max_calls - 1):  # one call, then optionally (separator, calls)
+            more = calls
+            if self.separator:
+                more = {"type": "sequence", "elements": [_const(self.separator), calls]}
+            calls = {"type": "sequence", "elements": [
+                one, {"type": "or", "elements": [_const(""), more]}]}  # fmt: skip
+        return calls
 
     def _add_segment(self, scan: Scan, segment: str, final: bool) -> None:
         """Text outside calls is content; after a call, a whitespace-only run is dropped."""
@@ -305,8 +331,10 @@ class MistralToolParser(_JSONSequenceParser):
     marker, args_marker = "[TOOL_CALLS]", "[ARGS]"
     separator = ", "
 
-    def forced_format(self, tools: list[dict], parallel: bool) -> dict:
-        calls = super().forced_format(tools, parallel)
+    def forced_format(
+        self, tools: list[dict], parallel: bool, max_calls: int = DEFAULT_MAX_PARALLEL_CALLS
+    ) -> dict:
+        calls = super().forced_format(tools, parallel, max_calls)
         return {"type": "sequence", "elements": [
             {"type": "const_string", "value": self.marker + "["}, calls,
             {"type": "const_string", "value": "]"}]}  # fmt: skip

@@ -17,7 +17,12 @@ from typing import Any
 
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import SamplingParams, StructuredOutput
-from kvserve.server.tool_parsers import DEFAULT_FORCED_FORMAT, ToolParser, get_tool_parser
+from kvserve.server.tool_parsers import (
+    DEFAULT_FORCED_FORMAT,
+    DEFAULT_MAX_PARALLEL_CALLS,
+    ToolParser,
+    get_tool_parser,
+)
 
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -208,8 +213,14 @@ def output_parser(plan: ToolPlan | None, parser_name: str | None) -> ToolParser 
     return get_tool_parser(parser_name or DEFAULT_FORCED_FORMAT)
 
 
-def constrain(params: SamplingParams, plan: ToolPlan | None, parser: ToolParser | None):
-    """Forced calls: decoding follows the parser's call syntax and each function's schema."""
+def constrain(
+    params: SamplingParams,
+    plan: ToolPlan | None,
+    parser: ToolParser | None,
+    max_parallel_calls: int = DEFAULT_MAX_PARALLEL_CALLS,
+):
+    """Forced calls: decoding follows the parser's call syntax and each function's schema; parallel
+    forced calls are at most `max_parallel_calls`, so the grammar ends."""
     if plan is None or not plan.forced or parser is None:
         return params
     if params.structured is not None:
@@ -220,7 +231,8 @@ def constrain(params: SamplingParams, plan: ToolPlan | None, parser: ToolParser 
     functions = plan.functions
     if plan.choice == "named":
         functions = [f for f in functions if f["name"] == plan.name]
-    fmt = parser.forced_format(functions, parallel=plan.parallel and plan.choice == "required")
+    parallel = plan.parallel and plan.choice == "required"
+    fmt = parser.forced_format(functions, parallel=parallel, max_calls=max_parallel_calls)
     tag = json.dumps({"type": "structural_tag", "format": fmt})
     return params.with_updates(structured=StructuredOutput("structural_tag", tag, "tools"))
 
@@ -241,9 +253,11 @@ def finish_reason(plan: ToolPlan, has_calls: bool, reason: str | None) -> str | 
 
 def message(plan: ToolPlan, parser: ToolParser, text: str, reason: str | None) -> tuple[dict, str]:
     """Non-streaming: the assistant message with `tool_calls`, and the finish reason."""
-    if reason not in ("stop", None):  # cut short: no complete call to trust
+    if reason not in ("stop", "length", None):  # aborted: no call to trust
         return {"role": "assistant", "content": text}, reason
-    content, calls = parser.parse(text)
+    # cut by length: the calls completed before the cut are returned (they were null, issue 46), the
+    # cut one stays content, and the finish reason stays "length"
+    content, calls = parser.parse(text, cut=reason == "length")
     body: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         body["tool_calls"] = [

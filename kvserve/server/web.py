@@ -2,7 +2,9 @@
 reference at `/docs` (Swagger UI from the package's own copy).
 
 Everything the pages load is in `kvserve/server/static/` (no CDN: the pages work offline). The pages
-talk to the server only through its public HTTP API: the playground streams
+and their assets load without an API key; on a server with `--api-key` they ask for one when an API
+call answers 401, keep it in the tab's sessionStorage and send it as a Bearer header on every call
+(`static/auth.js`). The pages talk to the server only through its public HTTP API: the playground streams
 `/v1/chat/completions`, the dashboard polls `/metrics` and `/ready` and computes rates and
 percentiles in the browser, so what they show is what any Prometheus client would see.
 """
@@ -12,8 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -32,11 +33,7 @@ def include_web(app: FastAPI) -> None:
         return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html")
 
     @app.get("/docs", include_in_schema=False)
-    async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url=app.openapi_url or "/openapi.json",
-            title="kvserve API",
-            swagger_js_url="/static/swagger/swagger-ui-bundle.js",
-            swagger_css_url="/static/swagger/swagger-ui.css",
-            swagger_favicon_url="/static/swagger/favicon-32x32.png",
-        )
+    async def docs() -> FileResponse:
+        # Swagger UI fed by docs.js, which fetches /openapi.json with the page's API key (FastAPI's
+        # own page fetches it without one, so it failed on a server with --api-key)
+        return FileResponse(STATIC_DIR / "docs.html", media_type="text/html")

@@ -6,16 +6,11 @@ const $ = (id) => document.getElementById(id);
 const history = [];  // [{role, content}] of the conversation so far
 let controller = null;
 
-function headers() {
-  const h = { "Content-Type": "application/json" };
-  const key = $("api_key").value.trim();
-  if (key) h["Authorization"] = "Bearer " + key;
-  return h;
-}
+const JSON_BODY = { "Content-Type": "application/json" };  // the key: auth.js adds it
 
 async function loadModels() {
   try {
-    const resp = await fetch("/v1/models", { headers: headers() });
+    const resp = await kvAuth.fetch("/v1/models");
     const body = await resp.json();
     if (!resp.ok) throw new Error(body.error ? body.error.message : resp.status);
     const select = $("model");
@@ -128,7 +123,7 @@ async function send(event) {
   const t0 = performance.now();
   let tFirst = null, tLast = null, reply = "";
   try {
-    const resp = await fetch("/v1/chat/completions", { method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal });
+    const resp = await kvAuth.fetch("/v1/chat/completions", { method: "POST", headers: JSON_BODY, body: JSON.stringify(body), signal: controller.signal });
     if (!resp.ok) {
       const err = await resp.json().catch(() => ({}));
       throw new Error(`HTTP ${resp.status}: ${err.error ? err.error.message : resp.statusText}`);

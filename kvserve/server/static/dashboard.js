@@ -63,6 +63,29 @@ function baseline(now, windowS) {  // the oldest snapshot inside the window, els
 
 function delta(now, base, f) { return f(now.m) - (base === now ? 0 : f(base.m)); }
 
+const busy = (s) => (s.m.get("kvserve_num_requests_running") || 0) + (s.m.get("kvserve_num_requests_waiting") || 0) > 0;
+const generated = (m) => sum(m, "kvserve_generation_tokens_total");
+const completed = (m) => sum(m, "kvserve_request_success_total");
+
+// The window's busy time, as `bench serve` measures a run (first request sent to last one done; see
+// docs/metrics.md "Throughput"): idle polls before the first activity and after the last completion
+// are left out, and each edge is put halfway between the polls around it. Dividing by the whole
+// window diluted a 1-minute run 5x in the 5-minute window.
+function busySpan(recent) {
+  const changed = (i) => i > 0 && (generated(recent[i].m) !== generated(recent[i - 1].m) ||
+    completed(recent[i].m) !== completed(recent[i - 1].m));
+  let first = -1, last = -1;
+  for (let i = 0; i < recent.length; i++) {
+    if (busy(recent[i]) || changed(i)) { if (first < 0) first = i; last = i; }
+  }
+  if (first < 0) return null;
+  const start = first > 0 ? recent[first - 1] : recent[0];
+  const startT = first > 0 ? (recent[first - 1].t + recent[first].t) / 2 : recent[0].t;
+  const end = recent[last];
+  const endT = busy(end) || last === 0 ? end.t : (recent[last - 1].t + end.t) / 2;
+  return { start, end, seconds: endT - startT };
+}
+
 const fmt = {
   ms: (s) => (s === null || !isFinite(s) ? "-" : s < 1 ? (s * 1000).toFixed(1) + " ms" : s.toFixed(2) + " s"),
   pct: (x) => (x === null || !isFinite(x) ? "-" : (100 * x).toFixed(1) + "%"),
@@ -75,7 +98,6 @@ function render() {
   if (!now) return;
   const windowS = Number($("window").value);
   const base = baseline(now, windowS);
-  const span = now.t - base.t;
   const m = now.m;
   const ready = now.ready || {};
   $("running").textContent = fmt.int(m.get("kvserve_num_requests_running"));
@@ -88,10 +110,13 @@ function render() {
   $("hit-rate").textContent = q > 0 ? fmt.pct(h / q) : "-";
   const qt = sum(m, "kvserve_prefix_cache_queries_total");
   $("hit-rate-total").textContent = qt > 0 ? fmt.pct(sum(m, "kvserve_prefix_cache_hits_total") / qt) : "-";
-  const done = delta(now, base, (x) => sum(x, "kvserve_request_success_total"));
-  const gen = delta(now, base, (x) => sum(x, "kvserve_generation_tokens_total"));
-  $("req-rate").textContent = span > 0 ? fmt.num(done / span) : "-";
-  $("tok-rate").textContent = span > 0 ? fmt.num(gen / span, 1) : "-";
+  const active = busySpan(snapshots.filter((s) => now.t - s.t <= windowS));
+  const activeS = active ? active.seconds : 0;
+  const done = active ? completed(active.end.m) - completed(active.start.m) : 0;
+  const gen = active ? generated(active.end.m) - generated(active.start.m) : 0;
+  $("req-rate").textContent = activeS > 0 ? fmt.num(done / activeS) : "-";
+  $("tok-rate").textContent = activeS > 0 ? fmt.num(gen / activeS, 1) : "-";
+  $("busy-s").textContent = activeS > 0 ? fmt.num(activeS, 1) + " s" : "-";
   $("req-total").textContent = fmt.int(sum(m, "kvserve_request_success_total"));
   $("errors-total").textContent = fmt.int(sum(m, "kvserve_request_errors_total"));
   $("gen-total").textContent = fmt.int(sum(m, "kvserve_generation_tokens_total"));
@@ -125,20 +150,41 @@ function drawLines(canvas, series, colors, windowS) {
   const w = (canvas.width = canvas.clientWidth * devicePixelRatio);
   const hgt = (canvas.height = canvas.clientHeight * devicePixelRatio);
   ctx.clearRect(0, 0, w, hgt);
-  const tEnd = snapshots[snapshots.length - 1].t;
+  const last = snapshots[snapshots.length - 1];
+  const tEnd = last.t;
   // the x axis spans the history the page has (at least 10 s), up to the window
   const spanS = Math.min(windowS, Math.max(10, tEnd - snapshots[0].t));
   const max = Math.max(1, ...series.flat().map((p) => p[1]));
+  const dpr = devicePixelRatio;
+  const axisH = 16 * dpr;  // the time axis' labels, under the plot
+  const plotH = hgt - axisH;
   ctx.fillStyle = "#66707c";
-  ctx.font = `${11 * devicePixelRatio}px sans-serif`;
-  ctx.fillText(fmt.num(max, max < 10 ? 1 : 0), 4, 12 * devicePixelRatio);
+  ctx.font = `${11 * dpr}px sans-serif`;
+  ctx.fillText(fmt.num(max, max < 10 ? 1 : 0), 4, 12 * dpr);
+  ctx.strokeStyle = "#d9dee4";
+  ctx.lineWidth = dpr;
+  ctx.beginPath(); ctx.moveTo(0, plotH); ctx.lineTo(w, plotH); ctx.stroke();
+  // time axis: wall-clock ticks every `step` seconds, about five across the span
+  const step = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600].find((s) => spanS / s <= 6) || 900;
+  const wallEnd = last.wall;
+  const labels = [];
+  ctx.textAlign = "center";
+  for (let tick = Math.floor(wallEnd / step) * step; tick >= wallEnd - spanS; tick -= step) {
+    const x = w * (1 - (wallEnd - tick) / spanS);
+    const label = new Date(tick * 1000).toLocaleTimeString("en-GB", { hour12: false });
+    ctx.beginPath(); ctx.moveTo(x, plotH); ctx.lineTo(x, plotH + 4 * dpr); ctx.stroke();
+    if (x > 25 * dpr && x < w - 25 * dpr) { ctx.fillText(label, x, hgt - 3 * dpr); labels.unshift(label); }
+  }
+  ctx.textAlign = "start";
+  canvas.dataset.timeAxis = labels.join(" ");  // what the axis shows, for tests and screen readers
+  canvas.setAttribute("aria-label", `time axis ${labels[0] || ""} to ${labels[labels.length - 1] || ""}`);
   series.forEach((points, i) => {
     ctx.strokeStyle = colors[i];
-    ctx.lineWidth = 2 * devicePixelRatio;
+    ctx.lineWidth = 2 * dpr;
     ctx.beginPath();
     points.forEach(([t, v], j) => {
       const x = w * (1 - (tEnd - t) / spanS);
-      const y = hgt - 4 - (hgt - 20) * (v / max);
+      const y = plotH - 2 * dpr - (plotH - 20 * dpr) * (v / max);
       j ? ctx.lineTo(x, y) : ctx.moveTo(x, y);
     });
     ctx.stroke();
@@ -164,10 +210,11 @@ async function poll() {
   try {
     const [metrics, ready] = await Promise.all([
       fetch("/metrics").then((r) => r.text()),
-      fetch("/ready").then((r) => r.json().then((body) => ({ ok: r.ok, body }))),
+      // /ready's details (model, fingerprint, blocks) need the key on a server with --api-key
+      kvAuth.fetch("/ready").then((r) => r.json().then((body) => ({ ok: r.ok, body }))),
     ]);
     const t = performance.now() / 1000;
-    snapshots.push({ t, m: parseMetrics(metrics), ready: ready.body });
+    snapshots.push({ t, wall: Date.now() / 1000, m: parseMetrics(metrics), ready: ready.body });
     while (snapshots.length > 2 && t - snapshots[0].t > KEEP_S) snapshots.shift();
     $("server-status").textContent = ready.ok ? "ready" : `not ready (${ready.body.status})`;
     document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
@@ -179,4 +226,6 @@ async function poll() {
 }
 
 $("window").addEventListener("change", render);
-poll();
+// One keyed call first: a server with --api-key answers 401 and the page asks for the key (auth.js);
+// /ready alone would answer 200 without its details.
+kvAuth.fetch("/v1/models").catch(() => null).then(poll);
