@@ -48,7 +48,7 @@ def _greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
 
 
 def _first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
 
 
 def test_greedy_ids_equal_transformers_batched(llm, reference):
@@ -56,7 +56,7 @@ def test_greedy_ids_equal_transformers_batched(llm, reference):
     assert len(cases) >= 20
     got = _greedy(llm, [c["prompt_ids"] for c in cases], reference["new_tokens"])
     mismatches = {
-        i: _first_difference(g, c["greedy_ids"]) for i, (g, c) in enumerate(zip(got, cases))
+        i: _first_difference(g, c["greedy_ids"]) for i, (g, c) in enumerate(zip(got, cases, strict=True))
     }
     assert {i: p for i, p in mismatches.items() if p is not None} == {}
 

@@ -69,7 +69,7 @@ def greedy(model, ids: list[int], new_tokens: int) -> tuple[list[int], list[list
             logits = result.logits[0, -1].float()
             if step in LOGIT_POSITIONS:
                 top = torch.topk(logits, TOP_LOGITS)
-                kept.append([[int(i), float(v)] for i, v in zip(top.indices, top.values)])
+                kept.append([[int(i), float(v)] for i, v in zip(top.indices, top.values, strict=True)])
             token = int(torch.argmax(logits))
             out.append(token)
             result = model(
