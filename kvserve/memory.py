@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KV_CACHE_MEMORY_FRACTION = 0.5  # of the memory still available once the weights are loaded
+# at most this by default, as vLLM's CPU backend (VLLM_CPU_KVCACHE_SPACE defaults to 4 GiB): zeroing
+# 11 GiB for SmolLM2's 64 x 8,192 tokens took seconds at start-up, and two such servers side by side
+# would hold most of a 24 GiB machine
+KV_CACHE_MAX_BYTES = 4 * 2**30
 _NO_LIMIT = 1 << 60  # cgroup v1 writes a huge number for "no limit"
 
 
@@ -63,6 +67,11 @@ def device_memory_reading(device: str) -> MemoryReading | None:
 
 def checkpoint_bytes(model_dir: str | Path) -> int:
     """Bytes of the checkpoint's weight files: what loading them will take, about."""
+    from kvserve.gguf.model_dir import gguf_source
+
+    source = gguf_source(model_dir)
+    if source is not None:  # a GGUF file's directory holds no weights: they stay in the file
+        return source.stat().st_size
     total = 0
     for pattern in ("*.safetensors", "*.bin", "*.gguf"):
         total += sum(p.stat().st_size for p in Path(model_dir).glob(pattern) if p.is_file())
@@ -104,6 +113,9 @@ def auto_kv_cache_bytes(
         f"{fraction:.0%} of {spare_bytes / gib:.1f} GiB ({reading.source} "
         f"{reading.available_bytes / gib:.1f} GiB - weights {weights_bytes / gib:.1f} GiB)"
     )
+    if share_bytes > KV_CACHE_MAX_BYTES:
+        share_bytes = KV_CACHE_MAX_BYTES
+        text += f", at most {KV_CACHE_MAX_BYTES / gib:.0f} GiB by default"
     if share_bytes > need_bytes:
         return KVCacheSize(
             need_bytes, f"{text}, capped at {max_num_seqs} sequences x {max_model_len} tokens"

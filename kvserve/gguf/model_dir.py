@@ -28,7 +28,7 @@ from kvserve.gguf.reader import GGUFFile, open_gguf
 from kvserve.paths import cache_dir
 
 POINTER = "gguf.json"
-FORMAT_VERSION = 1  # bump when the derived files change, so old caches are rebuilt
+FORMAT_VERSION = 2  # bump when the derived files change, so old caches are rebuilt
 
 
 def is_gguf_path(text: str | Path) -> bool:
@@ -65,7 +65,12 @@ def gguf_model_dir(path: str | Path) -> Path:
         (work / "generation_config.json").write_text(json.dumps(generation_config(config)))
         tokenizer.save(str(work / "tokenizer.json"))
         (work / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
-        source = {"file": str(path), "architecture": gguf.architecture, "version": gguf.version}
+        types: dict[str, int] = {}
+        for info in gguf.tensors.values():
+            if len(info.dims) > 1:
+                types[info.ggml_type.name] = types.get(info.ggml_type.name, 0) + 1
+        source = {"file": str(path), "architecture": gguf.architecture, "version": gguf.version,
+                  "matrix_types": types}  # fmt: skip
         (work / POINTER).write_text(json.dumps(source))  # last: its presence marks a whole directory
         if target.exists():  # a directory for the same header, written for a file now elsewhere
             for old in target.iterdir():
@@ -118,3 +123,9 @@ def gguf_source(model_dir: str | Path) -> Path | None:
     if not path.is_file():
         raise ModelLoadError(f"{model_dir}: its GGUF file {path} is gone")
     return path
+
+
+def gguf_matrix_types(model_dir: str | Path) -> dict[str, int]:
+    """ggml type -> how many of the file's matrices are in it ({} for a directory of another kind)."""
+    pointer = Path(model_dir) / POINTER
+    return json.loads(pointer.read_text()).get("matrix_types", {}) if pointer.is_file() else {}

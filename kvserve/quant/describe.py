@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvserve.gguf.model_dir import gguf_matrix_types
+
 from kvserve.quant.scheme import ACT_NONE, ACT_TENSOR, ACT_TOKEN, TensorScheme, parse_weight_scheme
 
 _DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -27,6 +29,9 @@ def describe_weights(
         name = scheme.name
         if linear is None and scheme.bf16_products("linear"):
             return f"{name}, bf16 products, activations and sums {compute}"
+    elif model_dir is not None and (types := gguf_matrix_types(model_dir)):
+        blocks = ", ".join(f"{n} x {t}" for t, n in sorted(types.items(), key=lambda i: -i[1]))
+        return f"GGUF blocks as in the file ({blocks}), activations {compute}, sums {compute}"
     elif model_dir is not None:
         found = _checkpoint_scheme(Path(model_dir))
         if found is not None:
