@@ -25,11 +25,15 @@ def _size(available_bytes, **overrides):
 
 
 def test_half_of_what_the_weights_leave():
-    # an 8k-context model with 128 KiB/token on 24 GiB: 50% of (24 - 4) GiB = 10 GiB, not 512 MiB
+    # an 8k-context model with 128 KiB/token on 8 GiB: 50% of (8 - 2) GiB = 3 GiB, not 512 MiB
+    size = _size(8 * GIB, weights_bytes=2 * GIB, kv_bytes_per_token=128 * 1024,
+                 max_model_len=8192, max_num_seqs=64)  # fmt: skip
+    assert size.num_bytes == 3 * GIB
+    # on 24 GiB, 50% of (24 - 4) GiB would be 10 GiB: at most 4 GiB by default (vLLM CPU's default)
     size = _size(24 * GIB, weights_bytes=4 * GIB, kv_bytes_per_token=128 * 1024,
                  max_model_len=8192, max_num_seqs=64)  # fmt: skip
-    assert size.num_bytes == 10 * GIB
-    assert size.num_bytes // (128 * 1024 * 8192) == 10  # full-length sequences at once
+    assert size.num_bytes == 4 * GIB and "at most 4 GiB" in size.reason
+    assert size.num_bytes // (128 * 1024 * 8192) == 4  # full-length sequences at once
     assert size.reason == "50% of 20.0 GiB (MemAvailable 24.0 GiB - weights 4.0 GiB)"
 
 
@@ -79,7 +83,7 @@ def test_engine_config_is_sized_from_memory_unless_told(monkeypatch):
 
     monkeypatch.setattr(args_module, "device_memory_reading",
                         lambda device: MemoryReading(3 * GIB, "MemAvailable"))  # fmt: skip
-    config = EngineArgs(max_num_seqs=256).create_engine_config()
+    config = EngineArgs(model="kvserve-demo", max_num_seqs=256).create_engine_config()
     weights = 2 * (args_module.checkpoint_bytes(config.model_dir))  # bf16 file, fp32 at run time
     assert config.cache.kv_cache_memory_bytes == (3 * GIB - weights) // 2
     assert config.cache.sizing.startswith("auto: 50% of ")
