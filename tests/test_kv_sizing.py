@@ -34,7 +34,7 @@ def test_half_of_what_the_weights_leave():
                  max_model_len=8192, max_num_seqs=64)  # fmt: skip
     assert size.num_bytes == 4 * GIB and "at most 4 GiB" in size.reason
     assert size.num_bytes // (128 * 1024 * 8192) == 4  # full-length sequences at once
-    assert size.reason == "50% of 20.0 GiB (MemAvailable 24.0 GiB - weights 4.0 GiB)"
+    assert size.reason == "50% of 20.0 GiB (MemAvailable 24.0 GiB - weights 4.0 GiB), at most 4 GiB by default"
 
 
 def test_capped_at_what_the_running_sequences_can_use():
