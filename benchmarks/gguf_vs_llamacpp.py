@@ -1,0 +1,84 @@
+"""kvserve and llama.cpp on the same GGUF file, alternated: batch-1 and batch-16 decode, prefill.
+
+    python benchmarks/gguf_vs_llamacpp.py LLAMA_CPP_BIN_DIR [--model FILE.gguf] [--rounds 2]
+
+llama.cpp: `llama-bench -p 512 -n 64 -t 2` (prefill pp512, batch-1 decode tg64) and
+`llama-batched-bench -npp 64 -ntg 64 -npl 16` (16 sequences decoding at once). kvserve: the offline
+engine on the same file (64-token prompts, 64 tokens each, EOS ignored; a 512-token prompt's
+prefill). Rounds alternate A B A B; the JSON keeps every round. The llama.cpp build is
+../shared/peers/build_llamacpp.sh (GGML_NATIVE off, its AMX kernels compiled out, CPU repack on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+
+def kvserve_round(model: str) -> dict:
+    from kvserve.core.sampling_params import SamplingParams
+    from kvserve.engine.llm import LLM
+
+    llm = LLM(model, max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=512 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompt = list(range(1000, 1064))
+    llm.generate([prompt], SamplingParams(max_tokens=4))  # warm-up
+    result = {}
+    for batch in (1, 16):
+        prompts = [[t + i for t in prompt] for i in range(batch)]
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        result[f"decode_b{batch}_tok_s"] = batch * 64 / (time.perf_counter() - start)
+    long_prompt = [1000 + (i % 5000) for i in range(512)]
+    start = time.perf_counter()
+    llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    result["prefill_512_tok_s"] = 512 / (time.perf_counter() - start)
+    return result
+
+
+def llamacpp_round(bin_dir: Path, model: str) -> dict:
+    bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-p", "512", "-n", "64",
+                            "-t", "2", "-r", "1", "-o", "json"], capture_output=True, text=True,
+                           check=True)  # fmt: skip
+    rows = json.loads(bench.stdout)
+    result = {}
+    for row in rows:
+        key = "prefill_512_tok_s" if row["n_prompt"] else "decode_b1_tok_s"
+        result[key] = row["avg_ts"]
+    batched = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-npp", "64",
+                              "-ntg", "64", "-npl", "16", "-t", "2", "-c", "4096"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    # the table's row: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    for line in batched.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[2] == "16" and re.match(r"^[\d.]+$", cells[7]):
+            result["decode_b16_tok_s"] = float(cells[7])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("bin_dir", type=Path)
+    parser.add_argument("--model", default=None, help="GGUF file (default: the built-in SmolLM2)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gguf_vs_llamacpp.json"))
+    args = parser.parse_args()
+    if args.model is None:
+        from kvserve.models import SMOLLM2, packaged_gguf
+
+        args.model = str(packaged_gguf(SMOLLM2))
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append({"round": i, "kvserve": kvserve_round(args.model),
+                       "llama.cpp": llamacpp_round(args.bin_dir, args.model)})  # fmt: skip
+        print(json.dumps(rounds[-1]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "rounds": rounds}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Tiny GGUF files of a random Llama, each quantised type written by `gguf` itself, served by kvserve and
+compared with transformers reading the same file (the oracle); bad model files as one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.core.errors import ModelLoadError
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.gguf.model_dir import gguf_model_dir
+from tests.checkpoints import build_checkpoint
+from tests.gguf_files import write_llama_gguf
+
+PROMPT = [1, 5, 9, 33, 100, 7, 250, 64, 12, 300, 3, 44]
+# fp32 activations times exactly dequantised weights on both sides; only the order of fp32 sums differs
+LOGIT_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-hf")
+    return build_checkpoint(root / "hf", "llama", vocab_size=320, rope_scaling=None)
+
+
+def _transformers_logits(path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    with torch.inference_mode():
+        return ref(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_logits_and_greedy_equal_transformers(tiny_model, tmp_path, ggml_type):
+    from kvserve.engine.llm import LLM
+
+    path = write_llama_gguf(tmp_path / f"tiny-{ggml_type}.gguf", tiny_model, ggml_type, "Q8_0")
+    expected = _transformers_logits(path, PROMPT)
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    got = llm.engine.score(PROMPT)
+    assert (got - expected).abs().max().item() <= LOGIT_ATOL
+    # greedy continuation, batched beside another prompt, equals transformers' argmax chain
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([PROMPT, PROMPT[:5]], params)[0].outputs[0].token_ids
+    ids = list(PROMPT)
+    for _ in range(8):
+        ids.append(int(_transformers_logits(path, ids)[-1].argmax()))
+    assert list(out) == ids[len(PROMPT) :]
+
+
+def test_requantised_with_quantization_fp32_is_the_dequantised_model(tiny_model, tmp_path):
+    from kvserve.engine.llm import LLM
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_model, "Q4_1", "Q8_0")
+    blocks = LLM(str(path), max_model_len=64, kv_cache_memory_bytes=8 << 20).engine.score(PROMPT)
+    dense = LLM(str(path), max_model_len=64, kv_cache_memory_bytes=8 << 20,
+                quantization="fp32").engine.score(PROMPT)  # fmt: skip
+    assert (blocks - dense).abs().max().item() <= LOGIT_ATOL
+
+
+def test_chat_template_that_escapes_its_sandbox_is_a_load_error(tiny_model, tmp_path):
+    template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    path = write_llama_gguf(tmp_path / "escape.gguf", tiny_model, chat_template=template)
+    with pytest.raises(ModelLoadError, match="chat_template tries to leave its sandbox") as info:
+        gguf_model_dir(path)
+    assert "\n" not in str(info.value)
+
+
+def test_chat_template_syntax_error_is_a_load_error(tiny_model, tmp_path):
+    path = write_llama_gguf(tmp_path / "syntax.gguf", tiny_model, chat_template="{% for %}")
+    with pytest.raises(ModelLoadError, match="chat_template line 1"):
+        gguf_model_dir(path)
+
+
+def test_tensor_shapes_that_disagree_with_the_metadata(tiny_model, tmp_path):
+    from kvserve.engine.llm import LLM
+
+    wrong = build_checkpoint(tmp_path / "hf", "llama", vocab_size=320, rope_scaling=None,
+                             intermediate_size=96)  # fmt: skip
+    path = write_llama_gguf(tmp_path / "shapes.gguf", wrong, "Q8_0")
+    data = bytearray(path.read_bytes())
+    key = b"llama.feed_forward_length"
+    at = data.index(key) + len(key) + 4  # past the value type: the uint32 value
+    data[at : at + 4] = (128).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="the metadata implies"):
+        LLM(str(path), max_model_len=64, kv_cache_memory_bytes=8 << 20)
+
+
+def test_unsupported_quantisation_type_is_named(tiny_model, tmp_path):
+    import struct
+
+    from gguf import GGMLQuantizationType as T
+
+    from kvserve.engine.llm import LLM
+
+    path = write_llama_gguf(tmp_path / "iq.gguf", tiny_model, "Q4_0", "Q8_0")
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4 + 2 * 8
+    assert struct.unpack_from("<I", data, at)[0] == T.Q4_0
+    # IQ4_NL has Q4_0's block (32 values in 18 bytes): the header stays valid, the type is unsupported
+    struct.pack_into("<I", data, at, T.IQ4_NL)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="IQ4_NL.*Q4_0.*Q8_0") as info:
+        LLM(str(path), max_model_len=64, kv_cache_memory_bytes=8 << 20)
+    assert "\n" not in str(info.value)
