@@ -4,8 +4,11 @@
 
 llama.cpp: `llama-bench -p 512 -n 64 -t 2` (prefill pp512, batch-1 decode tg64) and
 `llama-batched-bench -npp 64 -ntg 64 -npl 16` (16 sequences decoding at once). kvserve: the offline
-engine on the same file (64-token prompts, 64 tokens each, EOS ignored; a 512-token prompt's
-prefill). Rounds alternate A B A B; the JSON keeps every round. The llama.cpp build is
+engine on the same file, once per --gguf-activations (fp32: the reference products; int8: the
+panel kernel with activations rounded to int8 as llama.cpp rounds them): decode tok/s is
+batch x 64 / (time of 65 tokens - time of 1 token) for 64-token prompts (prefill excluded, as
+llama-batched-bench's S_TG excludes it), prefill a 512-token prompt's tokens / time to its first
+token. Rounds alternate A B A B; the JSON keeps every round. The llama.cpp build is
 ../shared/peers/build_llamacpp.sh (GGML_NATIVE off, its AMX kernels compiled out, CPU repack on).
 """
 
@@ -19,20 +22,26 @@ import time
 from pathlib import Path
 
 
-def kvserve_round(model: str) -> dict:
+def kvserve_round(model: str, gguf_activations: str) -> dict:
     from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine.llm import LLM
 
-    llm = LLM(model, max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=512 << 20)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    llm = LLM(model, max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=512 << 20,
+              gguf_activations=gguf_activations)  # fmt: skip
     prompt = list(range(1000, 1064))
     llm.generate([prompt], SamplingParams(max_tokens=4))  # warm-up
+
+    def timed(prompts: list[list[int]], max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params)
+        return time.perf_counter() - start
+
     result = {}
     for batch in (1, 16):
         prompts = [[t + i for t in prompt] for i in range(batch)]
-        start = time.perf_counter()
-        llm.generate(prompts, params)
-        result[f"decode_b{batch}_tok_s"] = batch * 64 / (time.perf_counter() - start)
+        first = timed(prompts, 1)
+        result[f"decode_b{batch}_tok_s"] = batch * 64 / (timed(prompts, 65) - first)
     long_prompt = [1000 + (i % 5000) for i in range(512)]
     start = time.perf_counter()
     llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=1))
@@ -65,7 +74,9 @@ def main() -> None:
     parser.add_argument("bin_dir", type=Path)
     parser.add_argument("--model", default=None, help="GGUF file (default: the built-in SmolLM2)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gguf_vs_llamacpp.json"))
+    parser.add_argument(
+        "--out", type=Path, default=Path("benchmarks/results/gguf_vs_llamacpp.json")
+    )
     args = parser.parse_args()
     if args.model is None:
         from kvserve.models import SMOLLM2, packaged_gguf
@@ -73,8 +84,10 @@ def main() -> None:
         args.model = str(packaged_gguf(SMOLLM2))
     rounds = []
     for i in range(args.rounds):
-        rounds.append({"round": i, "kvserve": kvserve_round(args.model),
-                       "llama.cpp": llamacpp_round(args.bin_dir, args.model)})  # fmt: skip
+        rounds.append({"round": i,
+                       "kvserve fp32 activations": kvserve_round(args.model, "fp32"),
+                       "llama.cpp": llamacpp_round(args.bin_dir, args.model),
+                       "kvserve int8 activations": kvserve_round(args.model, "int8")})  # fmt: skip
         print(json.dumps(rounds[-1]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "rounds": rounds}, indent=1))

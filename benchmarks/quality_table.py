@@ -34,10 +34,12 @@ class Row:
     label: str
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    gguf_activations: str = "fp32"
 
 
 ROWS = (
     Row("file's blocks, as shipped"),
+    Row("file's blocks, int8 activations", gguf_activations="int8"),
     Row("int8", "int8"),
     Row("int4-g32", "int4-g32"),
     Row("int4-g128", "int4-g128"),
@@ -84,10 +86,12 @@ def measure(args: argparse.Namespace) -> dict:
     rows = []
     for row in chosen:
         start = time.perf_counter()
-        candidate = EvalModel(model_dir, row.quantization, kv_cache_dtype=row.kv_cache_dtype)
+        candidate = EvalModel(model_dir, row.quantization, kv_cache_dtype=row.kv_cache_dtype,
+                              gguf_activations=row.gguf_activations)  # fmt: skip
         cand = candidate.load(args.num_prompts)
         result = {"label": row.label, "quantization": row.quantization,
-                  "kv_cache_dtype": row.kv_cache_dtype}  # fmt: skip
+                  "kv_cache_dtype": row.kv_cache_dtype,
+                  "gguf_activations": row.gguf_activations}  # fmt: skip
         for text, run in runs.items():
             report = signed_report(reference, candidate, candidate_stats(run, cand))
             result[text] = {k: report[k] for k in REPORT_KEYS} | {

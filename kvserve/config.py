@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # adaptive: kvserve/threads.py TeamSizer; fixed: every step on all of torch's threads
 THREAD_POLICIES = ("adaptive", "fixed")
+GGUF_ACTIVATIONS = ("fp32", "int8")  # EngineConfig.gguf_activations
 
 
 @dataclass(frozen=True)
@@ -343,6 +344,9 @@ class EngineConfig:
     # smoothquant) on the calibration text in `calib` (kvserve.quant.methods)
     quantization_method: str = "rtn"
     calib: str | None = None
+    # GGUF_ACTIVATIONS: a GGUF model's blocks times fp32 activations (the reference), or on the integer
+    # panel kernel with activations rounded to int8 per 32 inputs (kvserve.model.loader)
+    gguf_activations: str = "fp32"
     tensor_parallel_size: int = 1  # ranks the target model is sharded over (docs/parallel.md)
     # THREAD_POLICIES. adaptive: on CPU, a step's thread count drops while a neighbour takes CPU time
     # from the team (kvserve.threads.TeamSizer); fixed: every step uses torch's thread count.
@@ -371,6 +375,10 @@ class EngineConfig:
         if self.thread_policy not in THREAD_POLICIES:
             raise InvalidRequestError(
                 f"thread_policy must be one of {THREAD_POLICIES}", "thread_policy"
+            )
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise InvalidRequestError(
+                f"gguf_activations must be one of {GGUF_ACTIVATIONS}", "gguf_activations"
             )
         if self.quantization is not None:
             from kvserve.quant.scheme import parse_weight_scheme  # torch-free

@@ -133,10 +133,10 @@ def test_bench_compare_says_a_cut_summary_is_not_a_run(tmp_path, capsys):
 def _demo_copy(tmp_path):
     import shutil
 
-    from kvserve.models import default_model_dir
+    from kvserve.models import ASSETS_DIR
 
     copy = tmp_path / "model"
-    shutil.copytree(default_model_dir(), copy)
+    shutil.copytree(ASSETS_DIR / "target", copy)
     return copy
 
 

@@ -1,5 +1,6 @@
 """The embedded demonstration models: they load in transformers and in kvserve with matching logits, share
-one tokenizer (so the draft can speculate for the target), and are what the commands use by default."""
+one tokenizer (so the draft can speculate for the target). The default model is the real SmolLM2 instead
+(tests/test_gguf_smollm2.py holds it to transformers); here it answers the README's question."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
-from kvserve.models import ASSETS_DIR, default_draft_dir, default_model_dir
+from kvserve.models import ASSETS_DIR, default_model_dir, resolve_model
 from tests.oracle import assert_logits_close
 
 PROMPTS = {
@@ -30,20 +31,20 @@ def test_demo_model_logits_match_transformers(name):
         assert_logits_close(llm.engine.score(ids), expected, 1e-4, f"{name} on {kind}")
 
 
-def test_default_model_is_the_target_and_chats():
-    assert default_model_dir() == ASSETS_DIR / "target"
+def test_default_model_is_smollm2_and_answers():
+    assert default_model_dir() == resolve_model("smollm2-135m-instruct")
     llm = LLM(num_blocks=64)
-    assert llm.engine.config.model_dir == str(ASSETS_DIR / "target")
+    assert llm.engine.config.model_dir == str(default_model_dir())
     prompt = llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Write a Python function."}], add_generation_prompt=True,
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
         tokenize=False,
     )  # fmt: skip
     output = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0].outputs[0]
-    assert output.token_ids and output.finish_reason in ("stop", "length")
+    assert "Paris" in output.text and output.finish_reason == "stop"
 
 
 def test_draft_speculates_for_the_target_exactly():
-    target, draft = str(default_model_dir()), str(default_draft_dir())
+    target, draft = str(ASSETS_DIR / "target"), str(ASSETS_DIR / "draft")
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     plain = LLM(target, num_blocks=64).generate(PROMPTS["code"], params)[0].outputs[0]
     spec = LLM(target, num_blocks=64, speculative_model=draft, num_speculative_tokens=4)

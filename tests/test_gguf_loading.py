@@ -9,6 +9,7 @@ import torch
 from kvserve.core.errors import ModelLoadError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.gguf.model_dir import gguf_model_dir
+from kvserve.quant.scheme import QuantizationError
 from tests.checkpoints import build_checkpoint
 from tests.gguf_files import write_llama_gguf
 
@@ -108,3 +109,57 @@ def test_unsupported_quantisation_type_is_named(tiny_model, tmp_path):
     with pytest.raises(ModelLoadError, match="IQ4_NL.*Q4_0.*Q8_0") as info:
         LLM(str(path), max_model_len=64, kv_cache_memory_bytes=8 << 20)
     assert "\n" not in str(info.value)
+
+
+def _rounded(x: torch.Tensor, round_activations) -> torch.Tensor:
+    return round_activations(x.reshape(-1, x.shape[-1]), "block").reshape(x.shape)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_int8_activations_run_the_file_codes_on_the_panel_kernel(tiny_model, tmp_path, ggml_type):
+    """--gguf-activations int8: every linear on the integer panel kernel, with the file's codes and
+    scales as they are; the oracle is transformers on the same file with each linear computing
+    round_activations(x) @ W^T in fp32 (W the transcoded weight: the file's, Q4_1's fp16 zero-point
+    aside)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from kvserve.engine.llm import LLM
+    from kvserve.gguf.reader import open_gguf
+    from kvserve.gguf.weights import read_gguf_weights
+    from kvserve.model.block_weights import as_quantized_tensor
+    from kvserve.model.qlinear import QuantLinear, round_activations
+
+    path = write_llama_gguf(tmp_path / f"tiny-{ggml_type}.gguf", tiny_model, ggml_type, "Q8_0")
+    cfg = tiny_model.config
+    blocks = read_gguf_weights(open_gguf(path), cfg.num_attention_heads,
+                               cfg.num_key_value_heads, keep_blocks=True)  # fmt: skip
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    for name, module in ref.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            bw = blocks.get(f"{name}.weight", blocks["model.embed_tokens.weight"])
+            qt = as_quantized_tensor([bw])
+            assert qt is not None, name
+            dequant = bw.dequantize()
+            if bw.ggml_type == "Q4_1":  # the zero-point's fp16 rounding only
+                bound = (qt.scales.float() * qt.zeros.float()).abs().repeat_interleave(32, 1)
+                assert ((qt.dequantize() - dequant).abs() <= bound * 2**-11 + 1e-6).all()
+            else:
+                assert torch.equal(qt.dequantize(), dequant), name
+            weight = qt.dequantize()
+            module.forward = lambda x, w=weight: F.linear(_rounded(x, round_activations), w)
+    with torch.inference_mode():
+        expected = ref(torch.tensor([PROMPT])).logits[0]
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=16 << 20, gguf_activations="int8")
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(linears) == 4 * cfg.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
+    assert all(m.layout == "panel" for m in linears)
+    got = llm.engine.score(PROMPT)
+    # the same integer sums; fp32 scale products in another order, and a rare activation code one
+    # step apart where the two routes' inputs differ in the last bit
+    assert (got - expected).abs().max().item() <= 1e-3
+    with pytest.raises(QuantizationError, match="drop --quantization"):
+        LLM(str(path), max_model_len=64, quantization="int8", gguf_activations="int8")

@@ -31,7 +31,7 @@ def _kvserve(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
 def test_builtin_names_resolve_to_the_shipped_pair():
     assert resolve_model("kvserve-demo") == ASSETS_DIR / "target"
     assert resolve_model("kvserve-demo-draft") == ASSETS_DIR / "draft"
-    assert resolve_model(None) == ASSETS_DIR / "target"
+    assert resolve_model(None) == resolve_model("smollm2-135m-instruct")
     assert builtin_name(ASSETS_DIR / "draft") == "kvserve-demo-draft"
     assert builtin_name(ASSETS_DIR) is None
 

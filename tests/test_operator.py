@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvserve.config import ModelConfig
-from kvserve.models import default_model_dir
+from kvserve.models import ASSETS_DIR
 from tests.server_utils import running_server
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def _bench(url: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
 def test_startup_summary_names_model_cache_capacity_and_url(server):
     url, log = server
     text = log.read_text()
-    model = ModelConfig.from_dir(default_model_dir())
+    model = ModelConfig.from_dir(ASSETS_DIR / "target")
     match = re.search(r"KV cache +([\d,]+) blocks x 16 tokens = ([\d,]+) tokens", text)
     assert match, text
     num_blocks, num_tokens = (int(g.replace(",", "")) for g in match.groups())

@@ -186,9 +186,9 @@ def _chat(url: str) -> dict:
 def test_readme_block(block: Block, default_server, env, workdir):
     if block.marker == "server":
         if block is SERVER_BLOCKS[0]:
-            assert _chat(default_server.url)["model"] == "kvserve-demo"
+            assert _chat(default_server.url)["model"] == "smollm2-135m-instruct"
             startup = default_server.log.read_text()
-            assert "capacity" in startup and "sequences at the full 512-token length" in startup
+            assert "capacity" in startup and "sequences at the full 8,192-token length" in startup
             return
         server = Server(block, env, workdir)
         try:

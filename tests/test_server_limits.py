@@ -52,7 +52,7 @@ def test_api_key_and_queue_limit(gpt2_model_dir):
                 with http.stream(
                     "POST", f"{url}/v1/completions", json={**LONG, "stream": True}
                 ) as b:
-                    assert wait_until(lambda: httpx.get(f"{url}/ready").json()["num_waiting"] == 1)
+                    assert wait_until(lambda: http.get(f"{url}/ready").json()["num_waiting"] == 1)
                     refused = http.post(
                         f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}
                     )
@@ -60,7 +60,11 @@ def test_api_key_and_queue_limit(gpt2_model_dir):
                     assert refused.headers["retry-after"] == "1"
                     assert refused.json()["error"]["type"] == "rate_limit_error"
                     assert b.status_code == 200
-        state = wait_until(lambda: httpx.get(f"{url}/ready").json()["num_unfinished"] == 0)
+        # without the key /ready says only whether it is ready; its details need the key
+        assert httpx.get(f"{url}/ready").json() == {"status": "ready"}
+        state = wait_until(
+            lambda: httpx.get(f"{url}/ready", headers=auth).json()["num_unfinished"] == 0
+        )
         assert state
         after = httpx.post(
             f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth

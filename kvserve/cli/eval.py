@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from kvserve.config import KV_CACHE_DTYPES
+from kvserve.config import GGUF_ACTIVATIONS, KV_CACHE_DTYPES
 
 
 def _at_least(low: int):
@@ -92,6 +92,13 @@ def register(subparsers) -> None:
         choices=KV_CACHE_DTYPES,
         help="the candidate's KV cache: the model's dtype (auto), or 8-bit codes (int8, fp8 e4m3) "
         "with an fp16 scale per token and head; the reference keeps the model's dtype",
+    )
+    cmp.add_argument(
+        "--candidate-gguf-activations",
+        default="fp32",
+        choices=GGUF_ACTIVATIONS,
+        help="a GGUF candidate's products: fp32, or int8 activations on the panel kernel "
+        "(docs/gguf.md)",
     )
     cmp.add_argument("--window", type=_at_least(2), default=256, help="window length in tokens")
     cmp.add_argument(
@@ -202,6 +209,7 @@ def run_compare(args: argparse.Namespace) -> int:
             for flag, given in (
                 ("--candidate-quantization", args.candidate_quantization),
                 ("--candidate-kv-cache-dtype", args.candidate_kv_cache_dtype != "auto"),
+                ("--candidate-gguf-activations", args.candidate_gguf_activations != "fp32"),
             )
             if given
         ]
@@ -218,6 +226,7 @@ def run_compare(args: argparse.Namespace) -> int:
             ref_quantization=args.reference_quantization,
             cand_quantization=args.candidate_quantization,
             cand_kv_cache_dtype=args.candidate_kv_cache_dtype,
+            cand_gguf_activations=args.candidate_gguf_activations,
             cand_method=args.candidate_method,
             cand_calib=args.candidate_calib,
             window=args.window,

@@ -19,6 +19,7 @@ from kvserve.config import (
     ADMISSION_POLICIES,
     ATTENTION_BACKENDS,
     DTYPE_BYTES,
+    GGUF_ACTIVATIONS,
     KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
     THREAD_POLICIES,
@@ -138,6 +139,13 @@ class EngineArgs:
         "calibration text for --quantization-method: .jsonl with a text field, or plain text",
         optional=True,
         metavar="FILE",
+    )
+    gguf_activations: str = _option(
+        "fp32",
+        "a GGUF model's products: fp32 (its blocks times fp32 activations, the reference) or int8 "
+        "(Q4_0, Q4_1, Q5_0, Q8_0 blocks on the integer panel kernel, activations rounded to int8 per "
+        "32 inputs as llama.cpp does: faster; docs/gguf.md)",
+        choices=GGUF_ACTIVATIONS,
     )
     kv_cache_dtype: str = _option(
         "auto",
@@ -307,6 +315,7 @@ class EngineArgs:
             quantization=self.quantization,
             quantization_method=self.quantization_method,
             calib=self.calib,
+            gguf_activations=self.gguf_activations,
             tensor_parallel_size=self.tensor_parallel_size,
             thread_policy=self.thread_policy,
             grammar_compile_timeout_s=self.grammar_compile_timeout,

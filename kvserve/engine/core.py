@@ -87,7 +87,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         threads=describe_threads(torch.get_num_threads()),
         grammar_compile_timeout_s=c.grammar_compile_timeout_s,
         weights=describe_weights(
-            str(c.dtype), c.quantization, c.quantization_method, model_dir=c.model_dir
+            str(c.dtype), c.quantization, c.quantization_method, c.model_dir, c.gguf_activations
         ),
         kv_cache_sizing=c.cache.sizing,
     )

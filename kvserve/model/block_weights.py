@@ -318,3 +318,37 @@ def float_tensor(raw: np.ndarray, ggml_type: object, shape: tuple[int, ...]) -> 
     else:
         raise UnsupportedQuantizationError(name)
     return values.reshape(shape)
+
+
+# --- the panel kernel's integer formats: the file's codes as they are, activations rounded to int8 ------
+
+# ggml types whose blocks are one of kvserve's integer formats over groups of 32 (docs/gguf.md, "int8
+# activations"): codes and fp16 scales carried over unchanged; Q4_1's min m enters as the zero-point
+# z = -m / d rounded to fp16, the one value that is not the file's bit for bit.
+PANEL_FORMATS = {"Q4_0": "int4-g32", "Q4_1": "int4-g32-zp", "Q5_0": "int8-g32", "Q8_0": "int8-g32"}
+
+
+def as_quantized_tensor(parts: list[BlockWeight]):
+    """The stacked rows of `parts` as a `QuantizedTensor` the panel kernel runs (kvserve/quant/rtn.py),
+    or None when a part's type has no such format or its values do not fit it (a zero scale with a
+    nonzero min, a zero-point outside fp16)."""
+    from kvserve.quant.rtn import QuantizedTensor
+    from kvserve.quant.scheme import parse_weight_scheme
+
+    names = {PANEL_FORMATS.get(p.ggml_type) for p in parts}
+    if len(names) != 1 or None in names:
+        return None
+    scheme = parse_weight_scheme(names.pop()).linear
+    codes = torch.cat([p.code_values() for p in parts])
+    scales = torch.cat([p.scales for p in parts])
+    half_scales = scales.to(torch.float16)
+    if not torch.equal(half_scales.float(), scales):  # ggml's d is fp16: always exact
+        return None
+    zeros = None
+    if scheme.zero_point:
+        biases = torch.cat([p.biases for p in parts])
+        safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+        zeros = (-biases / safe).to(torch.float16)
+        if not torch.isfinite(zeros).all() or bool(((scales == 0) & (biases != 0)).any()):
+            return None
+    return QuantizedTensor(scheme, codes, half_scales, zeros)

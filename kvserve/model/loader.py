@@ -17,7 +17,7 @@ from kvserve.gguf.model_dir import gguf_source
 from kvserve.gguf.reader import open_gguf
 from kvserve.gguf.weights import read_gguf_weights
 from kvserve.model.block_linear import BlockEmbedding, BlockLinear
-from kvserve.model.block_weights import BlockWeight
+from kvserve.model.block_weights import BlockWeight, as_quantized_tensor
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.linear import apply_weight_scheme
 from kvserve.model.qlinear import QuantLinear, kernel_summary
@@ -97,16 +97,27 @@ def load_model(
     quantization: str | None = None,
     quantization_method: str = "rtn",
     calib: str | None = None,
+    gguf_activations: str = "fp32",
 ) -> DecoderLM:
     """The checkpoint's DecoderLM on `device`; `quantization` (a scheme string, docs/quantization.md)
     quantises its weights at load and runs them on the integer kernels: rounded to nearest, or the
     block linears by a calibrated `quantization_method` (gptq, awq, smoothquant) on the text in
-    `calib`, as `kvserve quantize` would write them, short scale groups allowed."""
+    `calib`, as `kvserve quantize` would write them, short scale groups allowed. `gguf_activations`
+    "int8" runs a GGUF file's blocks on the panel kernel with int8 activations (install_block_weights)."""
     model_dir = Path(model_dir)
     arch = get_arch(config.model_type)
     with torch.device("meta"):
         model = DecoderLM(config, arch, max_positions)
     gguf_file = gguf_source(model_dir)
+    if gguf_activations != "fp32" and (gguf_file is None or quantization is not None):
+        raise QuantizationError(
+            f"--gguf-activations {gguf_activations} runs a GGUF file's own blocks: "
+            + (
+                "drop --quantization"
+                if gguf_file is not None
+                else f"{model_dir} is not a GGUF model"
+            )
+        )
     if gguf_file is None:
         checkpoint, blocks = read_checkpoint(model_dir), {}
     else:  # the file's blocks run as they are unless --quantization asks to requantise them
@@ -150,7 +161,9 @@ def load_model(
             missing.extend(absent)
             continue
         if any(s in blocks for s in sources):  # GGUF blocks: a BlockLinear replaces it below
-            state[name] = _block_stand_in(model, name, [blocks.get(s) for s in sources], meta_tensor)
+            state[name] = _block_stand_in(
+                model, name, [blocks.get(s) for s in sources], meta_tensor
+            )
             used.update(sources)
             continue
         if any(s in codes for s in sources):
@@ -202,7 +215,7 @@ def load_model(
         if left:  # a quantised weight whose module is not a linear kvserve can run quantised
             raise ModelLoadError(f"{model_dir}: no quantised kernel for {left[:4]}")
     if blocks:
-        install_block_weights(model, blocks)
+        install_block_weights(model, blocks, gguf_activations)
         log_kernels(model, f"GGUF {gguf_file.name}")
     if scheme is not None and (scheme.is_quantized or scheme.runs_bf16):
         apply_weight_scheme(model, scheme)
@@ -216,7 +229,9 @@ def load_model(
     if torch.device(device).type == "cpu":
         model.use_cpu_weights()
     table = getattr(model.embed_tokens, "weight", None)
-    if isinstance(table, torch.Tensor) and table.data_ptr() in views:  # tied, quantised head: no panels
+    if (
+        isinstance(table, torch.Tensor) and table.data_ptr() in views
+    ):  # tied, quantised head: no panels
         model.embed_tokens.weight = nn.Parameter(table.detach().clone(), requires_grad=False)
     if unused:
         logger.warning(
@@ -268,25 +283,36 @@ def _block_stand_in(
             )
         if attr == "weight" and (isinstance(owner, nn.Linear) or owner is model.embed_tokens):
             return torch.empty(shape, device="meta")
-    raise ModelLoadError(f"{name}: mixes quantised and float GGUF tensors, which kvserve cannot run")
+    raise ModelLoadError(
+        f"{name}: mixes quantised and float GGUF tensors, which kvserve cannot run"
+    )
 
 
-def install_block_weights(model: DecoderLM, blocks: dict[str, BlockWeight]) -> None:
+def install_block_weights(
+    model: DecoderLM, blocks: dict[str, BlockWeight], gguf_activations: str = "fp32"
+) -> None:
     """Replace each linear whose weights are GGUF blocks by a BlockLinear of them (q, k, v and gate,
     up stacked as the float loader fuses them), the table by a BlockEmbedding, and a tied head by a
-    BlockLinear over the table's own blocks (one copy)."""
+    BlockLinear over the table's own blocks (one copy). With `gguf_activations` "int8", a linear
+    whose blocks are one of kvserve's integer formats (block_weights.PANEL_FORMATS) runs on the panel
+    kernel instead, its activations rounded to int8 per 32 inputs as llama.cpp rounds them."""
+
+    def block_layer(parts: list[BlockWeight], bias: torch.Tensor | None) -> nn.Module:
+        qt = as_quantized_tensor(parts) if gguf_activations == "int8" else None
+        return BlockLinear(parts, bias) if qt is None else QuantLinear(qt, bias)
+
     table = blocks.pop("model.embed_tokens.weight", None)
     if table is not None:
         model.embed_tokens = BlockEmbedding(table)
         if model.config.tie_word_embeddings:
-            model.cpu_head, model.lm_head = BlockLinear([table]), None
+            model.cpu_head, model.lm_head = block_layer([table], None), None
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
         sources = [_hf_name(n) for n in _checkpoint_names(f"{name}.weight")]
         if not any(s in blocks for s in sources):
             continue
-        layer = BlockLinear([blocks.pop(s) for s in sources], module.bias)
+        layer = block_layer([blocks.pop(s) for s in sources], module.bias)
         if name == "lm_head":
             model.cpu_head, model.lm_head = layer, None
         else:

@@ -38,10 +38,12 @@ def model_identity(
     method: str = "rtn",
     calib: str | None = None,
     kv_cache_dtype: str = "auto",
+    gguf_activations: str = "fp32",
 ) -> dict:
     """What determines the model's outputs: the files (for a GGUF model, the GGUF file's hash too:
     its directory's config.json does not hold the weights), the scheme applied at load, for a
-    calibrated method at load the method and the calibration text's hash, and an 8-bit KV cache."""
+    calibrated method at load the method and the calibration text's hash, an 8-bit KV cache, and a
+    GGUF model's int8 activations."""
     from kvserve.gguf.model_dir import gguf_source
     from kvserve.paths import sha256_file
     from kvserve.quant.convert import artifact_sha256
@@ -53,6 +55,8 @@ def model_identity(
         identity |= {"method": method, "calibration_sha256": sha256_file(Path(calib))}
     if kv_cache_dtype != "auto":  # absent when "auto": earlier reports' hashes stay the same
         identity["kv_cache_dtype"] = kv_cache_dtype
+    if gguf_activations != "fp32":
+        identity["gguf_activations"] = gguf_activations
     identity["sha256"] = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     return identity
 
@@ -66,6 +70,7 @@ class EvalModel:
     method: str = "rtn"
     calib: str | None = None
     kv_cache_dtype: str = "auto"
+    gguf_activations: str = "fp32"
 
     def load(self, max_num_seqs: int):
         from kvserve.engine.llm import LLM
@@ -76,6 +81,7 @@ class EvalModel:
             quantization_method=self.method,
             calib=self.calib,
             kv_cache_dtype=self.kv_cache_dtype,
+            gguf_activations=self.gguf_activations,
             max_num_seqs=max_num_seqs,
             num_blocks=None,
         )
@@ -84,7 +90,12 @@ class EvalModel:
         return {
             "dir": str(self.model_dir),
             **model_identity(
-                self.model_dir, self.quantization, self.method, self.calib, self.kv_cache_dtype
+                self.model_dir,
+                self.quantization,
+                self.method,
+                self.calib,
+                self.kv_cache_dtype,
+                self.gguf_activations,
             ),
         }
 
@@ -224,6 +235,7 @@ def compare(
     cand_method: str = "rtn",
     cand_calib: str | None = None,
     cand_kv_cache_dtype: str = "auto",
+    cand_gguf_activations: str = "fp32",
     window: int = 256,
     max_tokens: int | None = None,
     num_prompts: int = 8,
@@ -235,7 +247,12 @@ def compare(
     for its quantisations (docs/quantization.md)."""
     reference = EvalModel(Path(ref_dir), ref_quantization)
     candidate = EvalModel(
-        Path(cand_dir), cand_quantization, cand_method, cand_calib, cand_kv_cache_dtype
+        Path(cand_dir),
+        cand_quantization,
+        cand_method,
+        cand_calib,
+        cand_kv_cache_dtype,
+        cand_gguf_activations,
     )
     ref = reference.load(num_prompts)
     cand = candidate.load(num_prompts)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.gguf.model_dir import gguf_matrix_types
-
 from kvserve.quant.scheme import ACT_NONE, ACT_TENSOR, ACT_TOKEN, TensorScheme, parse_weight_scheme
 
 _DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -17,7 +16,11 @@ _ACTS = {
 
 
 def describe_weights(
-    dtype: str, quantization: str | None, method: str = "rtn", model_dir: str | Path | None = None
+    dtype: str,
+    quantization: str | None,
+    method: str = "rtn",
+    model_dir: str | Path | None = None,
+    gguf_activations: str = "fp32",
 ) -> str:
     """`fp32, activations fp32`, `int8 (rtn), activations int8 per 32-input block (Q8_0), sums
     fp32`, or a quantised checkpoint's format (`int4-g128 (compressed-tensors checkpoint), ...`). `dtype` is the compute dtype (what float weights and activations are in)."""
@@ -31,7 +34,8 @@ def describe_weights(
             return f"{name}, bf16 products, activations and sums {compute}"
     elif model_dir is not None and (types := gguf_matrix_types(model_dir)):
         blocks = ", ".join(f"{n} x {t}" for t, n in sorted(types.items(), key=lambda i: -i[1]))
-        return f"GGUF blocks as in the file ({blocks}), activations {compute}, sums {compute}"
+        acts = compute if gguf_activations == "fp32" else _ACTS[ACT_NONE] + " where the type allows"
+        return f"GGUF blocks as in the file ({blocks}), activations {acts}, sums {compute}"
     elif model_dir is not None:
         found = _checkpoint_scheme(Path(model_dir))
         if found is not None:

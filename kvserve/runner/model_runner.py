@@ -133,6 +133,7 @@ class ModelRunner:
             quantization=config.quantization,
             quantization_method=config.quantization_method,
             calib=config.calib,
+            gguf_activations=config.gguf_activations,
         )
 
     def _forward(
