@@ -99,12 +99,11 @@ static inline void group_codes_avx2(const BlockMat *w, int64_t n, int g, __m256 
 
 /* R (a compile-time constant after inlining) rows of x times weight row n */
 static inline __attribute__((always_inline)) void row_avx2_r(const BlockMat *w, int64_t n, const float *x,
-                                                             int64_t ldx, const int R, const float *xsum,
-                                                             float *out) {
+                                                             int64_t ldx, const int R, const int nv,
+                                                             const float *xsum, float *out) {
     __m256 acc[BLK_ROWS], v[4];
     float bacc[BLK_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), bacc[r] = 0.f;
-    const int nv = w->L / 8;
     for (int g = 0; g < w->G; g++) {
         const __m256 s = _mm256_broadcast_ss(w->scales + n * w->G + g);
         group_codes_avx2(w, n, g, v);
@@ -120,17 +119,57 @@ static inline __attribute__((always_inline)) void row_avx2_r(const BlockMat *w, 
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + bacc[r];
 }
 
+/* One or two rows: the R-row loop above chains every FMA of a row through one accumulator (4 cycles
+ * each), which bounds a single row at 2 weights a cycle. Here each of a group's L/8 vectors has its
+ * own accumulator per row, so the FMAs of a group are independent. Same products fl(x * fl(s * c)),
+ * summed in another order. */
+static inline __attribute__((always_inline)) void row_avx2_split(const BlockMat *w, int64_t n, const float *x,
+                                                                 int64_t ldx, const int R, const int nv,
+                                                                 const float *xsum, float *out) {
+    __m256 acc[2][4], v[4];
+    float bacc[2] = {0.f, 0.f};
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
+    for (int g = 0; g < w->G; g++) {
+        const __m256 s = _mm256_broadcast_ss(w->scales + n * w->G + g);
+        group_codes_avx2(w, n, g, v);
+        const float *xg = x + (int64_t)g * w->L;
+        for (int i = 0; i < nv; i++) {
+            const __m256 ws = _mm256_mul_ps(v[i], s);
+            for (int r = 0; r < R; r++)
+                acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + r * ldx + 8 * i), ws, acc[r][i]);
+        }
+        if (w->biases) {
+            const float b = w->biases[n * w->G + g];
+            for (int r = 0; r < R; r++) bacc[r] += b * xsum[(int64_t)r * w->G + g];
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
+        out[r] = hsum8(a) + bacc[r];
+    }
+}
+
+/* R and the group's vector count are compile-time constants in every case (a runtime bound keeps the
+ * accumulators and codes in memory instead of registers) */
+#define ROW_CASES(NV)                                                       \
+    switch (R) {                                                            \
+        case 8: row_avx2_r(w, n, x, ldx, 8, NV, xsum, out); break;          \
+        case 7: row_avx2_r(w, n, x, ldx, 7, NV, xsum, out); break;          \
+        case 6: row_avx2_r(w, n, x, ldx, 6, NV, xsum, out); break;          \
+        case 5: row_avx2_r(w, n, x, ldx, 5, NV, xsum, out); break;          \
+        case 4: row_avx2_r(w, n, x, ldx, 4, NV, xsum, out); break;          \
+        case 3: row_avx2_r(w, n, x, ldx, 3, NV, xsum, out); break;          \
+        case 2: row_avx2_split(w, n, x, ldx, 2, NV, xsum, out); break;      \
+        default: row_avx2_split(w, n, x, ldx, 1, NV, xsum, out); break;     \
+    }
+
 static void row_avx2(const BlockMat *w, int64_t n, const float *x, int64_t ldx, int R, const float *xsum,
                      float *out) {
-    switch (R) {
-        case 8: row_avx2_r(w, n, x, ldx, 8, xsum, out); break;
-        case 7: row_avx2_r(w, n, x, ldx, 7, xsum, out); break;
-        case 6: row_avx2_r(w, n, x, ldx, 6, xsum, out); break;
-        case 5: row_avx2_r(w, n, x, ldx, 5, xsum, out); break;
-        case 4: row_avx2_r(w, n, x, ldx, 4, xsum, out); break;
-        case 3: row_avx2_r(w, n, x, ldx, 3, xsum, out); break;
-        case 2: row_avx2_r(w, n, x, ldx, 2, xsum, out); break;
-        default: row_avx2_r(w, n, x, ldx, 1, xsum, out); break;
+    if (w->L == 32) {
+        ROW_CASES(4)
+    } else {
+        ROW_CASES(2)
     }
 }
 #endif
