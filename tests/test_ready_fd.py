@@ -44,21 +44,24 @@ def test_ready_line_names_the_url_and_ready_answers_at_once(gpt2_model_dir):
         assert httpx.get(f"{url}/ready").status_code == 200
 
 
-def test_a_failed_load_says_failed_and_stays_up_for_inspection(gpt2_model_dir, tmp_path):
+def test_a_failed_load_says_failed_and_exits_non_zero(gpt2_model_dir, tmp_path):
+    """issue 45: a server whose model failed to load kept answering /health 200 until killed. Now
+    it writes the failed line, exits 1 and says why on one stderr line."""
     broken = tmp_path / "broken"
     shutil.copytree(gpt2_model_dir, broken)
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
     with ReadyPipe() as ready:
-        process, url = _serve(broken, ready, *SMALL)
+        process, _ = _serve(broken, ready, *SMALL)
         try:
             line = ready.line(180)
             assert line.startswith("failed: "), line
             assert "\n" not in line
-            assert process.poll() is None  # up, so /ready can say why
-            response = httpx.get(f"{url}/ready")
-            assert response.status_code == 503
-            assert response.json()["error"] in line
+            out, _ = process.communicate(timeout=60)
+            assert process.returncode == 1
+            errors = [x for x in out.splitlines() if x.startswith("kvserve serve: error: ")]
+            assert len(errors) == 1, out[-3000:]
+            assert line.removeprefix("failed: ") in errors[0]
         finally:
             _stop(process)
 

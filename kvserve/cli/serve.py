@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -251,13 +252,19 @@ def run(args: argparse.Namespace) -> int:
         return client
 
     holder: dict = {}
+
+    def loaded(error: str | None) -> None:
+        notice.loaded(error)
+        if error is not None:  # never a server that is healthy with no model: exit, non-zero
+            holder["server"].request_exit()
+
     app = build_app(
         load,
         serving,
         api_keys=api_keys,
         engine_options=options,
         on_fatal=lambda: holder["server"].request_exit(),
-        on_loaded=notice.loaded,
+        on_loaded=loaded,
     )
     state = app.state.kvserve
     server = _Server(
@@ -274,6 +281,9 @@ def run(args: argparse.Namespace) -> int:
     )
     holder["server"] = server
     server.run()
+    if state.load_error is not None:
+        print(f"kvserve serve: error: {' '.join(state.load_error.split())}", file=sys.stderr)
+        return 1
     if state.dead_reason is not None:
         return 1  # a supervisor should restart us
     return 0
@@ -350,7 +360,7 @@ class ReadyNotice:
     """`--ready-fd FD`, a readiness notification (as s6's): one line to the inherited descriptor FD once
     the server listens and its model load has ended: `ready URL` (the address it bound, with its
     port) when the model is loaded and warmed up, `failed: REASON` when the load failed (the process
-    stays up for inspection, as /ready says; an engine that died exits). Then FD is closed. If the
+    then exits 1 with the same reason on stderr, as it does when the engine dies). Then FD is closed. If the
     process exits first, the reader sees end of file. A waiting program blocks on one read instead of
     polling /ready."""
 

@@ -155,7 +155,7 @@ def _load(state: ServerState, client_factory: Callable[[], EngineClient]) -> Non
             "ready: %s (manifest %s)", state.options.served_model_name, state.manifest_sha256
         )
         outcome = None
-    except Exception as exc:  # reported by /ready; the process stays up for inspection
+    except Exception as exc:  # reported by /ready and on_loaded (the CLI exits non-zero)
         logger.exception("model load failed")
         state.load_error = outcome = f"{type(exc).__name__}: {exc}"
     finally:
@@ -232,6 +232,8 @@ def build_app(
     async def health() -> JSONResponse:
         if state.dead_reason is not None:
             return JSONResponse({"status": "dead", "error": state.dead_reason}, status_code=503)
+        if state.load_error is not None:  # the process is on its way out: not healthy
+            return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
