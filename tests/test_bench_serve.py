@@ -268,3 +268,23 @@ def test_reset_prefix_cache_on_a_server_without_it_warns_and_runs(tmp_path, caps
         "requested": False,
         "status": "not requested",
     }
+
+
+def test_no_size_flags_is_a_short_finite_run_at_a_stated_rate():
+    """issue 46: `bench serve` with no flags erred (give --num-requests or --duration), and with a
+    count its rate was infinite. Now: 32 requests at 1 request/s, said on the first line."""
+    from kvserve.cli import build_parser
+    from kvserve.cli.bench import _default_run, _serve_config
+
+    args = build_parser().parse_args(["bench", "serve"])
+    assert (
+        _default_run(args)
+        == "no --num-requests or --duration: 32 requests at 1 request/s (Poisson)"
+    )
+    config = _serve_config(args)
+    assert config.num_requests == 32 and config.arrivals.kind == "gamma"
+    assert config.arrivals.rate == 1.0
+    closed = build_parser().parse_args(["bench", "serve", "--max-concurrency", "4"])
+    assert _default_run(closed) == "no --num-requests or --duration: 32 requests"
+    given = build_parser().parse_args(["bench", "serve", "--num-requests", "5"])
+    assert _default_run(given) is None and _serve_config(given).arrivals.kind == "inf"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.core.sampling_params import SamplingParams
+from tests.gguf_reference import batched_mismatches, solo_mismatches, worst_logit_difference
 from tests.real_models import smollm2_gguf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gguf" / "smollm2_reference.json"
@@ -42,38 +42,15 @@ def llm():
     return LLM(str(smollm2_gguf()), max_model_len=512, max_num_seqs=32)
 
 
-def _greedy(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    return [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params)]
-
-
-def _first_difference(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-
-
 def test_greedy_ids_equal_transformers_batched(llm, reference):
-    cases = reference["cases"]
-    assert len(cases) >= 20
-    got = _greedy(llm, [c["prompt_ids"] for c in cases], reference["new_tokens"])
-    mismatches = {
-        i: _first_difference(g, c["greedy_ids"]) for i, (g, c) in enumerate(zip(got, cases, strict=True))
-    }
-    assert {i: p for i, p in mismatches.items() if p is not None} == {}
+    assert len(reference["cases"]) >= 20
+    assert batched_mismatches(llm, reference) == {}
 
 
 def test_greedy_ids_equal_transformers_one_at_a_time(llm, reference):
-    for i, case in enumerate(reference["cases"]):
-        (got,) = _greedy(llm, [case["prompt_ids"]], reference["new_tokens"])
-        assert got == case["greedy_ids"], f"prompt {i}: first difference at {_first_difference(got, case['greedy_ids'])}"
+    assert solo_mismatches(llm, reference, list(range(len(reference["cases"])))) == {}
 
 
 def test_logits_within_tolerance(llm, reference):
-    worst = 0.0
-    for case in reference["cases"][:8]:
-        ids = case["prompt_ids"] + case["greedy_ids"]
-        logits = llm.engine.score(ids)  # [T, V]
-        for position, top in zip(reference["logit_positions"], case["top_logits"], strict=True):
-            row = logits[len(case["prompt_ids"]) - 1 + position]
-            for token, value in top:
-                worst = max(worst, abs(float(row[token]) - value))
+    worst = worst_logit_difference(llm, reference, list(range(8)))
     assert worst <= LOGIT_ATOL, worst

@@ -183,3 +183,26 @@ def test_progress_draws_on_a_terminal_only():
     lines = tty.getvalue().split("\r")
     assert lines[-1].startswith("eval [" + "#" * 30 + "] 4/4") and lines[-1].endswith("\n")
     assert "] 2/4" in lines[2]
+
+
+def test_plan_and_simulate_default_to_the_default_model(capsys):
+    """issue 46: `plan` and `simulate` needed a model where `serve` defaults to one, and simulate's
+    default workload (up to 6,000 + 4,000 tokens) did not fit the default model's 8,192."""
+    from kvserve.cli import main
+
+    assert main(["plan"]) == 0
+    captured = capsys.readouterr()
+    assert "the default model, smollm2-135m-instruct" in captured.err
+    assert "max context 8,192" in captured.out
+    assert (
+        main(["simulate", "--num-requests", "4", "--hardware", "h100-sxm", "--policy", "on_demand"])
+        == 0
+    )
+    captured = capsys.readouterr()
+    assert "the default model, smollm2-135m-instruct" in captured.err
+    header = next(line for line in captured.out.splitlines() if " fail " in line).split()
+    row = next(
+        line for line in captured.out.splitlines() if line.split()[:1] == ["on_demand"]
+    ).split()
+    assert header[-2:] == ["fail", "$/Mtok"], header
+    assert row[-2] == "0", captured.out  # every request fits the context: none failed

@@ -33,6 +33,11 @@ objectives (--slo, repeatable, one named set each): per request
 """
 
 
+# `bench serve` with no size flags: a short, finite run at a stated rate (issue 46), not an error
+DEFAULT_NUM_REQUESTS = 32
+DEFAULT_REQUEST_RATE = 1.0  # requests/s, Poisson
+
+
 def _rate(text: str) -> float:
     value = float(text)  # accepts "inf"
     if not value > 0:
@@ -120,7 +125,12 @@ def _add_serve(sub) -> None:
         help="natural stop, or forced length (ignore_eos + min_tokens = max_tokens)",
     )
     g = p.add_argument_group("arrivals and size")
-    g.add_argument("--request-rate", type=_rate, default=None, help="open loop requests/s, or inf")
+    g.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=None,
+        help="open loop requests/s, or inf (the default with --num-requests or --duration)",
+    )
     g.add_argument(
         "--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)"
     )
@@ -131,7 +141,13 @@ def _add_serve(sub) -> None:
         help="closed loop users (without --request-rate), or a cap on an open loop",
     )
     g.add_argument("--trace", default=None, help="arrival trace: seconds per line, or JSON lines")
-    g.add_argument("--num-requests", type=int, default=None, help="measured requests")
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help=f"measured requests (with neither this nor --duration: {DEFAULT_NUM_REQUESTS}, at "
+        f"{DEFAULT_REQUEST_RATE:g} request/s unless a rate, a concurrency or --sweep is given)",
+    )
     g.add_argument("--duration", type=float, default=None, help="seconds of measured arrivals")
     g.add_argument("--warmup", type=int, default=4, help="warm-up requests (labelled, excluded)")
     g.add_argument("--seed", type=int, default=0, help="seed of lengths, texts and arrivals")
@@ -200,6 +216,24 @@ def _add_serve(sub) -> None:
         help="progress bar (default: when stderr is a terminal)",
     )
     p.set_defaults(func=_serve_main)
+
+
+def _default_run(args: argparse.Namespace) -> str | None:
+    """Fills in the short default run when neither --num-requests nor --duration is given (a trace
+    sets its own length; a capacity search needs --duration); returns the line that says so."""
+    if (
+        args.num_requests is not None
+        or args.duration is not None
+        or args.trace
+        or args.find_capacity
+    ):
+        return None
+    args.num_requests = DEFAULT_NUM_REQUESTS
+    said = f"{DEFAULT_NUM_REQUESTS} requests"
+    if args.request_rate is None and not args.max_concurrency and not args.sweep:
+        args.request_rate = DEFAULT_REQUEST_RATE
+        said += f" at {DEFAULT_REQUEST_RATE:g} request/s (Poisson)"
+    return f"no --num-requests or --duration: {said}"
 
 
 def _serve_config(args: argparse.Namespace):
@@ -277,6 +311,8 @@ def _serve_main(args: argparse.Namespace) -> int:
     from kvserve.bench.session import run_serve
 
     try:
+        if (said := _default_run(args)) is not None:
+            print(f"kvserve bench serve: {said}", flush=True)
         return run_serve(_serve_config(args))
     except BenchError as exc:
         print(f"kvserve bench serve: error: {exc}", file=sys.stderr)

@@ -345,13 +345,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         measured = _measure(args) if args.measure else None
+        if not args.model and measured is None:  # the default model, as `serve` (issue 46)
+            from kvserve.models import DEFAULT_MODEL
+
+            print(
+                f"kvserve plan: no MODEL given: the default model, {DEFAULT_MODEL}", file=sys.stderr
+            )
+            args.model = DEFAULT_MODEL
         if not args.model:
-            if measured is None:
-                print(
-                    "kvserve plan: give a MODEL (preset, directory or config.json) or --measure",
-                    file=sys.stderr,
-                )
-                return 2
             if args.plot:
                 from kvserve.plan.plot import plot_roofline
 

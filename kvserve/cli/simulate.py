@@ -133,8 +133,9 @@ def register(subparsers: Any) -> None:
     g.add_argument("--draft-step-ms", type=float, default=0.0, help="draft forward per position")
     g.add_argument("--draft-token-ms", type=float, default=0.0, help="draft cost per proposal")
     g = p.add_argument_group("workload")
-    g.add_argument("--input-len", default="uniform:2000:6000", help="prompt tokens")
-    g.add_argument("--output-len", default="lognormal:1500:0.5:16:4000", help="output tokens")
+    # defaults that fit the default model's 8,192-token context (issue 46): at most 3,000 + 2,000
+    g.add_argument("--input-len", default="uniform:500:3000", help="prompt tokens")
+    g.add_argument("--output-len", default="lognormal:500:0.5:16:2000", help="output tokens")
     g.add_argument("--num-requests", type=int, default=200, help="measured requests (200)")
     g.add_argument("--warmup", type=int, default=0, help="warm-up requests, excluded (0)")
     g.add_argument(
@@ -191,8 +192,13 @@ def _deployment(args: argparse.Namespace, profile_path: str | None):
         return profile_deployment(
             profile, noise=False if args.step_noise == "off" else args.step_noise, seed=args.seed
         )
-    if not args.model:
-        raise ValueError("give a MODEL (preset, directory, config.json) or --profile PATH")
+    if not args.model:  # the default model, as `serve` (issue 46)
+        from kvserve.models import DEFAULT_MODEL, resolve_model
+
+        print(
+            f"kvserve simulate: no MODEL given: the default model, {DEFAULT_MODEL}", file=sys.stderr
+        )
+        args.model = str(resolve_model(DEFAULT_MODEL))
     assumptions = Assumptions(
         mfu=args.mfu, bandwidth_fraction=args.bw_fraction, overhead_bytes=args.overhead_gb * 1e9
     )

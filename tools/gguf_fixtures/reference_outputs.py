@@ -7,6 +7,11 @@ greedy ids, and at a few positions the top logits, so a test can compare logits 
 model through transformers (which takes a minute or more on a 2-core machine).
 
     python tools/gguf_fixtures/reference_outputs.py MODEL.gguf OUT.json [--new-tokens 64]
+        [--long-prompts 600,900,1300,2000]
+
+A model without a chat template takes the ten plain prompts, then long prompts cut from the held-out
+eval texts (kvserve/assets/eval) at the token counts of `--long-prompts` (one prose, one code per
+length, alternating), so a sliding-window model's window is exercised (Gemma 3: 512).
 
 tests/test_gguf_fixtures.py runs it on a tiny file.
 """
@@ -43,6 +48,7 @@ TEXT_PROMPTS = [
     "The history of the Roman Empire",
     "Dear Sir or Madam,\n\nI am writing to",
 ]
+EVAL_DIR = Path(__file__).resolve().parents[2] / "kvserve" / "assets" / "eval"
 LOGIT_POSITIONS = (0, 1, 16, 63)  # generated positions whose top logits are kept
 TOP_LOGITS = 32
 
@@ -59,6 +65,21 @@ def prompt_ids(tokenizer, chat: bool) -> list[list[int]]:
     ]  # fmt: skip
 
 
+def long_prompt_ids(tokenizer, lengths: list[int], count: int) -> list[list[int]]:
+    """`count` prompts of the token counts `lengths` (cycled), alternately prose and code."""
+    texts = {
+        kind: "\n\n".join(json.loads(line)["text"] for line in (EVAL_DIR / f"{kind}.jsonl").open())
+        for kind in ("prose", "code")
+    }
+    ids = {kind: tokenizer(text).input_ids for kind, text in texts.items()}
+    out = []
+    for i in range(count):
+        kind, length = ("prose", "code")[i % 2], lengths[i % len(lengths)]
+        start = (i // 2) * 97  # different windows of the text for repeated lengths
+        out.append(ids[kind][start : start + length])
+    return out
+
+
 def greedy(model, ids: list[int], new_tokens: int) -> tuple[list[int], list[list[float]]]:
     import torch
 
@@ -69,7 +90,9 @@ def greedy(model, ids: list[int], new_tokens: int) -> tuple[list[int], list[list
             logits = result.logits[0, -1].float()
             if step in LOGIT_POSITIONS:
                 top = torch.topk(logits, TOP_LOGITS)
-                kept.append([[int(i), float(v)] for i, v in zip(top.indices, top.values, strict=True)])
+                kept.append(
+                    [[int(i), float(v)] for i, v in zip(top.indices, top.values, strict=True)]
+                )
             token = int(torch.argmax(logits))
             out.append(token)
             result = model(
@@ -84,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=20, help="at most 20")
+    parser.add_argument("--long-prompts", default="600,900,1300,2000",
+                        help="token counts of the long prompts a model without a chat template takes")  # fmt: skip
     args = parser.parse_args(argv)
 
     import torch
@@ -97,7 +122,13 @@ def main(argv: list[str] | None = None) -> None:
         str(args.gguf.parent), dtype=torch.float32, **where
     ).eval()
     load_s = time.perf_counter() - start
-    prompts = (prompt_ids(tokenizer, chat=True) + prompt_ids(tokenizer, chat=False))[: args.prompts]
+    if tokenizer.chat_template is not None:
+        prompts = prompt_ids(tokenizer, chat=True) + prompt_ids(tokenizer, chat=False)
+    else:
+        lengths = [int(n) for n in args.long_prompts.split(",")]
+        plain = prompt_ids(tokenizer, chat=False)
+        prompts = plain + long_prompt_ids(tokenizer, lengths, 20 - len(plain))
+    prompts = prompts[: args.prompts]
     cases = []
     for ids in prompts:
         generated, logits = greedy(model, ids, args.new_tokens)
