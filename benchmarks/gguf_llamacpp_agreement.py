@@ -29,10 +29,12 @@ FIXTURE = (
 )
 
 
-def llamacpp_runs(path: str, cases: list[dict], new_tokens: int) -> list[dict]:
+def llamacpp_runs(path: str, cases: list[dict], new_tokens: int, kv: str) -> list[dict]:
     import llama_cpp
 
-    model = llama_cpp.Llama(path, n_ctx=512, logits_all=True, n_threads=2, verbose=False)
+    kv_type = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}[kv]
+    model = llama_cpp.Llama(path, n_ctx=512, logits_all=True, n_threads=2, verbose=False,
+                            type_k=kv_type, type_v=kv_type)  # fmt: skip
     runs = []
     for case in cases:
         seq = case["prompt_ids"] + case["greedy_ids"]
@@ -99,8 +101,10 @@ def _identical(runs: list[dict], cases: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: the built-in SmolLM2)")
+    parser.add_argument("--llamacpp-kv", choices=("f16", "f32"), default="f16",
+                        help="llama.cpp's KV cache type (f16: its default)")  # fmt: skip
     parser.add_argument("--out", type=Path,
-                        default=Path("benchmarks/results/gguf_llamacpp_agreement.json"))  # fmt: skip
+                        default=Path("benchmarks/results/zen3_avx2/gguf_llamacpp_agreement.json"))  # fmt: skip
     args = parser.parse_args()
     if args.model is None:
         from kvserve.models import SMOLLM2, packaged_gguf
@@ -108,8 +112,9 @@ def main() -> None:
         args.model = str(packaged_gguf(SMOLLM2))
     fixture = json.loads(FIXTURE.read_text())
     cases, new_tokens = fixture["cases"], fixture["new_tokens"]
-    theirs = llamacpp_runs(args.model, cases, new_tokens)
-    report = {"model": args.model, "prompts": len(cases), "new_tokens": new_tokens}
+    theirs = llamacpp_runs(args.model, cases, new_tokens, args.llamacpp_kv)
+    report = {"model": args.model, "prompts": len(cases), "new_tokens": new_tokens,
+              "llama.cpp KV cache": args.llamacpp_kv}  # fmt: skip
     for activations in ("fp32", "int8"):
         ours = kvserve_runs(args.model, cases, new_tokens, activations)
         row = compare(ours, theirs, cases)

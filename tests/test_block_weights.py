@@ -221,6 +221,22 @@ def test_block_linear_against_fp64(name, isa):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_block_linear_row_does_not_depend_on_the_batch(name, isa):
+    """A row's result is the same bits alone or in a tile of up to 8 rows (the kernel's tiles of
+    1, 2, 3.. rows sum each group in the same order): a request's output must not depend on what else
+    is in the batch. Below the 16 rows where the dequantise-and-GEMM path takes over."""
+    weight = repack(random_blocks(name, 24, 256, seed=3), name, (24, 256))
+    x = torch.randn(15, 256, generator=torch.Generator().manual_seed(5))
+    full = torch.empty(15, 24)
+    block_linear.linear_into(weight, x, full)
+    for m in range(1, 15):
+        part = torch.empty(m, 24)
+        block_linear.linear_into(weight, x[15 - m :], part)
+        assert torch.equal(part, full[15 - m :]), m
+
+
+@needs_kernel
 @pytest.mark.parametrize("name", SUPPORTED_TYPES)
 def test_native_dequant_rows_bit_exact(name, isa):
     num_rows, num_cols = 11, 2 * block_len(name)

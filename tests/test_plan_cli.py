@@ -105,8 +105,8 @@ def test_cli_errors_are_messages(capsys):
     assert rc == 2 and "preset" in err
     rc, _, err = run_plan(["SmolLM2-135M", "--weights", "int4-g0"], capsys)
     assert rc == 2 and "group size" in err
-    rc, _, err = run_plan([], capsys)
-    assert rc == 2 and "MODEL" in err
+    rc, _, err = run_plan([], capsys)  # no MODEL: the default model, as `serve` (issue 46)
+    assert rc == 0 and "the default model, smollm2-135m-instruct" in err
 
 
 def test_plot_written(tmp_path, capsys):

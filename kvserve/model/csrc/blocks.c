@@ -109,45 +109,21 @@ static inline __attribute__((always_inline)) void row_avx2_r(const BlockMat *w, 
         group_codes_avx2(w, n, g, v);
         for (int i = 0; i < nv; i++) v[i] = _mm256_mul_ps(v[i], s);
         const float *xg = x + (int64_t)g * w->L;
-        for (int r = 0; r < R; r++)
-            for (int i = 0; i < nv; i++) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + r * ldx + 8 * i), v[i], acc[r]);
+        /* a group's products are summed on their own, then added to the row's sum: the next group's
+         * FMAs do not wait on this one's (one chained accumulator held a single row at 2 weights a
+         * cycle), and every R sums in the same order (a row's result does not depend on the batch) */
+        for (int r = 0; r < R; r++) {
+            const float *xr = xg + r * ldx;
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xr), v[0]);
+            for (int i = 1; i < nv; i++) t = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8 * i), v[i], t);
+            acc[r] = _mm256_add_ps(acc[r], t);
+        }
         if (w->biases) {
             const float b = w->biases[n * w->G + g];
             for (int r = 0; r < R; r++) bacc[r] += b * xsum[(int64_t)r * w->G + g];
         }
     }
     for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + bacc[r];
-}
-
-/* One or two rows: the R-row loop above chains every FMA of a row through one accumulator (4 cycles
- * each), which bounds a single row at 2 weights a cycle. Here each of a group's L/8 vectors has its
- * own accumulator per row, so the FMAs of a group are independent. Same products fl(x * fl(s * c)),
- * summed in another order. */
-static inline __attribute__((always_inline)) void row_avx2_split(const BlockMat *w, int64_t n, const float *x,
-                                                                 int64_t ldx, const int R, const int nv,
-                                                                 const float *xsum, float *out) {
-    __m256 acc[2][4], v[4];
-    float bacc[2] = {0.f, 0.f};
-    for (int r = 0; r < R; r++)
-        for (int i = 0; i < 4; i++) acc[r][i] = _mm256_setzero_ps();
-    for (int g = 0; g < w->G; g++) {
-        const __m256 s = _mm256_broadcast_ss(w->scales + n * w->G + g);
-        group_codes_avx2(w, n, g, v);
-        const float *xg = x + (int64_t)g * w->L;
-        for (int i = 0; i < nv; i++) {
-            const __m256 ws = _mm256_mul_ps(v[i], s);
-            for (int r = 0; r < R; r++)
-                acc[r][i] = _mm256_fmadd_ps(_mm256_loadu_ps(xg + r * ldx + 8 * i), ws, acc[r][i]);
-        }
-        if (w->biases) {
-            const float b = w->biases[n * w->G + g];
-            for (int r = 0; r < R; r++) bacc[r] += b * xsum[(int64_t)r * w->G + g];
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        const __m256 a = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
-        out[r] = hsum8(a) + bacc[r];
-    }
 }
 
 /* R and the group's vector count are compile-time constants in every case (a runtime bound keeps the
@@ -160,8 +136,8 @@ static inline __attribute__((always_inline)) void row_avx2_split(const BlockMat 
         case 5: row_avx2_r(w, n, x, ldx, 5, NV, xsum, out); break;          \
         case 4: row_avx2_r(w, n, x, ldx, 4, NV, xsum, out); break;          \
         case 3: row_avx2_r(w, n, x, ldx, 3, NV, xsum, out); break;          \
-        case 2: row_avx2_split(w, n, x, ldx, 2, NV, xsum, out); break;      \
-        default: row_avx2_split(w, n, x, ldx, 1, NV, xsum, out); break;     \
+        case 2: row_avx2_r(w, n, x, ldx, 2, NV, xsum, out); break;          \
+        default: row_avx2_r(w, n, x, ldx, 1, NV, xsum, out); break;         \
     }
 
 static void row_avx2(const BlockMat *w, int64_t n, const float *x, int64_t ldx, int R, const float *xsum,
