@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
+from kvserve.kv.groups import KVLayout, plan_layout, single_layout
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # KV cache storage: "auto" = the model's dtype; 8-bit codes with one fp16 scale per (token, kv head).
@@ -109,12 +110,16 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling)
 
-    def kv_bytes_per_token(self, dtype: str, kv_cache_dtype: str = "auto") -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes (docs/planning.md);
-        8-bit caches: 1 byte per value plus a 2-byte scale per kv head."""
+    def kv_bytes_per_token(
+        self, dtype: str, kv_cache_dtype: str = "auto", num_layers: int | None = None
+    ) -> int:
+        """K and V for every layer (or `num_layers` of them: the slots of a hybrid model's block,
+        kv/groups.py): 2 x layers x kv_heads x head_dim x bytes (docs/planning.md); 8-bit caches:
+        1 byte per value plus a 2-byte scale per kv head."""
+        layers = self.num_layers if num_layers is None else num_layers
         if kv_cache_dtype == "auto":
-            return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
-        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + KV_SCALE_BYTES)
+            return 2 * layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+        return 2 * layers * self.num_kv_heads * (self.head_dim + KV_SCALE_BYTES)
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
@@ -227,6 +232,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 512 * 1024**2
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    hybrid: bool = True  # a hybrid model's window layers return blocks (kv/groups.py)
     sizing: str = ""  # how the size was chosen, for the startup banner (kvserve/memory.py)
 
     def __post_init__(self) -> None:
@@ -419,10 +425,19 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         # n_kv / N heads per rank, or one replicated head when N > n_kv (docs/parallel.md)
         rank_model = replace(self.model, num_kv_heads=max(1, self.model.num_kv_heads // tp))
-        total = rank_model.kv_bytes_per_token(self.dtype, kv_dtype)
+        # a block of a hybrid layout holds one group's layers (kv/groups.py), else every layer
+        total = rank_model.kv_bytes_per_token(self.dtype, kv_dtype, self.kv_layout.group_size)
         if self.speculative is not None and self.speculative.draft_model is not None:
             total += self.speculative.draft_model.kv_bytes_per_token(self.dtype, kv_dtype)
         return total
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The KV groups (kv/groups.py): hybrid for a model with full and window layers, unless
+        --no-hybrid-kv-cache or tensor parallelism (whose ranks take one block table) say otherwise."""
+        if not self.cache.hybrid or self.tensor_parallel_size > 1:
+            return single_layout(self.model.num_layers)
+        return plan_layout(self.model.layer_windows, self.scheduler.max_model_len)
 
     @property
     def num_blocks(self) -> int:

@@ -50,9 +50,9 @@ def test_prefix_hit_reuses_exact_blocks_and_keeps_last_token_uncached():
     b = make_request("b", range(8))
     hits, num_cached = kv.get_computed_blocks(b)
     # The last token must be computed to sample, so only the first block may hit.
-    assert (hits, num_cached) == ([0], 4)
+    assert (hits, num_cached) == (([0],), 4)
     c = make_request("c", list(range(8)) + [99])
-    assert kv.get_computed_blocks(c) == ([0, 1], 8)
+    assert kv.get_computed_blocks(c) == (([0, 1],), 8)
     kv.check_invariants()
 
 

@@ -24,7 +24,8 @@ class NewRequestData:
 class ScheduledChunk:
     """Compute `token_ids` at positions [start_position, start_position + len(token_ids)) of one request.
 
-    `block_ids` is the request's whole block table after this step's allocation. `sample` is true when the
+    `block_ids` is the request's whole block table after this step's allocation; a hybrid model's other KV
+    groups' tables (kv/groups.py) are in `group_block_ids`, in group order. `sample` is true when the
     chunk reaches the end of the known tokens, so its last position yields the next token.
     """
 
@@ -35,6 +36,12 @@ class ScheduledChunk:
     sample: bool
     num_output_tokens: int  # output tokens the request had when scheduled (min_tokens, penalties)
     num_spec_tokens: int = 0  # the last num_spec_tokens of token_ids are proposals to verify
+    group_block_ids: tuple[tuple[int, ...], ...] = ()  # groups 1.. of a hybrid model
+
+    @property
+    def tables(self) -> tuple[tuple[int, ...], ...]:
+        """Every group's block table, the first group's (`block_ids`) first."""
+        return (self.block_ids, *self.group_block_ids)
 
     @property
     def num_tokens(self) -> int:

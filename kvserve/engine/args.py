@@ -114,6 +114,10 @@ class EngineArgs:
         True, "reuse cached prompt prefixes", type=bool,
         flag="--prefix-caching",
     )  # fmt: skip
+    hybrid_kv_cache: bool = _option(
+        True, "a model with sliding-window and global layers (Gemma 3) returns the blocks its "
+        "window layers no longer see (docs/scheduling.md)", type=bool,
+    )  # fmt: skip
     admission: str = _option(
         "on_demand",
         "on_demand: charge blocks as used, preempt when full; reserve: prompt + max_tokens "
@@ -299,6 +303,7 @@ class EngineArgs:
                 num_blocks=self.num_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
+                hybrid=self.hybrid_kv_cache,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -121,7 +121,11 @@ class EngineClient:
         live = [c.stats for c in self._cores if c.alive] or [EngineStats()]
         if len(live) == 1:
             return live[0]
-        total = {f: sum(getattr(s, f) for s in live) for f in EngineStats.__struct_fields__}
+        total = {f: sum(getattr(s, f) for s in live) for f in EngineStats.__struct_fields__
+                 if not isinstance(getattr(live[0], f), tuple)}  # fmt: skip
+        # the cores run one model: the same KV groups, their blocks summed
+        total["kv_group_kinds"] = live[0].kv_group_kinds
+        total["kv_group_blocks"] = tuple(map(sum, zip(*(s.kv_group_blocks for s in live), strict=True)))
         blocks = total["num_blocks"]
         total["kv_usage"] = sum(s.kv_usage * s.num_blocks for s in live) / blocks if blocks else 0.0
         return EngineStats(**total)

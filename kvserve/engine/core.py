@@ -431,4 +431,6 @@ class EngineCore:
             num_threads=engine.runner.num_threads,
             num_thread_changes=engine.runner.num_thread_changes,
             cpu_lost=engine.runner.cpu_lost,
+            kv_group_kinds=tuple(g.name for g in kv.groups),
+            kv_group_blocks=tuple(kv.blocks_in_use()),
         )

@@ -92,8 +92,9 @@ class LLMEngine:
         self.eos_token_ids = stop_token_ids(config.model_dir, config.model, tokenizer)
         self.num_blocks = config.num_blocks
         self.kv_manager = KVCacheManager(
-            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            config.kv_layout,
+        )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = make_runner(config, self.num_blocks)  # rank 0 of N when tensor-parallel
         self._samples: dict[str, _Sample] = {}
@@ -194,11 +195,13 @@ class LLMEngine:
             )
         # Alone in the cache it must fit whole, with the speculative proposer's lookahead slots.
         lookahead = self.config.scheduler.num_lookahead_tokens if params.speculate else 0
-        needed = self.kv_manager.num_blocks_for(num_prompt + max_tokens + lookahead)
-        if needed > self.num_blocks:
+        needed = self.kv_manager.num_blocks_for(
+            num_prompt + max_tokens + lookahead, self.config.scheduler.max_num_batched_tokens
+        )
+        if needed > self.kv_manager.num_blocks:
             raise CapacityError(
                 f"prompt + max_tokens = {num_prompt + max_tokens} tokens (+ {lookahead} lookahead) need "
-                f"{needed} KV blocks; the cache has {self.num_blocks} blocks of "
+                f"{needed} KV blocks; the cache has {self.kv_manager.num_blocks} blocks of "
                 f"{self.config.cache.block_size} tokens",
                 "max_tokens",
             )
@@ -425,12 +428,13 @@ class LLMEngine:
                 f"{len(token_ids)} tokens do not fit the free KV cache now", "prompt"
             )
         try:
-            block_ids = tuple(self.kv_manager.block_ids(request.request_id))
+            block_ids, *group_ids = map(tuple, self.kv_manager.group_block_ids(request.request_id))
             step = chunk_size or len(token_ids)
             parts = []
             for start in range(0, len(token_ids), step):
                 chunk = ScheduledChunk(
-                    request.request_id, token_ids[start : start + step], start, block_ids, False, 0
+                    request.request_id, token_ids[start : start + step], start, block_ids, False, 0,
+                    group_block_ids=tuple(group_ids),
                 )
                 parts.append(self.runner.score((chunk,)))
             return torch.cat(parts)

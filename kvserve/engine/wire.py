@@ -83,6 +83,10 @@ class EngineStats(msgspec.Struct, frozen=True):
     num_threads: int = 0  # the next step's threads (kvserve/threads.py TeamSizer)
     num_thread_changes: int = 0
     cpu_lost: float = 0.0  # the last window's run delay per thread-second (TeamSizer.last_lost)
+    # per KV group (kv/groups.py; one for most models): its kind ("full", "window512") and the
+    # blocks its tables hold now
+    kv_group_kinds: tuple[str, ...] = ()
+    kv_group_blocks: tuple[int, ...] = ()
 
 
 class FrozenMetrics(msgspec.Struct, frozen=True):

@@ -262,10 +262,16 @@ class DecoderLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[LayerKVCache],
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        fused = self._fused_for(input_ids.shape[0], kv_caches, meta, backend)
+        """`meta`: the step's attention metadata, or one per layer (a hybrid KV layout's layers read
+        their own group's block tables, kv/groups.py)."""
+        if isinstance(meta, list):
+            metas, fused = meta, None
+        else:
+            metas = [meta] * len(self.layers)
+            fused = self._fused_for(input_ids.shape[0], kv_caches, meta, backend)
         if fused is not None:
             # the whole step in one native call (decode rows only), the lookups included
             single = meta.single
@@ -281,9 +287,9 @@ class DecoderLM(nn.Module):
         residual = None
         rope = self.rotary(positions)
         local_rope = rope if self.rotary_local is None else self.rotary_local(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
             layer_rope = local_rope if layer.local_rope else rope
-            hidden, residual = layer(hidden, residual, layer_rope, kv_cache, meta, backend)
+            hidden, residual = layer(hidden, residual, layer_rope, kv_cache, layer_meta, backend)
         return self.norm.add_norm(hidden, residual)[0]
 
     def use_cpu_kernels(self, enabled: bool) -> None:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve.kv.groups import plan_layout
 from kvserve.plan.model import ModelSpec
 
 
@@ -45,6 +46,22 @@ def prefill_flops(model: ModelSpec, num_tokens: float, num_cached_tokens: float 
 def kv_bytes_per_token(model: ModelSpec, bytes_per_value: float) -> float:
     """k = 2 L n_kv d_h b: keys and values of one token of one sequence (not query heads)."""
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * bytes_per_value
+
+
+def kv_bytes_per_sequence(
+    model: ModelSpec, bytes_per_value: float, num_tokens: float, block_size: int = 16
+) -> float:
+    """KV bytes one sequence of `num_tokens` tokens holds. Every layer global: k x tokens. A hybrid
+    model (sliding-window and global layers, kv/groups.py) as the engine holds it: each group's blocks,
+    window groups only those the next query still sees, times the bytes of a block (one layer per slot,
+    `group_size` slots): docs/planning.md "Hybrid models"."""
+    if not model.layer_windows:
+        return kv_bytes_per_token(model, bytes_per_value) * num_tokens
+    layout = plan_layout(model.layer_windows)
+    if not layout.hybrid:
+        return kv_bytes_per_token(model, bytes_per_value) * num_tokens
+    block_bytes = 2 * layout.group_size * model.num_kv_heads * model.head_dim * bytes_per_value
+    return layout.blocks_held(math.ceil(num_tokens), block_size) * block_size * block_bytes
 
 
 def decode_step_bytes(
@@ -131,12 +148,16 @@ def free_cache_bytes(memory_bytes: float, weight_bytes: float, overhead_bytes: f
 
 
 def max_concurrent_sequences(
-    free_bytes: float, kv_bytes_per_token: float, tokens_per_sequence: float
+    free_bytes: float, kv_bytes_per_token: float, tokens_per_sequence: float,
+    bytes_per_sequence: float | None = None,
 ) -> int:
-    """floor(free / (k x (prompt + output))); 0 when nothing fits."""
+    """floor(free / (k x (prompt + output))), or free / `bytes_per_sequence` where a hybrid model's
+    sequence holds less (`kv_bytes_per_sequence`); 0 when nothing fits."""
     if free_bytes <= 0:
         return 0
-    return math.floor(free_bytes / (kv_bytes_per_token * tokens_per_sequence))
+    if bytes_per_sequence is None:
+        bytes_per_sequence = kv_bytes_per_token * tokens_per_sequence
+    return math.floor(free_bytes / bytes_per_sequence)
 
 
 def max_concurrent_shared_prefix(

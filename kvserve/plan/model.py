@@ -56,6 +56,8 @@ class ModelSpec:
     o_bias: bool = False  # Llama `attention_bias=True` also biases o_proj
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (2 d_h weights per layer)
+    # per layer, the keys a query sees (None: all); () when every layer attends to the whole context
+    layer_windows: tuple[int | None, ...] = ()
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -150,6 +152,7 @@ def from_hf_config(config: dict[str, Any], name: str = "") -> ModelSpec:
     model_type = str(config.get("model_type", ""))
     attention_bias = bool(config.get("attention_bias", False))
     return ModelSpec(
+        layer_windows=_layer_windows(config),
         name=str(name),
         hidden_size=hidden,
         num_layers=layers,
@@ -167,6 +170,18 @@ def from_hf_config(config: dict[str, Any], name: str = "") -> ModelSpec:
         qk_norm=model_type == "qwen3",
         source=f"config.json ({model_type or 'unknown model_type'})",
     )
+
+
+def _layer_windows(config: dict[str, Any]) -> tuple[int | None, ...]:
+    """Per-layer sliding windows as the engine reads them (kvserve.config.ModelConfig), or () when
+    every layer is global or the config does not parse there."""
+    from kvserve.config import ModelConfig
+
+    try:
+        windows = ModelConfig.from_dict(config).layer_windows
+    except Exception:  # noqa: BLE001 - the planner also takes configs the engine does not serve
+        return ()
+    return windows if any(w is not None for w in windows) else ()
 
 
 def _preset(

@@ -433,7 +433,8 @@ def make_plan(
         rank, weight_bytes, k, bw, hardware.peak_flops_per_s, a.mfu, comm, engine
     )
     free = arith.free_cache_bytes(hardware.memory_bytes, weight_bytes, a.overhead_bytes)
-    b_max = arith.max_concurrent_sequences(free, k, w.tokens_per_request)
+    kv_request = arith.kv_bytes_per_sequence(rank, b, w.tokens_per_request)
+    b_max = arith.max_concurrent_sequences(free, k, w.tokens_per_request, kv_request)
     notes = _notes(model, hardware, fmt, w, weight_bytes, a.overhead_bytes, b_max)
     if engine is not None:
         used = "; ".join(f"{k}: {v}" for k, v in engine.sources().items())
@@ -464,7 +465,7 @@ def make_plan(
         formats=format_rows(model, fmt),
         kv_bytes_per_value=b,
         kv_bytes_per_token=k,
-        kv_bytes_per_request=k * w.tokens_per_request,
+        kv_bytes_per_request=kv_request,
         bandwidth_bytes_per_s=bw,
         free_cache_bytes=free,
         max_concurrent=b_max,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvserve.plan.arith import kv_bytes_per_sequence, max_concurrent_sequences
 from kvserve.plan.planner import Cost, PlanResult
 
 
@@ -98,8 +99,36 @@ def memory_lines(p: PlanResult) -> list[str]:
     lines = [
         f"KV cache  {p.kv_dtype}: b = {p.kv_bytes_per_value:g} B/value{one}",
         f"  per token    k = 2 L n_kv d_h b = {p.kv_bytes_per_token:,.0f} B",
-        f"  per request  k x ({w.prompt_tokens} prompt + {w.output_tokens} output tokens) = "
-        f"{fmt_bytes(p.kv_bytes_per_request)}",
+    ]
+    windows = [x for x in p.model.layer_windows if x is not None]
+    if not windows:
+        lines.append(
+            f"  per request  k x ({w.prompt_tokens} prompt + {w.output_tokens} output tokens) = "
+            f"{fmt_bytes(p.kv_bytes_per_request)}"
+        )
+    else:
+        # hybrid: window layers hold their window only (kv/groups.py, docs/planning.md)
+        b, full = p.kv_bytes_per_value, len(p.model.layer_windows) - len(windows)
+        lines.append(
+            f"  hybrid       {full} global + {len(windows)} sliding-window layers (window "
+            f"{windows[0]:,}): a request holds the window's blocks only in the window layers"
+        )
+        lines.append(
+            f"  per request  {w.prompt_tokens} prompt + {w.output_tokens} output tokens = "
+            f"{fmt_bytes(p.kv_bytes_per_request)} (every layer global: "
+            f"{fmt_bytes(p.kv_bytes_per_token * w.tokens_per_request)})"
+        )
+        for context in (8192, 32768):
+            if context <= p.model.max_position_embeddings:
+                hybrid = kv_bytes_per_sequence(p.model, b, context)
+                lines.append(
+                    f"  at {context:,} tokens  {fmt_bytes(hybrid)} hybrid vs "
+                    f"{fmt_bytes(p.kv_bytes_per_token * context)} full "
+                    f"({p.kv_bytes_per_token * context / hybrid:.1f}x); max concurrent "
+                    f"{max_concurrent_sequences(p.free_cache_bytes, 0, 0, hybrid):,} vs "
+                    f"{max_concurrent_sequences(p.free_cache_bytes, p.kv_bytes_per_token, context):,}"
+                )
+    lines += [
         f"Memory  {fmt_bytes(h.memory_bytes)} - weights {fmt_bytes(p.weight_bytes)} - overhead "
         f"{fmt_bytes(a.overhead_bytes)} (assumed) = {fmt_bytes(p.free_cache_bytes)} for KV cache",
         f"  max concurrent full-length requests  {p.max_concurrent:,}",

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvserve.config import KVLayout
 from kvserve.model.attention import AttentionBackend, build_attention_metadata, cpu_attention
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.kv_cache import LayerKVCache, allocate_layers
@@ -42,13 +43,16 @@ def forward_chunks(
     model: DecoderLM,
     kv_caches: list[LayerKVCache],
     attention: AttentionBackend,
-    chunks: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+    chunks: Sequence[tuple[int, Sequence[int], Sequence]],
     block_size: int,
     device: torch.device,
     logit_rows: Sequence[int] | None,
+    layout: KVLayout | None = None,
 ) -> torch.Tensor:
     """`chunks`: (start position, token ids, block ids) per request, in batch order. Writes their K/V into
     `kv_caches` and returns logits [len(logit_rows), V] for the given flat rows (None: every row).
+    With a hybrid `layout` (kv/groups.py) the third element is every group's block table
+    (`ScheduledChunk.tables`) and each layer attends through its own group's.
 
     With the CPU kernels, each prompt chunk within `attends_by_row`'s bound runs its tokens as decode
     rows of their own: a prompt token's attention is then the decode kernel's, the same code a decode
@@ -62,10 +66,22 @@ def forward_chunks(
     for start, token_ids, _ in chunks:
         input_ids.extend(token_ids)
         positions.extend(range(start, start + len(token_ids)))
-    spans = [(start, len(token_ids), block_ids) for start, token_ids, block_ids in chunks]
-    if attention is cpu_attention and device.type == "cpu" and any(n > 1 for _, n, _ in spans):
-        spans = as_rows(spans)  # a step of rows only, at most the fused step's, runs fused
-    meta = build_attention_metadata(spans, block_size, device)
+    device = torch.device(device)
+    by_rows = attention is cpu_attention and device.type == "cpu"
+
+    def metadata(spans):
+        if by_rows and any(n > 1 for _, n, _ in spans):
+            spans = as_rows(spans)  # a step of rows only, at most the fused step's, runs fused
+        return build_attention_metadata(spans, block_size, device)
+
+    if layout is None or not layout.hybrid:
+        meta = metadata([(start, len(tokens), block_ids) for start, tokens, block_ids in chunks])
+    else:
+        per_group = [
+            metadata([(start, len(tokens), tables[g]) for start, tokens, tables in chunks])
+            for g in range(len(layout.groups))
+        ]
+        meta = [per_group[g] for g in layout.layer_group]  # one per layer
     ids_t = torch.tensor(input_ids, device=device)  # [T]
     positions_t = torch.tensor(positions, device=device)  # [T]
     hidden = model(ids_t, positions_t, kv_caches, meta, attention)  # [T, hidden_size]
@@ -81,11 +97,18 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
     kv_cache_dtype: str = "auto",
+    layout: KVLayout | None = None,
 ) -> tuple[list[torch.Tensor], list[LayerKVCache]]:
-    """The backing tensors ([num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] values or
-    codes, and for 8-bit caches their scales) and one `LayerKVCache` per layer."""
+    """The backing tensors ([slots, 2, num_blocks, block_size, num_kv_heads, head_dim] values or codes,
+    and for 8-bit caches their scales) and one `LayerKVCache` per layer. A block has one slot per layer,
+    or with a hybrid `layout` one per layer of a group: each layer reads its slot through its group's
+    block ids, so two groups never share a block (kv/groups.py)."""
     config = model.config
-    return allocate_layers(
-        config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+    slots = config.num_layers if layout is None or not layout.hybrid else layout.group_size
+    tensors, views = allocate_layers(
+        slots, num_blocks, block_size, config.num_kv_heads, config.head_dim,
         dtype, kv_cache_dtype, device,
     )  # fmt: skip
+    if slots == config.num_layers:
+        return tensors, views
+    return tensors, [views[slot] for slot in layout.layer_slot]

@@ -68,9 +68,10 @@ class ModelRunner:
         if config.attention_backend == "torch":  # the pure-torch reference path throughout
             self.model.use_cpu_kernels(False)
         self.vocab_size = config.model.vocab_size
+        self.layout = config.kv_layout  # kv/groups.py: one block table, or one per group
         self.kv_tensors, self.kv_caches = allocate_kv_cache(
             self.model, num_blocks, self.block_size, dtype, self.device,
-            config.cache.kv_cache_dtype,
+            config.cache.kv_cache_dtype, self.layout,
         )  # fmt: skip
         self.sampler = Sampler(config.seed, self.device)
         self.states: dict[str, RequestState] = {}
@@ -143,8 +144,14 @@ class ModelRunner:
         [len(rows), V] (rows None: every row). A tensor-parallel runner sends the same input to
         its other ranks first."""
         return forward_chunks(
-            self.model, self.kv_caches, self.attention, chunks, self.block_size, self.device, rows
-        )
+            self.model, self.kv_caches, self.attention, chunks, self.block_size, self.device, rows,
+            self.layout,
+        )  # fmt: skip
+
+    def _span(self, chunk: ScheduledChunk) -> tuple:
+        """What `forward_chunks` takes of a chunk: its block table, or every group's (hybrid)."""
+        tables = chunk.tables if self.layout.hybrid else chunk.block_ids
+        return (chunk.start_position, chunk.token_ids, tables)
 
     def shutdown(self) -> None:
         """Release what outlives the runner object (worker processes, in a tensor-parallel one)."""
@@ -202,7 +209,7 @@ class ModelRunner:
             if chunk.sample:  # the last committed token and each proposal predict a token
                 rows.extend(range(row - 1 - chunk.num_spec_tokens, row))
         start = time.perf_counter()
-        logits = self._forward([(c.start_position, c.token_ids, c.block_ids) for c in chunks], rows)
+        logits = self._forward([self._span(c) for c in chunks], rows)
         if any(c.num_spec_tokens for c in sampling):
             self.spec_stats.target_time_s += time.perf_counter() - start
         results = self._sample(logits, sampling)
@@ -412,7 +419,7 @@ class ModelRunner:
     @torch.inference_mode()
     def score(self, chunks: tuple[ScheduledChunk, ...]) -> torch.Tensor:
         """Logits [T, V] for every position of the chunks (evaluation and cache-equivalence checks)."""
-        return self._forward([(c.start_position, c.token_ids, c.block_ids) for c in chunks], None)
+        return self._forward([self._span(c) for c in chunks], None)
 
 
 def _grammar_prefix(matcher, token_ids: list[int]) -> list[int]:

@@ -27,7 +27,7 @@ from kvserve.core.outputs import (
     SchedulerOutput,
 )
 from kvserve.core.request import Request, RequestStatus
-from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.manager import GroupBlocks, KVCacheManager
 
 
 @dataclass
@@ -187,7 +187,7 @@ class Scheduler:
             preempted_request_ids=tuple(r.request_id for r in preempted),
         )
 
-    def _computed_prefix(self, request: Request) -> tuple[list[int], int]:
+    def _computed_prefix(self, request: Request) -> tuple[GroupBlocks, int]:
         """Blocks a request being admitted need not compute: its prompt sibling's full prompt blocks
         (shared by reference, with or without prefix caching), else the longest prefix-cache hit."""
         hits, num_cached = self.kv.get_computed_blocks(request)
@@ -198,7 +198,9 @@ class Scheduler:
             # always stays to be computed (it yields the first sample).
             num_full = min(request.num_prompt_tokens - 1, source.num_computed_tokens) // block_size
             if num_full * block_size > num_cached:
-                return self.kv.block_ids(source.request_id)[:num_full], num_full * block_size
+                shared, num_shared = self.kv.shared_prefix(source.request_id, num_full)
+                if num_shared > num_cached:
+                    return shared, num_shared
         return hits, num_cached
 
     def _lookahead(self, request: Request) -> int:
@@ -207,13 +209,15 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledChunk:
         start = request.num_computed_tokens
         token_ids = request.token_ids(start, start + num_new)
+        tables = self.kv.group_block_ids(request.request_id)
         if num_spec:
             token_ids += tuple(request.spec_token_ids[:num_spec])
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=token_ids,
             start_position=start,
-            block_ids=tuple(self.kv.block_ids(request.request_id)),
+            block_ids=tuple(tables[0]),
+            group_block_ids=tuple(tuple(t) for t in tables[1:]),
             sample=start + num_new == request.num_tokens,
             num_output_tokens=request.num_output_tokens,
             num_spec_tokens=num_spec,

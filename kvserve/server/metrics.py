@@ -85,6 +85,18 @@ class _EngineCollector(Collector):
             for index, _, core in cores:
                 family.add_metric([str(index)], getattr(core, field_name))
             yield family
+        groups = GaugeMetricFamily(
+            "kvserve_engine_kv_blocks_in_use",
+            "KV blocks held per KV group of this core (a hybrid model's global and sliding-window "
+            "groups; docs/scheduling.md)",
+            labels=["engine", "group", "kind"],
+        )
+        for index, _, core in cores:
+            for group, (kind, num) in enumerate(
+                zip(core.kv_group_kinds, core.kv_group_blocks, strict=True)
+            ):
+                groups.add_metric([str(index), str(group), kind], num)
+        yield groups
         stats = self._stats() or EngineStats()
         yield GaugeMetricFamily(
             "kvserve_num_requests_running", "Requests running", stats.num_running
