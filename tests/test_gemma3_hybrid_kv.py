@@ -47,7 +47,7 @@ def test_a_4000_token_request_holds_only_the_windows_blocks(llm):
     engine = llm.engine
     kv = engine.kv_manager
     plan_model = load_plan_model(str(resolve_model(str(gemma3_gguf()))))  # its model directory
-    block_bytes = engine.runner.kv_cache_bytes / engine.num_blocks
+    block_bytes = engine.runner.kv_cache_bytes / engine.runner.num_blocks
     value_bytes = DTYPE_BYTES[engine.config.dtype]
     engine.add_request("long", prompt(4000, 1), SamplingParams(temperature=0.0, max_tokens=24,
                                                                 ignore_eos=True))  # fmt: skip

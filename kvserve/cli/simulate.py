@@ -199,6 +199,12 @@ def _deployment(args: argparse.Namespace, profile_path: str | None):
             f"kvserve simulate: no MODEL given: the default model, {DEFAULT_MODEL}", file=sys.stderr
         )
         args.model = str(resolve_model(DEFAULT_MODEL))
+    else:  # a built-in name or a GGUF file: its model directory, as `plan`
+        from kvserve.gguf.model_dir import is_gguf_path
+        from kvserve.models import BUILTIN_MODELS, resolve_model
+
+        if args.model in BUILTIN_MODELS or is_gguf_path(args.model):
+            args.model = str(resolve_model(args.model))
     assumptions = Assumptions(
         mfu=args.mfu, bandwidth_fraction=args.bw_fraction, overhead_bytes=args.overhead_gb * 1e9
     )
@@ -224,8 +230,9 @@ def _shape(args: argparse.Namespace, deployment, max_len_needed: int):
         return value if value is not None else d.get(key, fallback)
 
     block_size = pick(args.block_size, "block_size", 16)
-    num_blocks = args.num_blocks or d.get("num_blocks") or deployment.num_blocks(block_size)
     max_model_len = pick(args.max_model_len, "max_model_len", max_len_needed)
+    layout = deployment.layout(max_model_len)  # a hybrid model's KV groups (kv/groups.py)
+    num_blocks = args.num_blocks or d.get("num_blocks") or deployment.num_blocks(block_size, layout)
     speculative = None
     if args.speculative_k:
         from kvserve.sim.speculative import SpecModel
@@ -244,6 +251,7 @@ def _shape(args: argparse.Namespace, deployment, max_len_needed: int):
         enable_prefix_caching=not args.no_prefix_caching and d.get("enable_prefix_caching", True),
         static_batch_size=args.static_batch_size,
         static_timeout_s=parse_duration_s(args.static_timeout),
+        layout=layout,
     )
 
 

@@ -90,6 +90,24 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
             str(c.dtype), c.quantization, c.quantization_method, c.model_dir, c.gguf_activations
         ),
         kv_cache_sizing=c.cache.sizing,
+        kv_cache_bytes=int(engine.runner.kv_cache_bytes),
+        kv_groups=describe_groups(engine.kv_manager.layout),
+        blocks_per_full_seq=engine.kv_manager.num_blocks_for(
+            engine.max_model_len, c.scheduler.max_num_batched_tokens
+        ),
+    )
+
+
+def describe_groups(layout) -> str:
+    """One line on a hybrid layout's KV groups, "" for one table."""
+    if not layout.hybrid:
+        return ""
+    full = sum(g.window is None for g in layout.groups)
+    windows = sorted({g.window for g in layout.groups if g.window is not None})
+    return (
+        f"hybrid: {full} global + {len(layout.groups) - full} sliding-window group(s) (window "
+        f"{', '.join(map(str, windows))}) of {layout.group_size} layers; window groups return "
+        "blocks their window has left"
     )
 
 

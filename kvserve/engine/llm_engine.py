@@ -90,13 +90,15 @@ class LLMEngine:
             tokenizer = load_tokenizer(config.model_dir)
         self.tokenizer = tokenizer
         self.eos_token_ids = stop_token_ids(config.model_dir, config.model, tokenizer)
-        self.num_blocks = config.num_blocks
         self.kv_manager = KVCacheManager(
-            self.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            config.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
             config.kv_layout,
         )  # fmt: skip
+        # blocks requests can hold: the runner's tensors have one more under a hybrid layout, its
+        # null block (kv/groups.py)
+        self.num_blocks = self.kv_manager.num_blocks
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
-        self.runner = make_runner(config, self.num_blocks)  # rank 0 of N when tensor-parallel
+        self.runner = make_runner(config, config.num_blocks)  # rank 0 of N when tensor-parallel
         self._samples: dict[str, _Sample] = {}
         self._parents: dict[str, _Parent] = {}
         self._grammars = None
@@ -198,10 +200,10 @@ class LLMEngine:
         needed = self.kv_manager.num_blocks_for(
             num_prompt + max_tokens + lookahead, self.config.scheduler.max_num_batched_tokens
         )
-        if needed > self.kv_manager.num_blocks:
+        if needed > self.num_blocks:
             raise CapacityError(
                 f"prompt + max_tokens = {num_prompt + max_tokens} tokens (+ {lookahead} lookahead) need "
-                f"{needed} KV blocks; the cache has {self.kv_manager.num_blocks} blocks of "
+                f"{needed} KV blocks; the cache has {self.num_blocks} blocks of "
                 f"{self.config.cache.block_size} tokens",
                 "max_tokens",
             )

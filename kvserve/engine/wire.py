@@ -60,6 +60,9 @@ class EngineInfo(msgspec.Struct, frozen=True):
     grammar_compile_timeout_s: float = 60.0  # the core abandons a compile past this
     weights: str = ""  # the weights' format (kvserve.quant.describe.describe_weights)
     kv_cache_sizing: str = ""  # how the KV cache's size was chosen (kvserve.kv_sizing)
+    kv_cache_bytes: int = 0  # the runner's KV tensors
+    kv_groups: str = ""  # a hybrid model's KV groups (kv/groups.py); "" for one table
+    blocks_per_full_seq: int = 0  # the most blocks a full-length request holds at once
 
 
 class EngineStats(msgspec.Struct, frozen=True):

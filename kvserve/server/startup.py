@@ -10,9 +10,9 @@ def startup_summary(info, served_model_name: str, url: str, num_cores: int = 1) 
     model, dtype, weight format, KV blocks and tokens and how their number was chosen, how many full-length sequences fit at once, and the URLs."""
     block_size = info.block_size
     num_kv_tokens = info.num_blocks * block_size
-    blocks_per_full_seq = math.ceil(info.max_model_len / block_size)
+    blocks_per_full_seq = info.blocks_per_full_seq or math.ceil(info.max_model_len / block_size)
     max_full_len_seqs = info.num_blocks // blocks_per_full_seq
-    kv_bytes = num_kv_tokens * info.kv_bytes_per_token
+    kv_bytes = info.kv_cache_bytes or num_kv_tokens * info.kv_bytes_per_token
     cores = f"; {num_cores} engine cores (data parallel), each with" if num_cores > 1 else ""
     lines = [
         f"kvserve: serving {served_model_name!r} from {info.model_dir}",
@@ -24,6 +24,7 @@ def startup_summary(info, served_model_name: str, url: str, num_cores: int = 1) 
         f"tokens ({kv_bytes / 2**20:,.1f} MiB); prefix caching "
         f"{'on' if info.enable_prefix_caching else 'off'}",
         f"  KV sizing  {info.kv_cache_sizing or 'given'}",
+        *([f"  KV groups  {info.kv_groups}"] if info.kv_groups else []),
         f"  capacity   {max_full_len_seqs:,d} sequences at the full {info.max_model_len:,d}-token "
         f"length at once (max running sequences {info.max_num_seqs})",
         f"  speculative {info.speculative}",

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import RunnerOutput, SampledTokens, SchedulerOutput
+from kvserve.kv.groups import KVLayout
 from kvserve.kv.manager import KVCacheManager
 from kvserve.sched.scheduler import Scheduler
 from kvserve.sim.cost import CostModel
@@ -73,8 +74,10 @@ def simulate_continuous(
     policy: str = "continuous",
     on_step: StepHook | None = None,
     acceptance: Acceptance | None = None,
+    layout: KVLayout | None = None,
 ) -> SimRun:
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    """`layout`: a hybrid model's KV groups, as the engine keeps them (kv/groups.py)."""
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout)
     scheduler = Scheduler(scheduler_config, kv)
     timelines = [RequestTimeline(r) for r in requests]
     by_id = {t.request_id: t for t in timelines}
@@ -105,7 +108,10 @@ def simulate_continuous(
             next_arrival += 1
             sim = timeline.request
             if timeline.reject(
-                validation_error(sim, scheduler_config.max_model_len, num_blocks, block_size)
+                validation_error(
+                    sim, scheduler_config.max_model_len, num_blocks, block_size, layout,
+                    scheduler_config.max_num_batched_tokens,
+                )
             ):
                 scheduler.add_request(make_request(sim))
         out = scheduler.schedule(now)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.kv.groups import KVLayout, plan_layout
 from kvserve.plan import (
     Assumptions,
     HardwareProfile,
@@ -36,13 +37,26 @@ class Deployment:
     kv_bytes_per_token: float | None
     description: dict[str, Any]
     defaults: dict[str, Any]
+    # per layer, the keys a query sees (None: all); () when every layer is global (plan.model)
+    layer_windows: tuple[int | None, ...] = ()
 
-    def num_blocks(self, block_size: int) -> int:
+    def layout(self, max_model_len: int) -> KVLayout | None:
+        """The engine's KV groups for this model (kv/groups.py), None when it keeps one table."""
+        if not self.layer_windows:
+            return None
+        layout = plan_layout(self.layer_windows, max_model_len)
+        return layout if layout.hybrid else None
+
+    def num_blocks(self, block_size: int, layout: KVLayout | None = None) -> int:
+        """Blocks the cache holds; a hybrid layout's block holds one group's layers, not all."""
         if self.kv_cache_bytes is None or not self.kv_bytes_per_token:
             raise SimError(
                 "this cost model does not say how large the KV cache is: give --num-blocks"
             )
-        num = int(self.kv_cache_bytes // (self.kv_bytes_per_token * block_size))
+        per_token = self.kv_bytes_per_token
+        if layout is not None:
+            per_token = per_token * layout.group_size / layout.num_layers
+        num = int(self.kv_cache_bytes // (per_token * block_size))
         if num < 1:
             raise SimError(
                 f"the KV cache ({self.kv_cache_bytes / 1e9:.3g} GB) holds no block of {block_size} "
@@ -96,6 +110,7 @@ def roofline_deployment(
         k,
         description,
         {"max_model_len": model.max_position_embeddings},
+        model.layer_windows,
     )
 
 

@@ -17,6 +17,7 @@ from collections import deque
 
 from kvserve.core.outputs import ScheduledChunk, SchedulerOutput
 from kvserve.core.request import Request
+from kvserve.kv.groups import KVLayout
 from kvserve.kv.manager import KVCacheManager
 from kvserve.sim.cost import CostModel
 from kvserve.sim.loop import StepHook
@@ -125,10 +126,12 @@ def simulate_static(
     block_size: int = 16,
     max_model_len: int = 1 << 30,
     on_step: StepHook | None = None,
+    layout: KVLayout | None = None,
 ) -> SimRun:
+    """`layout`: a hybrid model's KV groups, as the engine keeps them (kv/groups.py)."""
     if batch_size < 1 or timeout_s < 0:
         raise SimError("static batching needs batch_size >= 1 and timeout >= 0")
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, layout=layout)
     timelines = [RequestTimeline(r) for r in requests]
     pending = deque(sorted(timelines, key=lambda t: (t.request.arrival_s, t.request.index)))
     queue: deque[RequestTimeline] = deque()
@@ -138,7 +141,9 @@ def simulate_static(
         while pending and pending[0].request.arrival_s <= now:
             timeline = pending.popleft()
             if timeline.reject(
-                validation_error(timeline.request, max_model_len, num_blocks, block_size)
+                validation_error(
+                    timeline.request, max_model_len, num_blocks, block_size, layout
+                )
             ):
                 queue.append(timeline)
         if not queue:

@@ -15,6 +15,7 @@ from kvserve.bench.capacity import Trial, find_capacity
 from kvserve.bench.slo import ObjectiveSet, passes
 from kvserve.bench.summary import summarize
 from kvserve.config import ADMISSION_POLICIES, SchedulerConfig
+from kvserve.kv.groups import KVLayout
 from kvserve.sim.cost import CostModel
 from kvserve.sim.loop import StepHook, simulate_continuous
 from kvserve.sim.speculative import Acceptance, SpecModel, SpeculativeCost
@@ -71,6 +72,7 @@ class EngineShape:
     static_timeout_s: float = 1.0
     speculative: SpecModel | None = None  # continuous policies only
     seed: int = 0  # acceptance draws
+    layout: KVLayout | None = None  # a hybrid model's KV groups (kv/groups.py); None: one table
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_seqs, self.chunk_tokens) < 1:
@@ -99,6 +101,7 @@ class EngineShape:
             "static_batch_size": self.static_batch_size or self.max_num_seqs,
             "static_timeout_s": self.static_timeout_s,
             "speculative": self.speculative.describe() if self.speculative else None,
+            "kv_groups": [g.name for g in self.layout.groups] if self.layout else ["full"],
         }
 
 
@@ -122,6 +125,7 @@ def run_policy(
             shape.block_size,
             shape.max_model_len,
             on_step,
+            shape.layout,
         )
     acceptance = None
     if shape.speculative is not None:
@@ -137,6 +141,7 @@ def run_policy(
         policy.name,
         on_step,
         acceptance,
+        shape.layout,
     )
 
 

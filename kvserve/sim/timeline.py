@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvserve.bench.records import RequestRecord, StreamEvent
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.kv.groups import KVLayout
 from kvserve.sim.workload import SimRequest
 
 FAKE_TOKEN_ID = 1  # every simulated sampled token; never an end-of-sequence id
@@ -153,10 +154,13 @@ REJECTION_KINDS = {
 
 
 def validation_error(
-    sim: SimRequest, max_model_len: int, num_blocks: int, block_size: int
+    sim: SimRequest, max_model_len: int, num_blocks: int, block_size: int,
+    layout: KVLayout | None = None, max_chunk: int | None = None,
 ) -> tuple[str, str] | None:
     """The engine's admission checks (LLMEngine.validate): too long for the context, or more KV
-    blocks than the whole cache holds. (kind, message), or None when the request is admitted."""
+    blocks than the whole cache holds (with a hybrid `layout`, its peak over the groups when
+    prompt chunks are at most `max_chunk` tokens; block 0 is its null block). (kind, message), or
+    None when the request is admitted."""
     total = sim.num_prompt_tokens + sim.num_output_tokens
     if sim.num_prompt_tokens >= max_model_len or total > max_model_len:
         return (
@@ -164,10 +168,13 @@ def validation_error(
             f"prompt {sim.num_prompt_tokens} + output {sim.num_output_tokens} = {total} tokens "
             f"exceeds the context of {max_model_len} tokens",
         )
-    if -(-total // block_size) > num_blocks:
+    needed = -(-total // block_size)
+    if layout is not None and layout.hybrid:
+        needed = layout.max_blocks(total, block_size, max_chunk or total)
+        num_blocks -= 1
+    if needed > num_blocks:
         return (
             "larger_than_cache",
-            f"{total} tokens need {-(-total // block_size)} KV blocks; the cache holds "
-            f"{num_blocks}",
+            f"{total} tokens need {needed} KV blocks; the cache holds {num_blocks}",
         )
     return None
