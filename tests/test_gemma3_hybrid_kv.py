@@ -95,3 +95,25 @@ def test_a_prefix_hit_on_a_long_prompt_gives_the_cold_logits(llm):
         for (_, x), (_, y) in zip(a.top, b.top, strict=True):
             assert abs(x - y) <= 1e-4, (a, b)
     llm.engine.check_invariants()
+
+
+def test_preemption_and_ngram_speculation_keep_the_greedy_ids(llm):
+    """A cache too small for the batch (requests preempted and recomputed) with n-gram proposals
+    verified through the window layers: the greedy ids of a roomy cache without speculation."""
+    from kvserve.engine.llm import LLM
+
+    rng = random.Random(3)
+    phrase = [rng.randrange(1000, 200_000) for _ in range(40)]
+    prompts = [[2] + (phrase * 20)[i * 7 : i * 7 + 700] for i in range(4)]  # repetitive: proposals hit
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    expected = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+    tight = LLM(str(gemma3_gguf()), max_model_len=1024, max_num_seqs=4, num_blocks=460,
+                max_num_batched_tokens=256, speculative_method="ngram",
+                num_speculative_tokens=4)  # fmt: skip
+    got = [list(o.outputs[0].token_ids) for o in tight.generate(prompts, params)]
+    stats = tight.engine.scheduler.stats
+    assert got == expected
+    assert stats.num_preemptions > 0  # the cache was too small for the four at once
+    assert tight.engine.runner.spec_stats.num_accepted > 0
+    tight.engine.check_invariants()
+    assert tight.engine.num_free_blocks() == tight.engine.num_blocks

@@ -19,7 +19,7 @@ FAULT_SEED = (
 MAX_BYTES = 200_000
 ARGS = ("--kv-cache-memory", "16MiB", "--max-model-len", "256", "--max-num-seqs", "4",
         "--inject-fault", f"request:{FAULT_SEED},delay:0.01", "--max-request-bytes", str(MAX_BYTES),
-        "--max-waiting", "32", "--log-level", "info")  # fmt: skip
+        "--max-waiting", "32", "--max-request-tokens", "4096", "--log-level", "info")  # fmt: skip
 NORMAL = {"prompt": "hello", "max_tokens": 3}
 
 
@@ -187,6 +187,15 @@ def test_an_emoji_as_a_surrogate_pair_is_fine(server):
         ("POST", "/v1/completions", json.dumps({"prompt": "hi", "stop": ["x" * 257]}).encode(),
          400, "at most 256 characters"),
         ("POST", "/v1/completions", b'{"prompt": ["a", "b", "c"], "n": 11}', 400, "--max-waiting"),
+        # issue 46: 6 KB that queued 16,000 samples and held the server for 99 s
+        ("POST", "/v1/completions",
+         json.dumps({"prompt": ["hi"] * 1000, "n": 16, "max_tokens": 4}).encode(), 400,
+         "1000 prompt(s) x n=16 = 16000 samples; this server takes at most 256"),
+        ("POST", "/v1/completions", json.dumps({"prompt": ["a"] * 20, "max_tokens": 250}).encode(),
+         400, "20 sample(s) x 250 tokens (max_tokens) = 5000 tokens of work"),
+        # a max_tokens past the context counts as the context (the context check refuses it alone)
+        ("POST", "/v1/completions", json.dumps({"prompt": ["a"] * 17, "max_tokens": 9999}).encode(),
+         400, "17 sample(s) x 256 tokens (max_tokens) = 4352 tokens of work"),
     ],
 )  # fmt: skip
 def test_every_error_is_openai_shaped(server, method, path, content, status, fragment):

@@ -74,6 +74,19 @@ def register(subparsers) -> None:
     limits = RequestLimits()
     parser.add_argument("--max-n", type=int, default=limits.max_n, help="largest n per request")
     parser.add_argument(
+        "--max-samples",
+        type=int,
+        default=limits.max_samples,
+        help="most samples (prompts x n) one request may create",
+    )
+    parser.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=limits.max_request_tokens,
+        help="most output tokens one request may ask for: samples x max_tokens (the context "
+        "length for a request without max_tokens)",
+    )
+    parser.add_argument(
         "--max-request-bytes",
         type=int,
         default=limits.max_request_bytes,
@@ -207,6 +220,8 @@ def run(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             max_json_depth=args.max_json_depth,
             max_n=args.max_n,
+            max_samples=args.max_samples,
+            max_request_tokens=args.max_request_tokens,
             max_stop_strings=args.max_stop_strings,
             max_stop_chars=args.max_stop_chars,
             max_grammar_bytes=args.max_grammar_bytes,

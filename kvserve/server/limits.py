@@ -50,6 +50,11 @@ class RequestLimits:
     # a structured-output constraint's text (schema, regex, grammar, the choices as JSON): a 20,000-value
     # enum (440 KB) compiled for over a minute; larger constraints are refused before any compile
     max_grammar_bytes: int = 128 * 1024
+    # the work one request may create: its samples (prompts x n) and their tokens (each sample's
+    # max_tokens, or the context when it gives none). 1,000 prompts x n=16 queued 16,000 samples and
+    # held a 2-core server for 99 s.
+    max_samples: int = 256
+    max_request_tokens: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:

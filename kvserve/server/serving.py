@@ -198,6 +198,13 @@ class OpenAIServing(JobAccounting):
             raise InvalidRequestError(
                 f"n must be at most {limits.max_n} on this server (--max-n), got {params.n}", "n"
             )
+        samples = num_prompts * params.n
+        if samples > limits.max_samples:
+            raise InvalidRequestError(
+                f"{num_prompts} prompt(s) x n={params.n} = {samples} samples; this server takes at "
+                f"most {limits.max_samples} per request (--max-samples)",
+                "n" if params.n > 1 else "prompt",
+            )
         structured = params.structured
         if structured is not None and len(structured.spec.encode()) > limits.max_grammar_bytes:
             raise InvalidRequestError(
@@ -233,6 +240,17 @@ class OpenAIServing(JobAccounting):
                 f"{num_prompts} prompt(s) x n={params.n} = {num_prompts * params.n} samples exceed "
                 f"the server's waiting-queue limit of {waiting_limit} (--max-waiting)",
                 "n",
+            )
+        # no sample outlives the context (a longer max_tokens is the context check's to refuse)
+        context = self.engine.info.max_model_len
+        per_sample = context if params.max_tokens is None else min(params.max_tokens, context)
+        if samples * per_sample > limits.max_request_tokens:
+            how = "max_tokens" if params.max_tokens is not None else "the context: no max_tokens"
+            raise InvalidRequestError(
+                f"{samples} sample(s) x {per_sample} tokens ({how}) = {samples * per_sample} tokens "
+                f"of work; this server takes at most {limits.max_request_tokens} per request "
+                "(--max-request-tokens): lower max_tokens, n or the number of prompts",
+                "max_tokens",
             )
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
