@@ -63,6 +63,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify in the next step
     # A sibling sample of the same prompt whose full prompt blocks this request may share (n > 1).
     prompt_source_id: str | None = None
+    # The client request it belongs to (the server's id: all prompts and samples of one API call);
+    # the scheduler admits the least-served group first (docs/scheduling.md "Fairness"). None: FCFS.
+    group: str | None = None
 
     def samples(self) -> list[Request]:
         """The n samples of this request: itself when n == 1; else n new requests with the ids of
@@ -85,6 +88,7 @@ class Request:
                     eos_token_ids=self.eos_token_ids,
                     cache_salt=self.cache_salt,
                     prompt_source_id=out[0].request_id if out else None,
+                    group=self.group,
                 )
             )
         return out

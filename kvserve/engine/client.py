@@ -223,6 +223,7 @@ class EngineClient:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         reserved: bool = False,
+        group: str | None = None,
     ) -> RequestStream:
         """Submit one request now (on the event loop); iterate the returned stream for its snapshots
         until it finishes, and `aclose` it to abort early. An invalid request raises its error from the
@@ -251,7 +252,9 @@ class EngineClient:
             if reserved:
                 self._num_reserved -= params.n
         core.send(
-            AddCmd(request_id, list(prompt_token_ids), params, prompt, cache_salt, arrival_time)
+            AddCmd(
+                request_id, list(prompt_token_ids), params, prompt, cache_salt, arrival_time, group
+            )
         )
         return RequestStream(self, request_id, queue)
 

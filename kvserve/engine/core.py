@@ -211,7 +211,7 @@ class EngineCore:
         try:
             self.engine.add_request(
                 cmd.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt,
-                cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time,
+                cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time, group=cmd.group,
             )  # fmt: skip
             self._unscheduled[cmd.request_id] = cmd
             self._live.add(cmd.request_id)

@@ -218,9 +218,11 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        group: str | None = None,
     ) -> None:
         """Queue a request: a `ValidatedRequest` from `validate` (not checked again), or token ids and
-        `params` (validated here). `prompt` is its text, if any (reported back, never tokenised)."""
+        `params` (validated here). `prompt` is its text, if any (reported back, never tokenised).
+        `group`: the client request it is part of, for fair admission (`Request.group`)."""
         if request_id in self._parents:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
         if isinstance(prompt_token_ids, ValidatedRequest):
@@ -247,6 +249,7 @@ class LLMEngine:
             max_tokens=validated.max_tokens,
             eos_token_ids=self.eos_token_ids,
             cache_salt=cache_salt,
+            group=group,
         )
         for index in range(params.n):  # the scheduler fans the request out under these ids
             sample_id = sample_request_id(request_id, index, params.n)

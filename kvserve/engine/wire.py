@@ -142,6 +142,7 @@ class AddCmd(msgspec.Struct, frozen=True, tag=True):
     prompt: str | None
     cache_salt: str | None
     arrival_time: float
+    group: str | None = None  # the client request it belongs to (fair admission)
 
 
 class AbortCmd(msgspec.Struct, frozen=True, tag=True):

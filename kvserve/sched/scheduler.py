@@ -3,7 +3,8 @@
 There is no prefill phase and no decode phase: each request has `num_computed_tokens` and `num_tokens`, and a
 step gives it up to the remaining token budget's worth of the difference (docs/scheduling.md). Running requests
 are served first in arrival order; waiting requests are admitted FCFS while the budget, `max_num_seqs` and the
-cache allow. With `on_demand` admission a running request that cannot grow preempts the newest running
+cache allow, except that samples of one client request (`Request.group`) yield to a request with fewer running
+samples and never take the last free slot (docs/scheduling.md "Fairness"). With `on_demand` admission a running request that cannot grow preempts the newest running
 request (recompute); with `reserve` admission a request is admitted only when prompt + max_tokens fit, so
 nothing is ever preempted.
 
@@ -143,6 +144,7 @@ class Scheduler:
             break
 
         # Admitting while preempting would let a newcomer take the blocks just freed for a running request.
+        running_by_group: dict[str, int] | None = None  # built at the first admission that needs it
         while (
             not preempted
             and self.waiting
@@ -150,6 +152,12 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.group is not None:
+                if running_by_group is None:
+                    running_by_group = self._running_by_group()
+                request = self._least_served(request, running_by_group)
+                if running_by_group.get(request.group, 0) >= self._group_cap:
+                    break  # the last slot stays free for another client's request
             computed_ids, num_cached = self._computed_prefix(request)
             num_new = min(request.num_tokens - num_cached, budget)
             lookahead = self._lookahead(request)
@@ -157,8 +165,13 @@ class Scheduler:
                 # Everything it may ever hold, proposer lookahead included: it will never need more.
                 lookahead += request.max_num_tokens - num_cached - num_new
             if not self.kv.allocate_slots(request, num_new, computed_ids, lookahead):
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break  # nobody overtakes the one chosen: it is served as soon as the cache allows
+            if request is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
+            if request.group is not None and running_by_group is not None:
+                running_by_group[request.group] = running_by_group.get(request.group, 0) + 1
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.first_scheduled_time is None:
@@ -202,6 +215,34 @@ class Scheduler:
                 if num_shared > num_cached:
                     return shared, num_shared
         return hits, num_cached
+
+    @property
+    def _group_cap(self) -> int:
+        """Running samples one client request may hold: all slots but one, which stays free for the
+        next request to arrive (its first token then waits for no other request's samples)."""
+        return max(1, self.config.max_num_seqs - 1)
+
+    def _running_by_group(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for running in self.running:
+            if running.group is not None:
+                counts[running.group] = counts.get(running.group, 0) + 1
+        return counts
+
+    def _least_served(self, head: Request, running_by_group: dict[str, int]) -> Request:
+        """Fair admission (docs/scheduling.md "Fairness"): the head of the queue, unless its client
+        request already runs samples while another waits with fewer running; then the first waiting
+        sample of the least-served request (ungrouped samples count as none running)."""
+        best, best_count = head, running_by_group.get(head.group, 0)
+        if best_count == 0:
+            return head
+        for request in self.waiting:
+            count = 0 if request.group is None else running_by_group.get(request.group, 0)
+            if count < best_count:
+                best, best_count = request, count
+                if count == 0:
+                    break
+        return best
 
     def _lookahead(self, request: Request) -> int:
         return self.config.num_lookahead_tokens if request.sampling_params.speculate else 0

@@ -405,6 +405,7 @@ class OpenAIServing(JobAccounting):
                         cache_salt=job.cache_salt,
                         arrival_time=job.arrival_time,
                         reserved=True,
+                        group=job.request_id,  # fair admission among API calls
                     )
                 )
                 job.num_reserved -= job.params.n
