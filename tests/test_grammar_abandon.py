@@ -100,3 +100,24 @@ def test_the_server_abandons_a_grammar_and_serves_the_next(gpt2_model_dir):
         too_big = post({"guided_choice": ["x" * 1000] * 1100})  # 1.1 MB of choices: refused at once
         assert too_big.status_code == 400
         assert "--max-grammar-bytes" in too_big.json()["error"]["message"]
+
+
+def test_the_compiled_grammar_cache_is_bounded(monkeypatch):
+    """Issue 46 item 5: every distinct schema stayed compiled (token tables of the vocabulary's size
+    each), so the engine's RSS grew with the number of schemas ever seen. Least recently used goes."""
+    from kvserve.structured import grammar
+
+    monkeypatch.setattr(grammar, "MAX_CACHED_GRAMMARS", 2)
+    tokenizer = AutoTokenizer.from_pretrained(GPT2_TOKENIZER)
+    cache = GrammarCache(tokenizer, len(tokenizer), frozenset({tokenizer.eos_token_id}))
+    a, b, c = (StructuredOutput("regex", f"[0-9]{{{n}}}") for n in (1, 2, 3))
+    try:
+        cache.compile(a)
+        cache.compile(b)
+        cache.compile(a)  # a is used again: b is now the least recently used
+        cache.compile(c)
+        assert cache.is_compiled(a) and cache.is_compiled(c) and not cache.is_compiled(b)
+        matcher = cache.matcher(b)  # compiled again on demand
+        assert matcher.accept_token(tokenizer.encode("7")[0])
+    finally:
+        cache.close()

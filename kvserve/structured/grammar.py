@@ -15,6 +15,7 @@ import json
 import re
 import threading
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,9 @@ from kvserve.structured.compile_worker import (
 )
 
 DEFAULT_COMPILE_TIMEOUT_S = 60.0
+# Compiled grammars kept for reuse: each holds token tables of the vocabulary's size, and a server that
+# sees endless distinct schemas must not keep them all (issue 46: engine RSS that did not come back).
+MAX_CACHED_GRAMMARS = 128
 
 # xgrammar's C++ errors start "[HH:MM:SS] /path/to/file.cc:LINE: " and may hold an internal check:
 # neither means anything to a client, and a source path is not ours to publish.
@@ -171,9 +175,10 @@ class GrammarCache:
         self.on_compile = on_compile
         # tests (`--inject-fault grammar:S`): every compile sleeps this long (before, not under, the limit)
         self.injected_delay_s = 0.0
-        self._compiled: dict[StructuredOutput, object] = {}
+        # least recently used first; a running request's matcher keeps its own grammar alive
+        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._lock = threading.Lock()  # compiled from HTTP threads and from the engine thread
-        self.compile_times_s: list[float] = []
+        self.compile_times_s: deque[float] = deque(maxlen=4096)
 
     def close(self) -> None:
         """Stop the compile workers."""
@@ -186,6 +191,8 @@ class GrammarCache:
     def compile(self, structured: StructuredOutput):
         with self._lock:
             compiled = self._compiled.get(structured)
+            if compiled is not None:
+                self._compiled.move_to_end(structured)
         if compiled is not None:
             return compiled
         start = time.perf_counter()
@@ -208,6 +215,8 @@ class GrammarCache:
         elapsed = time.perf_counter() - start
         with self._lock:
             self._compiled[structured] = compiled
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:  # bounded: memory that returns
+                self._compiled.popitem(last=False)
             self.compile_times_s.append(elapsed)
         if self.on_compile is not None:
             self.on_compile(elapsed)
