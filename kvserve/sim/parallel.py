@@ -23,6 +23,7 @@ from typing import Any
 
 from kvserve.bench.slo import ObjectiveSet
 from kvserve.config import SchedulerConfig
+from kvserve.kv.groups import KVLayout
 from kvserve.kv.hashing import ROOT_HASH, hash_block
 from kvserve.kv.manager import KVCacheManager
 from kvserve.plan import Assumptions, HardwareProfile, ModelSpec
@@ -254,8 +255,10 @@ def simulate_data_parallel(
     router: str = "affinity",
     shared_prefixes: SharedPrefixes | None = None,
     policy: str = "continuous",
+    layout: KVLayout | None = None,
 ) -> DataParallelRun:
-    """Continuous batching on `num_replicas` identical cores behind `router` (num_blocks each)."""
+    """Continuous batching on `num_replicas` identical cores behind `router` (num_blocks each);
+    `layout`: a hybrid model's KV groups, as the engine keeps them (kv/groups.py)."""
     if num_replicas < 1:
         raise SimError("need at least one replica")
     route = make_router(router)
@@ -263,7 +266,7 @@ def simulate_data_parallel(
     by_id = {t.request_id: t for t in timelines}
     replicas = []
     for i in range(num_replicas):
-        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout)
         replicas.append(Replica(i, Scheduler(scheduler_config, kv), kv, cost_model, by_id))
     pending = sorted(timelines, key=lambda t: (t.request.arrival_s, t.request.index))
     for arrival_index, timeline in enumerate(pending):
@@ -271,8 +274,9 @@ def simulate_data_parallel(
         for replica in replicas:
             replica.advance_to(sim.arrival_s)
         timeline.error = validation_error(
-            sim, scheduler_config.max_model_len, num_blocks, block_size
-        )
+            sim, scheduler_config.max_model_len, num_blocks, block_size, layout,
+            scheduler_config.max_num_batched_tokens,
+        )  # fmt: skip
         if timeline.error is not None:
             continue
         request = make_request(sim)
@@ -343,6 +347,7 @@ def evaluate_data_parallel(
         router=router,
         shared_prefixes=shared_prefixes,
         policy=policy.name,
+        layout=shape.layout,
     )
     # the pooled records (result.run) summarised; each replica's statistics from result.stats()
     out = run_result(policy, result.run, rate, objective_sets, usd_per_hour)
