@@ -1,17 +1,17 @@
 """The scheduler: which tokens of which requests run in the next step. Torch-free.
 
 There is no prefill phase and no decode phase: each request has `num_computed_tokens` and `num_tokens`, and a
-step gives it up to the remaining token budget's worth of the difference (docs/scheduling.md). Running requests
-are served first in arrival order; waiting requests are admitted FCFS while the budget, `max_num_seqs` and the
-cache allow, except that samples of one client request (`Request.group`) yield to a request with fewer running
-samples and never take the last free slot (docs/scheduling.md "Fairness"). With `on_demand` admission a running request that cannot grow preempts the newest running
-request (recompute); with `reserve` admission a request is admitted only when prompt + max_tokens fit, so
-nothing is ever preempted.
+step gives it up to the remaining token budget's worth of the difference (docs/scheduling.md). Running
+requests are served first in arrival order; waiting requests are admitted FCFS while the budget,
+`max_num_seqs` and the cache allow, except that samples of one client request (`Request.group`) yield to a
+request with fewer running samples and never take the last free slot (docs/scheduling.md "Fairness"). With
+`on_demand` admission a running request that cannot grow preempts the newest running request (recompute); with
+`reserve` admission a request is admitted only when prompt + max_tokens fit, so nothing is ever preempted.
 
-The scheduler owns each request's progress and end: it decides stops and their reason, and it fans a
-request with n > 1 samples out into n sequences. Samples 1..n-1 are held back until sample 0 has
-sampled its first token (its prompt is computed), then queued; they share its full prompt blocks by
-reference (with or without prefix caching).
+The scheduler owns each request's progress and end: it decides stops and their reason, and it fans a request
+with n > 1 samples out into n sequences. Samples 1..n-1 are held back until sample 0 has sampled its first
+token (its prompt is computed), then queued; they share its full prompt blocks by reference (with or without
+prefix caching).
 """
 
 from __future__ import annotations
