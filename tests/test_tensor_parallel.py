@@ -101,7 +101,15 @@ def tp_runs(checkpoints, tmp_path_factory):
     dirs["llama_one_kv_head"] = mqa
     out_dir = tmp_path_factory.mktemp("tp-out")
     jobs = [(name, str(dirs[name])) for name in NAMES]
-    mp.spawn(_rank_main, args=(jobs, str(out_dir)), nprocs=WORLD, join=True)
+    try:
+        mp.spawn(_rank_main, args=(jobs, str(out_dir)), nprocs=WORLD, join=True)
+    except mp.ProcessExitedException as exc:
+        # Under a loaded suite a rank sometimes aborts in gloo's teardown ("terminate called without
+        # an active exception", SIGABRT) after the barrier that follows its last result: the results
+        # are complete and are checked below. An abort before every result was written still fails.
+        written = all((out_dir / f"{n}-rank{r}.pt").is_file() for n in NAMES for r in range(WORLD))
+        if not (written and exc.signal_name == "SIGABRT"):
+            raise
     return {
         name: (dirs[name], [torch.load(out_dir / f"{name}-rank{r}.pt") for r in range(WORLD)])
         for name in NAMES
