@@ -25,7 +25,7 @@ def idle(url: str) -> bool:
     return ready["num_running"] == 0 and ready["num_unfinished"] == 0
 
 
-async def first_chunk_then_drop(client, url, i, started, drop):
+async def first_chunk_then_drop(client, url, i, started, all_running, drop):
     """Stream a long completion; once `drop` is set, close the connection (with or without a chunk
     read: queued requests leave as well). Returns whether a token chunk arrived first."""
     body = {"prompt": f"client {i} says", "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -39,6 +39,8 @@ async def first_chunk_then_drop(client, url, i, started, drop):
         if reader in done:
             got = reader.result().startswith("data: ")
             started.append(i)
+            if len(started) == 16:
+                all_running.set()
             await drop.wait()
         else:
             reader.cancel()
@@ -50,13 +52,13 @@ def test_sixty_clients_dropping_mid_stream_at_once(gpt2_model_dir):
     with running_server(gpt2_model_dir, *SMALL) as (url, proc):
         async def run():
             started: list[int] = []
-            drop = asyncio.Event()
+            drop, all_running = asyncio.Event(), asyncio.Event()
             limits = httpx.Limits(max_connections=NUM_CLIENTS + 4)
             async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-                tasks = [asyncio.create_task(first_chunk_then_drop(client, url, i, started, drop))
-                         for i in range(NUM_CLIENTS)]  # fmt: skip
-                while len(started) < 16:  # every running slot is streaming
-                    await asyncio.sleep(0.05)
+                tasks = [asyncio.create_task(
+                    first_chunk_then_drop(client, url, i, started, all_running, drop))
+                    for i in range(NUM_CLIENTS)]  # fmt: skip
+                await asyncio.wait_for(all_running.wait(), 120)  # every running slot streams
                 drop.set()  # then everybody leaves at once, running or queued
                 return await asyncio.gather(*tasks)
 
@@ -80,6 +82,7 @@ def test_killing_one_of_two_cores_mid_run_fails_only_its_requests(gpt2_model_dir
 
         async def run():
             started: list[int] = []
+            all_started = asyncio.Event()
             results: dict[int, list[str]] = {}
 
             async def stream(client, i):
@@ -92,13 +95,14 @@ def test_killing_one_of_two_cores_mid_run_fails_only_its_requests(gpt2_model_dir
                         if line.startswith("data: "):
                             if not lines:
                                 started.append(i)
+                                if len(started) == 8:
+                                    all_started.set()
                             lines.append(line[6:])
                     results[i] = lines
 
             async with httpx.AsyncClient(timeout=120) as client:
                 tasks = [asyncio.create_task(stream(client, i)) for i in range(8)]
-                while len(started) < 8:
-                    await asyncio.sleep(0.02)
+                await asyncio.wait_for(all_started.wait(), 120)
                 os.kill(engines[0]["pid"], signal.SIGKILL)
                 await asyncio.gather(*tasks)
             return results
