@@ -211,3 +211,27 @@ def test_holdback_and_stop_search_match_their_definitions(text, stops):
     else:
         seen = text[: ends[0]]
         assert detok.stopped and detok.text == text[: min(seen.find(s) for s in stops if s in seen)]
+
+
+@pytest.mark.parametrize("stop_at", [None, 9000, 20_000])
+def test_a_long_output_keeps_a_bounded_tail_and_the_same_text(stop_at):
+    """n tokens cost O(n): the detokenizer drops released text and ids it can no longer need, and
+    what it releases (stop strings found anywhere, hold-back at the end) is unchanged."""
+
+    class Chars:  # one character a token
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(i) for i in ids)
+
+    body = "".join("abcdefg "[i % 7 + (i // 7) % 2] for i in range(20_000))
+    text = body if stop_at is None else body[:stop_at] + "XYZ!" + body[stop_at:]
+    detok = IncrementalDetokenizer(Chars(), (), SamplingParams(stop=["XYZ!", "qq"]))
+    released, largest = [], 0
+    for i, ch in enumerate(text):
+        released.append(detok.update([ord(ch)], finished=i == len(text) - 1))
+        largest = max(largest, len(detok.text), len(detok._ids))
+        if detok.stopped:
+            break
+    expected = text if stop_at is None else text[:stop_at]
+    assert "".join(released) == expected
+    assert detok.stopped == (stop_at is not None)
+    assert largest <= 2 * 4096 + 8  # _TRIM_AT twice at most, not the whole 20,000 characters

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kvserve.core.errors import InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.output_processor import OutputKind, OutputProcessor, Tracked, so_far
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.step_log import StepLog
 from kvserve.engine.wire import (
@@ -224,10 +224,12 @@ class EngineClient:
         arrival_time: float | None = None,
         reserved: bool = False,
         group: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> RequestStream:
         """Submit one request now (on the event loop); iterate the returned stream for its snapshots
         until it finishes, and `aclose` it to abort early. An invalid request raises its error from the
-        stream. `reserved`: the caller holds a `reserve` for `params.n` samples, which this uses."""
+        stream. `reserved`: the caller holds a `reserve` for `params.n` samples, which this uses.
+        `output_kind`: what the stream yields (kvserve.engine.output_processor; DELTA for SSE)."""
         import time
 
         try:
@@ -247,7 +249,9 @@ class EngineClient:
             self._owner[request_id] = core
             core.requests.add(request_id)
             core.num_routed += 1
-            self._outputs.add(request_id, prompt, prompt_token_ids, params, arrival_time)
+            tracked = self._outputs.add(
+                request_id, prompt, prompt_token_ids, params, arrival_time, output_kind
+            )
             core.num_sent += params.n
             if reserved:
                 self._num_reserved -= params.n
@@ -256,7 +260,7 @@ class EngineClient:
                 request_id, list(prompt_token_ids), params, prompt, cache_salt, arrival_time, group
             )
         )
-        return RequestStream(self, request_id, queue)
+        return RequestStream(self, request_id, queue, tracked)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, **kwargs
@@ -397,11 +401,20 @@ class EngineClient:
 class RequestStream:
     """The outputs of one submitted request, as an async iterator; `aclose` aborts it if unfinished."""
 
-    def __init__(self, client: EngineClient, request_id: str, queue: asyncio.Queue) -> None:
+    def __init__(
+        self, client: EngineClient, request_id: str, queue: asyncio.Queue, tracked: Tracked
+    ) -> None:
         self.request_id = request_id
         self._client = client
         self._queue = queue
+        self._tracked = tracked
         self._open = True
+
+    def so_far(self) -> RequestOutput:
+        """The whole request as received until now (also after it ended or was aborted): what
+        accounting reads for a request that did not finish, or for a stream's totals."""
+        with self._client._lock:  # the core's thread applies deltas under this lock
+            return so_far(self.request_id, self._tracked)
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -10,6 +10,10 @@ Stop strings are matched by one compiled alternation over a window of the last `
 (`regex`'s partial matching finds the longest suffix that could still become a stop string), so a token
 costs O(max stop length) character steps however long the text is; the server bounds the number and length
 of stop strings (docs/server.md, "Limits").
+
+Only a bounded tail is kept: token ids before the decode window and text already released (beyond what a
+stop string's match or hold-back can still reach) are dropped once they exceed `_TRIM_AT`, so a request's
+n tokens cost O(n) here in total, not a copy of its whole text per token.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import regex
 from kvserve.core.sampling_params import SamplingParams
 
 _PROMPT_CONTEXT_TOKENS = 6
+_TRIM_AT = 4096  # ids / characters that may pile up before the dropped ones are cut off (amortised)
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -38,7 +43,8 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.text = ""  # decoded output text, truncated at a stop string
+        # decoded output text, truncated at a stop string: its tail once longer than _TRIM_AT
+        self.text = ""
         self._num_emitted = 0  # characters of `text` released to the caller
         self.stopped = False  # a stop string was found
         self.stop_string: str | None = None  # which one
@@ -81,7 +87,20 @@ class IncrementalDetokenizer:
         end = len(self.text) if (finished or self.stopped) else len(self.text) - self._holdback()
         delta = self.text[self._num_emitted : end]
         self._num_emitted = max(self._num_emitted, end)
+        self._trim()
         return delta
+
+    def _trim(self) -> None:
+        """Drop what can no longer matter: ids before the decode window, and released text further back
+        than a stop string can reach (the next search starts max stop length - 1 before the end)."""
+        if self._prefix_offset > _TRIM_AT:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        drop = min(self._num_emitted, len(self.text) - self._max_stop_len)
+        if drop > _TRIM_AT:
+            self.text = self.text[drop:]
+            self._num_emitted -= drop
 
     def _truncate_at_stop(self, old_len: int) -> bool:
         # A stop string may straddle the old text and the new: search from max stop length - 1 before

@@ -13,6 +13,7 @@ from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output_processor import OutputKind
 from kvserve.engine.outputs import RequestOutput
 
 PromptType = str | Sequence[int]
@@ -82,9 +83,12 @@ class LLM:
 
         All prompts are validated before any is queued, so a bad one raises without leaving others behind.
         """
-        return self.run_until_done(self._add_all(prompts, sampling_params, cache_salt))
+        request_ids = self._add_all(prompts, sampling_params, cache_salt, OutputKind.FINAL)
+        return self.run_until_done(request_ids)
 
-    def _add_all(self, prompts, sampling_params, cache_salt: str | None) -> list[str]:
+    def _add_all(
+        self, prompts, sampling_params, cache_salt: str | None, kind: OutputKind
+    ) -> list[str]:
         """Validate every prompt, then queue them all; returns their request ids in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -98,7 +102,9 @@ class LLM:
         for prompt, request in zip(prompts, validated, strict=True):
             request_id = f"offline-{next(self._ids)}"
             text = prompt if isinstance(prompt, str) else None
-            self.engine.add_request(request_id, request, prompt=text, cache_salt=cache_salt)
+            self.engine.add_request(
+                request_id, request, prompt=text, cache_salt=cache_salt, output_kind=kind
+            )
             request_ids.append(request_id)
         return request_ids
 
@@ -112,7 +118,7 @@ class LLM:
         """`generate`, one engine step at a time: the prompts are validated and queued now; each
         `next()` runs one step and returns {prompt index: its output} for the prompts that changed in
         it. It ends when every prompt has finished; closing it early aborts the rest."""
-        request_ids = self._add_all(prompts, sampling_params, cache_salt)
+        request_ids = self._add_all(prompts, sampling_params, cache_salt, OutputKind.CUMULATIVE)
         return self._steps(request_ids)
 
     def _steps(self, request_ids: list[str]) -> Iterator[dict[int, RequestOutput]]:
@@ -133,10 +139,12 @@ class LLM:
 
     def run_until_done(self, request_ids: list[str]) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
         try:
             while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
-                for output in self.engine.step(finished_only=True):
-                    finished[output.request_id] = output
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
         except BaseException:
             for request_id in request_ids:  # never leave blocks held by an interrupted call
                 self.engine.abort_request(request_id)

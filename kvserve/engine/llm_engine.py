@@ -22,7 +22,7 @@ from kvserve.core.request import Request, RequestStatus, sample_request_id
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import load_tokenizer, stop_token_ids
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.output_processor import OutputKind, OutputProcessor
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.wire import FrozenMetrics, RequestDelta, SampleDelta
 from kvserve.kv.manager import KVCacheManager
@@ -219,10 +219,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         group: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
     ) -> None:
         """Queue a request: a `ValidatedRequest` from `validate` (not checked again), or token ids and
         `params` (validated here). `prompt` is its text, if any (reported back, never tokenised).
-        `group`: the client request it is part of, for fair admission (`Request.group`)."""
+        `group`: the client request it is part of, for fair admission (`Request.group`).
+        `output_kind`: what `step` returns for it (kvserve.engine.output_processor)."""
         if request_id in self._parents:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
         if isinstance(prompt_token_ids, ValidatedRequest):
@@ -267,7 +269,12 @@ class LLMEngine:
             parent.samples.append(_Sample(sample_id, parent, completion, detokenizer))
         if self.outputs is not None:
             self.outputs.add(
-                request_id, prompt, parent.prompt_token_list, params, parent.arrival_time
+                request_id,
+                prompt,
+                parent.prompt_token_list,
+                params,
+                parent.arrival_time,
+                output_kind,
             )
         self.scheduler.add_request(request)
         self._parents[request_id] = parent
@@ -301,10 +308,10 @@ class LLMEngine:
 
     # --- the loop ---------------------------------------------------------------------------------------
 
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Run one scheduling step; returns a snapshot of every request that changed (accumulated from
-        the step's deltas by `self.outputs`), or with `finished_only` of every request that finished."""
-        return self.outputs.process(self.step_deltas(), finished_only)
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the outputs of the requests that changed, each as its
+        `output_kind` asks (accumulated from the step's deltas by `self.outputs`)."""
+        return self.outputs.process(self.step_deltas())
 
     def step_deltas(self) -> list[RequestDelta]:
         """Run one scheduling step; returns what it added to every request that changed."""

@@ -9,8 +9,9 @@ from kvserve.core.outputs import TokenLogprob
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Per-request timestamps on the engine's clock (seconds): a frozen snapshot, a new one per output
-    (its `token_times` list is that snapshot's own copy)."""
+    """Per-request timestamps on the engine's clock (seconds), as of the output that carries them. Its
+    `token_times` is the request's own list (kvserve.engine.output_processor): it grows until the request
+    finishes."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -34,7 +35,9 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request. `text`/`token_ids` are cumulative; `delta_*` are what the last step added."""
+    """One sample of a request. `delta_*` are what the last step added; `text`/`token_ids`/`logprobs` are
+    the whole sample so far, or for a stream (OutputKind.DELTA) the same delta. `num_tokens` counts the
+    tokens generated so far either way."""
 
     index: int
     text: str = ""
@@ -47,6 +50,7 @@ class CompletionOutput:
     delta_logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     metrics: RequestMetrics | None = None
+    num_tokens: int = 0
     num_cached_tokens: int = 0
     num_spec_proposed: int = 0  # speculative proposals verified for this sample
     num_spec_accepted: int = 0

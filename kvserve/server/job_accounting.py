@@ -23,13 +23,14 @@ class JobAccounting:
         self,
         job: Job,
         outcome: str,
-        outputs: dict[int, RequestOutput],
         error: APIError | None = None,
     ) -> None:
-        """Count, meter and log a request that did not complete (once per job)."""
+        """Count, meter and log a request that did not complete (once per job), with what its
+        streams received until now."""
         if job.accounted:
             return
         job.accounted = True
+        outputs = job.so_far()
         if error is not None:
             error.accounted = True  # the error handler must not count it again
             self.metrics.observe_error(error.error_type)
@@ -66,7 +67,7 @@ class JobAccounting:
             "stream": job.stream,
             "outcome": outcome,
             "prompt_tokens": [len(i) for i in job.prompt_token_ids],
-            "output_tokens": [len(c.token_ids) for c in completions],
+            "output_tokens": [c.num_tokens for c in completions],
             "finish_reasons": [c.finish_reason for c in completions],
             "e2e_s": round(time.monotonic() - job.arrival_time, 4),
         }

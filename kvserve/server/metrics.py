@@ -219,7 +219,7 @@ class ServerMetrics:
         """Record one finished request (all its samples)."""
         self.prompt_tokens.inc(num_prompt_tokens)
         for completion in completions:
-            self.generation_tokens.inc(len(completion.token_ids))
+            self.generation_tokens.inc(completion.num_tokens)
             self.request_success.labels(completion.finish_reason or "abort").inc()
             m = completion.metrics
             if m is None:

@@ -39,7 +39,8 @@ class Job:
         False  # checked by the engine (a new grammar: later, through the grammar queue)
     )
     streams: list = field(default_factory=list)  # the engine's request streams, once started
-    latest: dict[int, RequestOutput] = field(default_factory=dict)  # newest snapshot per prompt
+    # a stream's newest output per prompt: that step's deltas with the running counts (continuous usage)
+    latest: dict[int, RequestOutput] = field(default_factory=dict)
     accounted: bool = False  # counted, metered and logged (exactly once)
 
     # per choice: the logprob token-text state (streamed chunks continue where the last one ended)
@@ -52,6 +53,10 @@ class Job:
         if index not in self.tool_streams:
             self.tool_streams[index] = tools.ToolStream(self.tool_plan, self.tool_parser)
         return self.tool_streams[index]
+
+    def so_far(self) -> dict[int, RequestOutput]:
+        """Every prompt's whole output as received until now (finished or not): {prompt index: it}."""
+        return {index: stream.so_far() for index, stream in enumerate(self.streams)}
 
     def interrupt(self, error: BaseException) -> None:
         """End the job with `error` (time budget or grace period over): raised where it reads outputs."""
@@ -195,7 +200,7 @@ class ResponseBuilder:
 
     def usage(self, job: Job, outputs: dict[int, RequestOutput]) -> dict:
         prompt_tokens = sum(len(ids) for ids in job.prompt_token_ids)
-        completion_tokens = sum(len(c.token_ids) for o in outputs.values() for c in o.outputs)
+        completion_tokens = sum(c.num_tokens for o in outputs.values() for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in outputs.values())
         return {
             "prompt_tokens": prompt_tokens,

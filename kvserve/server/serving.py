@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from kvserve.core.errors import ContextLengthError, InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams, StructuredOutput
 from kvserve.engine.client import EngineClient
+from kvserve.engine.output_processor import OutputKind
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server import tools
 from kvserve.server.errors import APIError, from_engine_error, internal_error
@@ -388,9 +389,12 @@ class OpenAIServing(JobAccounting):
             job.interrupt(_shutdown_error())
         return len(jobs)
 
-    async def _outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Snapshots of every prompt's request, merged: (prompt index, output). Raises APIError when the
-        request's time budget or the server's grace period runs out."""
+    async def _outputs(
+        self, job: Job, kind: OutputKind
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of every prompt's request, merged: (prompt index, output), each as `kind` asks
+        (DELTA for a stream, FINAL otherwise). Raises APIError when the request's time budget or the
+        server's grace period runs out."""
         streams = []
         try:
             for i, ids in enumerate(job.prompt_token_ids):
@@ -406,6 +410,7 @@ class OpenAIServing(JobAccounting):
                         arrival_time=job.arrival_time,
                         reserved=True,
                         group=job.request_id,  # fair admission among API calls
+                        output_kind=kind,
                     )
                 )
                 job.num_reserved -= job.params.n
@@ -438,17 +443,15 @@ class OpenAIServing(JobAccounting):
         """Run a non-streaming request to the end; returns the response body."""
         finals: dict[int, RequestOutput] = {}
         try:
-            async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async with contextlib.aclosing(self._outputs(job, OutputKind.FINAL)) as outputs:
                 async for index, output in outputs:
-                    job.latest[index] = output
-                    if output.finished:
-                        finals[index] = output
+                    finals[index] = output  # FINAL: only finished outputs come
         except APIError as error:
-            self._finish(job, outcome_of(error.status_code, error.code), job.latest, error)
+            self._finish(job, outcome_of(error.status_code, error.code), error)
             raise
         except KVServeError as exc:
             error = from_engine_error(exc)
-            self._finish(job, outcome_of(error.status_code, error.code), job.latest, error)
+            self._finish(job, outcome_of(error.status_code, error.code), error)
             raise error from exc
         choices = []
         for index in sorted(finals):
@@ -468,13 +471,10 @@ class OpenAIServing(JobAccounting):
 
     def client_gone(self, job: Job) -> None:
         """A non-streaming client disconnected: log and meter what it got (the caller cancelled it)."""
-        self._finish(
-            job, "aborted", job.latest, APIError(499, "client closed", "client_closed_request")
-        )
+        self._finish(job, "aborted", APIError(499, "client closed", "client_closed_request"))
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """Server-sent events: role chunk (chat), content deltas, finish chunks, usage, [DONE]."""
-        finals: dict[int, RequestOutput] = {}
         latest = job.latest
         n = job.params.n
         if job.kind == "chat":
@@ -492,9 +492,9 @@ class OpenAIServing(JobAccounting):
                     latest,
                 )
         try:
-            async with contextlib.aclosing(self._outputs(job)) as outputs:
+            async with contextlib.aclosing(self._outputs(job, OutputKind.DELTA)) as outputs:
                 async for index, output in outputs:
-                    latest[index] = output
+                    latest[index] = output  # this step's deltas, with the running counts
                     for completion in output.outputs:
                         choice_index = index * n + completion.index
                         if completion.delta_text or completion.delta_logprobs:
@@ -509,13 +509,9 @@ class OpenAIServing(JobAccounting):
                             yield self.responses.sse(
                                 job, [finish], latest, server_metrics(completion)
                             )
-                    if output.finished:
-                        finals[index] = output
         except (asyncio.CancelledError, GeneratorExit):
             # The client went away mid-stream; leaving this generator aborts the engine requests.
-            self._finish(
-                job, "aborted", latest, APIError(499, "client closed", "client_closed_request")
-            )
+            self._finish(job, "aborted", APIError(499, "client closed", "client_closed_request"))
             raise
         except Exception as exc:  # headers are sent: the error travels as an event, then [DONE]
             if isinstance(exc, APIError):
@@ -525,10 +521,11 @@ class OpenAIServing(JobAccounting):
             else:
                 error = internal_error()
                 logger.error("%s in stream %s", error.message, job.request_id, exc_info=exc)
-            self._finish(job, outcome_of(error.status_code, error.code), latest, error)
+            self._finish(job, outcome_of(error.status_code, error.code), error)
             yield f"data: {error.json()}\n\n"
             yield "data: [DONE]\n\n"
             return
+        finals = job.so_far()  # the whole outputs, joined once
         self._record(job, finals)
         if job.include_usage:
             yield f"data: {json.dumps(self.responses.envelope(job, [], usage=self.responses.usage(job, finals)))}\n\n"
