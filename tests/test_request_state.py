@@ -10,12 +10,8 @@ import itertools
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.config import SchedulerConfig
-from kvserve.core.outputs import RunnerOutput, SampledTokens
-from kvserve.core.request import Request, sample_request_id
+from kvserve.core.request import Request
 from kvserve.engine.llm_engine import ValidatedRequest
-from kvserve.kv.manager import KVCacheManager
-from kvserve.sched.scheduler import Scheduler
 
 EOS = 2
 PROMPT = [5 + (i * 7) % 200 for i in range(21)]  # one full block of 16 and a part
@@ -26,41 +22,11 @@ def llm(llama_dir):
     return LLM(str(llama_dir), num_blocks=128)
 
 
-def _scheduler(num_blocks: int = 32) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128)
-    return Scheduler(config, KVCacheManager(num_blocks, 16, enable_prefix_caching=False))
-
-
 def _request(params: SamplingParams, request_id: str = "r") -> Request:
     return Request(request_id, tuple(PROMPT), params, params.max_tokens, frozenset({EOS}))
 
 
-def _step(scheduler: Scheduler, tokens: dict[str, int]):
-    """One scheduler step with a stand-in runner that samples `tokens[request id]` (default 9)."""
-    out = scheduler.schedule(now=0.0)
-    sampled = tuple(
-        SampledTokens(c.request_id, (tokens.get(c.request_id, 9),)) for c in out.chunks if c.sample
-    )
-    return out, scheduler.update(out, RunnerOutput(sampled))
-
-
-# --- stops: the scheduler decides them and their reason ----------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("params", "token", "reason", "stop_reason"),
-    [
-        (SamplingParams(max_tokens=8), EOS, "stop", EOS),
-        (SamplingParams(max_tokens=8, stop_token_ids=(11,)), 11, "stop", 11),
-        (SamplingParams(max_tokens=1), 9, "length", None),
-        (SamplingParams(max_tokens=8, ignore_eos=True), EOS, None, None),
-    ],
-)
-def test_the_scheduler_decides_the_stop_and_its_reason(params, token, reason, stop_reason):
-    scheduler = _scheduler()
-    scheduler.add_request(_request(params))
-    _, (update,) = _step(scheduler, {"r": token})
-    assert (update.finish_reason, update.stop_reason) == (reason, stop_reason)
+# --- stops: the scheduler decides them and their reason (its own tests: tests/test_scheduler.py) ----
 
 
 def test_the_engine_reports_the_schedulers_stop_reason(llm, monkeypatch):
@@ -82,33 +48,6 @@ def test_the_engine_reports_the_schedulers_stop_reason(llm, monkeypatch):
 
 
 # --- n > 1: the scheduler fans out and holds samples 1..n-1 ------------------------------------------
-
-
-def test_the_scheduler_fans_out_n_samples_and_holds_the_siblings():
-    scheduler = _scheduler()
-    params = SamplingParams(n=3, max_tokens=4, seed=10)
-    ids = scheduler.add_request(_request(params))
-    assert ids == [sample_request_id("r", i, 3) for i in range(3)] == ["r-0", "r-1", "r-2"]
-    assert scheduler.num_waiting == 3
-    samples = [scheduler.requests[i] for i in ids]
-    assert [s.sampling_params.seed for s in samples] == [10, 11, 12]
-    assert [s.prompt_source_id for s in samples] == [None, "r-0", "r-0"]
-    out, _ = _step(scheduler, {})
-    assert [n.request_id for n in out.new_requests] == ["r-0"]  # siblings wait for the prompt
-    assert scheduler.num_waiting == 2
-    out, _ = _step(scheduler, {})
-    assert [n.request_id for n in out.new_requests] == ["r-1", "r-2"]
-    # they share sample 0's full prompt block by reference (no prefix caching here)
-    blocks = {c.request_id: c.block_ids for c in out.chunks}
-    assert blocks["r-1"][0] == blocks["r-2"][0] == blocks["r-0"][0]
-    assert {c.request_id: c.start_position for c in out.chunks}["r-1"] == 16
-
-
-def test_aborting_a_fanned_out_request_ends_the_held_samples_too():
-    scheduler = _scheduler()
-    ids = scheduler.add_request(_request(SamplingParams(n=3, max_tokens=4)))
-    scheduler.finish_requests(ids, scheduler.requests["r-0"].status.FINISHED_ABORTED)
-    assert not scheduler.has_unfinished() and scheduler.num_waiting == 0
 
 
 def test_the_engine_holds_no_samples_back(llm):
