@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from kvserve.config import (
@@ -397,11 +397,6 @@ def _draft(config: EngineConfig) -> tuple[str | None, ModelConfig | None]:
     if spec is None or spec.draft_model is None:
         return None, None
     return spec.draft_model_dir, spec.draft_model
-
-
-def engine_option_defaults() -> dict:
-    """Each option's default, by name (docs, tests)."""
-    return {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
 
 
 def _check_device(device: str) -> None:

@@ -205,13 +205,6 @@ class TensorParallelComm:
         gather = gather_s(n, logits, link) if num_sampled > 0 else 0.0
         return self.num_allreduces_per_step * allreduce_s(n, message, link) + gather
 
-    def latency_share_s(self) -> float:
-        """The latency-only part of a step (what a one-token decode step mostly pays)."""
-        n = self.tensor_parallel
-        if n == 1:
-            return 0.0
-        return (self.num_allreduces_per_step * 2 + 1) * (n - 1) * self.link.latency_s
-
 
 @dataclass(frozen=True)
 class Parallelism:
