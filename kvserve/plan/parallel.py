@@ -17,12 +17,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from kvserve.plan.figures import Latency, Load, Workload
 from kvserve.plan.model import ModelSpec, PlanError
 
 if TYPE_CHECKING:
     from kvserve.plan.arith import RooflineCost
     from kvserve.plan.formats import WeightFormat
-    from kvserve.plan.planner import Latency, Load, Workload
 
 
 @dataclass(frozen=True)
