@@ -10,7 +10,6 @@ keyword arguments with it. A new option is one new field here.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -39,6 +38,7 @@ from kvserve.memory import (
 from kvserve.models import resolve_model
 from kvserve.options import format_bytes, parse_bytes
 from kvserve.quant.methods import METHODS
+from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -453,40 +453,3 @@ def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
             f"the draft model's tokenizer ({draft_dir}) maps ids to tokens differently from the target's "
             f"({len(differing)} tokens differ, e.g. {differing[:3]}); a draft must share the tokenizer"
         )
-
-
-def has_tokenizer(model_dir: str | Path) -> bool:
-    model_dir = Path(model_dir)
-    return (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file()
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The checkpoint's Hugging Face tokenizer, or None when the directory has none."""
-    if not has_tokenizer(model_dir):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except (
-        OSError,
-        ValueError,
-        TypeError,
-    ) as exc:  # fuzzing: a malformed tokenizer.json's traceback
-        raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {exc}") from None
-
-
-def stop_token_ids(model_dir: str | Path, model: ModelConfig, tokenizer) -> frozenset[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer (Llama 3 lists several)."""
-    ids = set(model.eos_token_ids)
-    gen_path = Path(model_dir) / "generation_config.json"
-    try:  # fuzzing: a malformed generation_config.json gave a traceback
-        if gen_path.is_file():
-            gen = json.loads(gen_path.read_text(encoding="utf-8"))
-            eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        return frozenset(int(i) for i in ids)
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{gen_path}: not a usable generation config: {exc}") from None
