@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -399,22 +400,29 @@ def _draft(config: EngineConfig) -> tuple[str | None, ModelConfig | None]:
     return spec.draft_model_dir, spec.draft_model
 
 
+# device types torch knows that kvserve does not run on (the rest are not devices at all)
+_OTHER_DEVICE_TYPES = ("mps", "xpu", "xla", "meta", "hip", "hpu", "ipu", "mtia", "lazy", "vulkan")
+_DEVICE = re.compile(r"([a-z]+)(?::(\d+))?")
+
+
 def _check_device(device: str) -> None:
     """cpu, cuda or cuda:N that this torch can use (fuzzing: `--device foo` or `cuda` without CUDA
-    failed with a traceback once the model loaded)."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
+    failed with a traceback once the model loaded). Torch is imported only for a CUDA device: the
+    API process builds this configuration, and on CPU it never loads torch (docs/design.md)."""
+    match = _DEVICE.fullmatch(device)
+    kind = match.group(1) if match else None
+    if kind not in ("cpu", "cuda", *_OTHER_DEVICE_TYPES):
         raise InvalidRequestError(
             f"--device {device!r} is not a device: use cpu, cuda or cuda:N", "device"
-        ) from None
-    if dev.type not in ("cpu", "cuda"):
+        )
+    if kind not in ("cpu", "cuda"):
         raise InvalidRequestError(f"--device {device!r}: kvserve runs on cpu or cuda", "device")
-    if dev.type == "cuda":
+    if kind == "cuda":
+        import torch
+
+        index = None if match.group(2) is None else int(match.group(2))
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (dev.index is not None and dev.index >= count):
+        if count == 0 or (index is not None and index >= count):
             raise InvalidRequestError(
                 f"--device {device!r}: this machine's torch sees {count} CUDA device(s)", "device"
             )
