@@ -82,7 +82,7 @@ def quality(args: argparse.Namespace) -> dict:
     from kvserve.plan.formats import parse_weight_format
     from kvserve.plan.model import load_model as plan_model
     from kvserve.quant.compare import compare
-    from kvserve.quant.methods import quantize_checkpoint
+    from kvserve.quant.pipeline import quantize_checkpoint
 
     target = default_model_dir()
     files = heldout_files(Path(args.work))
@@ -182,7 +182,7 @@ def speed(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     if args.isa:
-        from kvserve.quant.kernels import set_max_isa
+        from kvserve.model.kernel_choice import set_max_isa
 
         set_max_isa(args.isa)  # cap the native kernels' instruction set (an A B of two levels)
     peers = {"fp32": "f32", "int8": "Q8_0", "linear=int8,head=int8": "Q8_0"}

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
 from kvserve.kv.groups import KVLayout, plan_layout, single_layout
+from kvserve.quant.methods import check_method
+from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # KV cache storage: "auto" = the model's dtype; 8-bit codes with one fp16 scale per (token, kv head).
@@ -387,15 +389,10 @@ class EngineConfig:
                 f"gguf_activations must be one of {GGUF_ACTIVATIONS}", "gguf_activations"
             )
         if self.quantization is not None:
-            from kvserve.quant.scheme import parse_weight_scheme  # torch-free
-
             parse_weight_scheme(self.quantization)  # raises QuantizationError naming the choice
         self._check_quantization_method()
 
     def _check_quantization_method(self) -> None:
-        from kvserve.quant.methods import check_method  # torch-free
-        from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
-
         method = self.quantization_method
         if method == "rtn":
             if self.calib is not None:

@@ -405,8 +405,9 @@ def measure_engine(
     model=None,
 ) -> list[MeasuredPoint]:
     """The dispatch and attention points and each format's linear points (CPU only: the engine's
-    CPU layouts); the linears over `model`'s own matrices when given (a kvserve.plan.ModelSpec),
-    and then the fused step's host per layer on its layer shapes (kvserve/measure_team.py)."""
+    CPU layouts); the linears over `model`'s own matrices when given (a kvserve.plan.ModelSpec).
+    kvserve.measure_team.measure_engine_on_model adds the fused step's host per layer on its layer
+    shapes."""
     deadline = time.perf_counter() + budget_s
     points: list[MeasuredPoint] = []
     with torch.inference_mode():
@@ -421,19 +422,6 @@ def measure_engine(
         for fmt in formats:
             for p in measure_linear(cfg, fmt, deadline, model=model):
                 points.append(p)
-                if progress:
-                    progress(p)
-        if model is not None:  # the team step's host cost on the model's own layer shapes
-            from kvserve.measure_team import measure_head, measure_team_host, measure_team_layers
-
-            fixed = [(p.num_columns, p.median_s) for p in points if p.kind == "fused-fixed"]
-            team = measure_team_host(cfg, model, fixed)
-            if team:  # replaces the tiny decoder's slope (docs/planning.md)
-                points = [p for p in points if p.kind != "fused-dispatch"] + team
-            for fmt in formats:  # the team step's own layers and the head, per format
-                team += measure_team_layers(cfg, model, fmt, fixed) + measure_head(cfg, model, fmt)
-            points += [p for p in team if p.kind != "fused-dispatch"]
-            for p in team:
                 if progress:
                     progress(p)
     return points

@@ -9,17 +9,6 @@ import torch
 from kvserve.measure import MeasureConfig, time_median_s
 
 
-def time_model_forward(
-    model_dir: str,
-    batch: int,
-    context: int,
-    quantization: str | None = None,
-    cfg: MeasureConfig | None = None,
-) -> float:
-    """Median seconds of one decode forward (+ the head on every row); see time_model_forwards."""
-    return time_model_forwards(model_dir, [(batch, context)], quantization, cfg)[(batch, context)]
-
-
 def time_model_forwards(
     model_dir: str,
     shapes: list[tuple[int, int]],

@@ -31,6 +31,8 @@ from kvserve.measure_engine import (
     _tiny_decoder,
     fused_rows,
     interleaved_medians_s,
+    linear_shapes,
+    measure_engine,
     step_weight_bytes,
 )
 from kvserve.plan.engine_points import _interp_log2
@@ -122,7 +124,6 @@ def row_contexts(contexts: tuple[int, ...], rows: int, cache_blocks: int) -> tup
 def _layer_bytes(model, fmt: str) -> tuple[float, int]:
     """(the planner's bytes of one block's linears in `fmt`, K and V bytes of one cached token of
     one layer, fp32) for a kvserve.plan.ModelSpec."""
-    from kvserve.measure_engine import linear_shapes
     from kvserve.plan.formats import parse_tensor_format
     from kvserve.plan.model import TensorShape
 
@@ -151,8 +152,6 @@ def measure_team_layers(
     read from these, not from kernels called alone (docs/planning.md). `bytes_per_s`: the layer's
     weight bytes in `fmt` over the time; `kv_token_bytes`: the K and V bytes of a token of a layer
     (for a plan of another model's shapes). [] when the fused step does not run here."""
-    from kvserve.measure_engine import _tiny_decoder, fused_rows
-
     if not fused_rows() or not fused_fixed:
         return []
     scheme = None
@@ -229,4 +228,30 @@ def measure_head(
             stream_s = max(med[0] - med[1], 0.05 * med[0])
             points.append(MeasuredPoint(HEAD_KIND + fmt, n, 2 * v * d * n / stream_s,
                                         num_bytes / stream_s, 0.0, stream_s))  # fmt: skip
+    return points
+
+
+def measure_engine_on_model(
+    cfg: MeasureConfig,
+    formats: tuple[str, ...],
+    model,
+    budget_s: float = 60.0,
+    progress: Callable[[MeasuredPoint], None] | None = None,
+) -> list[MeasuredPoint]:
+    """`measure_engine` over `model`'s own attention shape and matrices (a kvserve.plan.ModelSpec),
+    then the team step's host cost per layer on its layer shapes, which replaces the tiny
+    decoder's `fused-dispatch` slope (docs/planning.md), and the team step's own layers and head
+    per format."""
+    points = measure_engine(cfg, formats, budget_s, progress, model=model)
+    with torch.inference_mode():
+        fixed = [(p.num_columns, p.median_s) for p in points if p.kind == "fused-fixed"]
+        team = measure_team_host(cfg, model, fixed)
+        if team:  # replaces the tiny decoder's slope (docs/planning.md)
+            points = [p for p in points if p.kind != "fused-dispatch"] + team
+        for fmt in formats:  # the team step's own layers and the head, per format
+            team += measure_team_layers(cfg, model, fmt, fixed) + measure_head(cfg, model, fmt)
+        points += [p for p in team if p.kind != "fused-dispatch"]
+        for p in team:
+            if progress:
+                progress(p)
     return points

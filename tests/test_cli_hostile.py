@@ -160,8 +160,8 @@ def test_a_bad_config_json_is_a_model_load_error(tmp_path, text, fragment):
 def test_bad_model_files_are_model_load_errors(tmp_path):
     from kvserve.config import ModelConfig
     from kvserve.core.errors import ModelLoadError
-    from kvserve.engine.args import stop_token_ids
     from kvserve.model.loader import read_checkpoint
+    from kvserve.tokenizer import stop_token_ids
 
     model = _demo_copy(tmp_path)
     (model / "generation_config.json").write_text("{cut")

@@ -83,7 +83,7 @@ def test_a_quantised_checkpoint_loads_without_an_fp32_copy_of_its_linears(
     fp32 first (a 28 GB peak for an int4 7B model, whose codes take 3.5 GB)."""
     from kvserve.model import fused_decode
     from kvserve.quant.kernels import kernels_available
-    from kvserve.quant.methods import quantize_checkpoint
+    from kvserve.quant.pipeline import quantize_checkpoint
     from kvserve.quant.rtn import QuantizedTensor
     from tests.test_quant_hf_checkpoints import write_quantized
 

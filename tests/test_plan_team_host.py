@@ -60,7 +60,6 @@ def test_the_host_is_never_negative(monkeypatch):
 @needs_fused
 def test_measure_engine_with_a_model_takes_the_team_host_from_its_shapes(monkeypatch):
     import kvserve.measure_team as mt
-    from kvserve.measure_engine import measure_engine
 
     calls = []
     real = mt.measure_team_host
@@ -73,7 +72,7 @@ def test_measure_engine_with_a_model_takes_the_team_host_from_its_shapes(monkeyp
     cfg = MeasureConfig(gemv_rows=128, gemv_cols=64, warmup=1, min_samples=2, min_time_s=0.0,
                         attention_contexts=(16, 64), attention_cache_bytes=1e5,
                         dispatch_rounds=1)  # fmt: skip
-    points = measure_engine(cfg, ("fp32",), budget_s=0.0, model=WIDE)
+    points = mt.measure_engine_on_model(cfg, ("fp32",), WIDE, budget_s=0.0)
     (call,) = calls
     fixed_rows = sorted(p.num_columns for p in points if p.kind == "fused-fixed")
     assert call[0] == "wide" and [n for n, _ in call[1]] == fixed_rows

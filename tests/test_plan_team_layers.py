@@ -263,11 +263,10 @@ def test_past_16_rows_the_team_layers_are_timed_at_the_context_16_rows_cache_hol
     2,048 tokens would not fit 24 GB). The cache holds 16 rows at the longest context; 32 and 64
     rows are timed at the longest context that cache holds, and the fit takes each row count's
     own two contexts."""
-    import kvserve.measure_engine as me
     import kvserve.measure_team as mt
 
     built, seen = [], {}
-    real = me._tiny_decoder
+    real = mt._tiny_decoder
 
     def spy(*args, **kwargs):
         built.append(args[6] if len(args) > 6 else kwargs.get("cache_rows"))
@@ -279,7 +278,7 @@ def test_past_16_rows_the_team_layers_are_timed_at_the_context_16_rows_cache_hol
         seen.setdefault(len(seen), sorted(calls))
         return {c: 1e-3 + 1e-6 * c for c in calls}
 
-    monkeypatch.setattr(me, "_tiny_decoder", spy)
+    monkeypatch.setattr(mt, "_tiny_decoder", spy)
     monkeypatch.setattr(mt, "interleaved_medians_s", fake_medians)
     cfg = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0, dispatch_rounds=1,
                         attention_contexts=(16, 256))  # fmt: skip

@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 
 from kvserve.core.errors import ModelLoadError
 from kvserve.engine.llm import LLM
-from kvserve.quant.convert import REPORT_NAME, artifact_sha256
-from kvserve.quant.methods import quantize_checkpoint
+from kvserve.quant.convert import REPORT_NAME
+from kvserve.quant.pipeline import quantize_checkpoint
+from kvserve.quant.provenance import artifact_sha256
 from kvserve.quant.rtn import quantize
 from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
 from tests.checkpoints import build_checkpoint

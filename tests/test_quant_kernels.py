@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.kernel_choice import set_max_isa
 from kvserve.model.qlinear import QuantLinear, round_activations
 from kvserve.quant import kernels
 from kvserve.quant.rtn import quantize
@@ -30,9 +31,9 @@ ISAS = ["scalar"] + (["avx2"] if kernels.kernel_isa() == "avx2" else [])  # this
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    kernels.set_max_isa(request.param)
+    set_max_isa(request.param)
     yield request.param
-    kernels.set_max_isa("avx512")
+    set_max_isa("avx512")
 
 
 @pytest.mark.parametrize("name", SCHEMES)

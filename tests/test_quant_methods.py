@@ -25,7 +25,7 @@ from kvserve.quant.calibrated import (
     smooth_scales,
 )
 from kvserve.quant.convert import REPORT_NAME
-from kvserve.quant.methods import quantize_checkpoint
+from kvserve.quant.pipeline import quantize_checkpoint
 from kvserve.quant.rtn import quantize
 from kvserve.quant.scheme import QuantizationError, parse_tensor_scheme, parse_weight_scheme
 from tests.checkpoints import build_gpt2_tokenized_checkpoint

@@ -14,7 +14,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import StructuredOutput
-from kvserve.structured.grammar import lookahead_at, refuse_unenforceable_schema
+from kvserve.structured.schema import lookahead_at, refuse_unenforceable_schema
 from tests.server_utils import running_server
 
 SCHEMAS = {

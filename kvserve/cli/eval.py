@@ -193,7 +193,8 @@ def run_perplexity(args: argparse.Namespace) -> int:
 def run_compare(args: argparse.Namespace) -> int:
     from kvserve.core.errors import InvalidRequestError, KVServeError
     from kvserve.models import builtin_name, resolve_model
-    from kvserve.quant.compare import EVALUATION_NAME, Thresholds, compare
+    from kvserve.quant.compare import Thresholds, compare
+    from kvserve.quant.provenance import EVALUATION_NAME
 
     try:
         reference, candidate = resolve_model(args.reference), resolve_model(args.candidate)

@@ -279,15 +279,17 @@ def _measure(args: argparse.Namespace) -> Any:
     profile = measure_roofline(cfg, progress=show)
     if args.device == "cpu" and args.measure_formats != "none":
         # the engine's own kernels and host cost (docs/planning.md, a measured engine profile)
-        from kvserve.measure_engine import measure_engine
-
         formats = tuple(f for f in args.measure_formats.split(",") if f)
-        spec = None
-        if args.measure_model:
+        if args.measure_model:  # the team step's host cost on the model's own layer shapes
+            from kvserve.measure_team import measure_engine_on_model
             from kvserve.plan import load_model
 
             spec = load_model(_builtin_to_dir(args.measure_model))
-        points = measure_engine(cfg, formats, progress=show, model=spec)
+            points = measure_engine_on_model(cfg, formats, spec, progress=show)
+        else:
+            from kvserve.measure_engine import measure_engine
+
+            points = measure_engine(cfg, formats, progress=show)
         if args.measure_model:  # the engine outside the forward, on the real engine
             from kvserve.measure_overhead import measure_overhead
 

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvserve.core.errors import KVServeError
     from kvserve.models import resolve_model
-    from kvserve.quant.methods import quantize_checkpoint
+    from kvserve.quant.pipeline import quantize_checkpoint
 
     try:
         report = quantize_checkpoint(

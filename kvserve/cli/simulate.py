@@ -9,6 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.cli.simulate_inputs import (
+    engine_shape_from_args,
+    hardware_from_args,
+    workload_source_from_args,
+)
+
 DEFAULT_POLICIES = "static,reserve,on_demand,on_demand-chunked"
 
 EPILOG = """\
@@ -169,16 +175,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _hardware(args: argparse.Namespace):
-    from kvserve.plan.hardware import get_profile, manual_profile
-
-    manual = (args.memory, args.bandwidth, args.peak)
-    base = get_profile(args.hardware) if args.hardware else None
-    if all(v is None for v in manual):
-        return base or get_profile("h100-sxm")
-    return manual_profile(*manual, base=base)
-
-
 def _deployment(args: argparse.Namespace, profile_path: str | None):
     from kvserve.plan import Assumptions, load_model
     from kvserve.sim.cost import StepProfile
@@ -211,78 +207,13 @@ def _deployment(args: argparse.Namespace, profile_path: str | None):
     kv_bytes = args.kv_cache_gb * 1e9 if args.kv_cache_gb is not None else None
     return roofline_deployment(
         load_model(args.model),
-        _hardware(args),
+        hardware_from_args(args),
         args.weights,
         args.kv_dtype,
         assumptions,
         args.step_overhead_ms / 1e3,
         kv_bytes,
     )
-
-
-def _shape(args: argparse.Namespace, deployment, max_len_needed: int):
-    from kvserve.bench.slo import parse_duration_s
-    from kvserve.sim.study import EngineShape
-
-    d = deployment.defaults
-
-    def pick(value, key, fallback):
-        return value if value is not None else d.get(key, fallback)
-
-    block_size = pick(args.block_size, "block_size", 16)
-    max_model_len = pick(args.max_model_len, "max_model_len", max_len_needed)
-    layout = deployment.layout(max_model_len)  # a hybrid model's KV groups (kv/groups.py)
-    num_blocks = args.num_blocks or d.get("num_blocks") or deployment.num_blocks(block_size, layout)
-    speculative = None
-    if args.speculative_k:
-        from kvserve.sim.speculative import SpecModel
-
-        speculative = SpecModel(
-            args.speculative_k, args.acceptance, args.draft_step_ms / 1e3, args.draft_token_ms / 1e3
-        )
-    return EngineShape(
-        speculative=speculative,
-        seed=args.seed,
-        num_blocks=num_blocks,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        max_num_seqs=pick(args.max_num_seqs, "max_num_seqs", 64),
-        chunk_tokens=pick(args.chunk_tokens, "max_num_batched_tokens", 512),
-        enable_prefix_caching=not args.no_prefix_caching and d.get("enable_prefix_caching", True),
-        static_batch_size=args.static_batch_size,
-        static_timeout_s=parse_duration_s(args.static_timeout),
-        layout=layout,
-    )
-
-
-def _source(args: argparse.Namespace):
-    """(rate -> requests, the rates to run, workload description)."""
-    from kvserve.bench.workloads import LengthDist
-    from kvserve.sim.workload import (
-        Workload,
-        nominal_rate,
-        requests_from_trace,
-        scale_arrivals,
-    )
-
-    input_len, output_len = LengthDist.parse(args.input_len), LengthDist.parse(args.output_len)
-    if args.trace:
-        trace = requests_from_trace(args.trace, input_len, output_len, args.seed)
-        base = nominal_rate(trace)
-        rates = args.request_rate or (base,)
-
-        def from_trace(rate: float | None):
-            if rate is None or base is None or rate == base:
-                return trace
-            return scale_arrivals(trace, rate / base)
-
-        desc = {"kind": "trace", "path": args.trace, "num_requests": len(trace), "rate": base}
-        return from_trace, rates, desc, trace
-    workload = Workload(
-        input_len, output_len, args.num_requests, args.warmup, args.burstiness, args.seed
-    )
-    rates = args.request_rate or (1.0,)
-    return workload.requests, rates, workload.describe(), workload.requests(1.0)
 
 
 def _write_records(root: Path, result: dict, run) -> None:
@@ -306,15 +237,15 @@ def _simulate(args: argparse.Namespace, profile_path: str | None) -> int:
     from kvserve.sim.study import Policy, evaluate, search_capacity
 
     deployment = _deployment(args, profile_path)
-    source, rates, workload_desc, sample = _source(args)
+    source, rates, workload_desc, sample = workload_source_from_args(args)
     max_len_needed = max(r.num_prompt_tokens + r.num_output_tokens for r in sample)
-    shape = _shape(args, deployment, max_len_needed)
+    shape = engine_shape_from_args(args, deployment, max_len_needed)
     policies = tuple(Policy.parse(name) for name in args.policy.split(",") if name.strip())
     objective_sets = tuple(ObjectiveSet.parse(s) for s in args.slo)
     usd_per_hour = args.price_per_hour
     price_source = "given" if usd_per_hour is not None else None
     if usd_per_hour is None and not profile_path:
-        usd_per_hour, price_source = Prices().hourly_usd(_hardware(args))
+        usd_per_hour, price_source = Prices().hourly_usd(hardware_from_args(args))
     log = sys.stderr if args.json else sys.stdout
     runs = []
     for rate in rates:

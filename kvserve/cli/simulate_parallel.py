@@ -9,6 +9,12 @@ import json
 import sys
 from typing import Any
 
+from kvserve.cli.simulate_inputs import (
+    engine_shape_from_args,
+    hardware_from_args,
+    workload_source_from_args,
+)
+
 EXAMPLE = """\
   kvserve simulate Llama-3.1-8B --parallel 1x8,8x1 --request-rate 2,8,32 \\
       --input-len uniform:1000:3000 --output-len 300 --shared-prefix 16:512
@@ -42,7 +48,6 @@ def run_layouts(args: argparse.Namespace) -> int:
     from kvserve.bench.slo import ObjectiveSet
     from kvserve.bench.summary import json_safe
     from kvserve.cli.plan import link_from_args
-    from kvserve.cli.simulate import _hardware, _shape, _source
     from kvserve.plan import Assumptions, Prices, load_model
     from kvserve.plan.parallel import Parallelism
     from kvserve.sim.parallel import (
@@ -61,9 +66,9 @@ def run_layouts(args: argparse.Namespace) -> int:
     if not args.model:
         raise SimError("give a MODEL (preset, directory, config.json) with --parallel")
     layouts = tuple(Layout.parse(t) for t in args.parallel.split(",") if t.strip())
-    model, hardware, link = load_model(args.model), _hardware(args), link_from_args(args)
+    model, hardware, link = load_model(args.model), hardware_from_args(args), link_from_args(args)
     shared = SharedPrefixes.parse(args.shared_prefix) if args.shared_prefix else None
-    source, rates, workload_desc, sample = _source(args)
+    source, rates, workload_desc, sample = workload_source_from_args(args)
     max_len_needed = max(r.num_prompt_tokens + r.num_output_tokens for r in sample)
     policies = tuple(Policy.parse(n) for n in args.policy.split(",") if n.strip())
     policies = tuple(p for p in policies if not p.is_static)
@@ -92,7 +97,7 @@ def run_layouts(args: argparse.Namespace) -> int:
             args.step_overhead_ms / 1e3,
             kv_bytes,
         )
-        shape = _shape(args, deployment, max_len_needed)
+        shape = engine_shape_from_args(args, deployment, max_len_needed)
         usd = None if per_device_usd is None else per_device_usd * parallelism.num_devices
         deployments.append(
             {"layout": layout.name, "engine_per_replica": shape.describe()} | deployment.description

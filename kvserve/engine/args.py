@@ -10,9 +10,9 @@ keyword arguments with it. A new option is one new field here.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from kvserve.config import (
@@ -39,6 +39,7 @@ from kvserve.memory import (
 from kvserve.models import resolve_model
 from kvserve.options import format_bytes, parse_bytes
 from kvserve.quant.methods import METHODS
+from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -399,27 +400,29 @@ def _draft(config: EngineConfig) -> tuple[str | None, ModelConfig | None]:
     return spec.draft_model_dir, spec.draft_model
 
 
-def engine_option_defaults() -> dict:
-    """Each option's default, by name (docs, tests)."""
-    return {f.name: f.default for f in fields(EngineArgs) if f.default is not MISSING}
+# device types torch knows that kvserve does not run on (the rest are not devices at all)
+_OTHER_DEVICE_TYPES = ("mps", "xpu", "xla", "meta", "hip", "hpu", "ipu", "mtia", "lazy", "vulkan")
+_DEVICE = re.compile(r"([a-z]+)(?::(\d+))?")
 
 
 def _check_device(device: str) -> None:
     """cpu, cuda or cuda:N that this torch can use (fuzzing: `--device foo` or `cuda` without CUDA
-    failed with a traceback once the model loaded)."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
+    failed with a traceback once the model loaded). Torch is imported only for a CUDA device: the
+    API process builds this configuration, and on CPU it never loads torch (docs/design.md)."""
+    match = _DEVICE.fullmatch(device)
+    kind = match.group(1) if match else None
+    if kind not in ("cpu", "cuda", *_OTHER_DEVICE_TYPES):
         raise InvalidRequestError(
             f"--device {device!r} is not a device: use cpu, cuda or cuda:N", "device"
-        ) from None
-    if dev.type not in ("cpu", "cuda"):
+        )
+    if kind not in ("cpu", "cuda"):
         raise InvalidRequestError(f"--device {device!r}: kvserve runs on cpu or cuda", "device")
-    if dev.type == "cuda":
+    if kind == "cuda":
+        import torch
+
+        index = None if match.group(2) is None else int(match.group(2))
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0 or (dev.index is not None and dev.index >= count):
+        if count == 0 or (index is not None and index >= count):
             raise InvalidRequestError(
                 f"--device {device!r}: this machine's torch sees {count} CUDA device(s)", "device"
             )
@@ -458,40 +461,3 @@ def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
             f"the draft model's tokenizer ({draft_dir}) maps ids to tokens differently from the target's "
             f"({len(differing)} tokens differ, e.g. {differing[:3]}); a draft must share the tokenizer"
         )
-
-
-def has_tokenizer(model_dir: str | Path) -> bool:
-    model_dir = Path(model_dir)
-    return (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer.model").is_file()
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The checkpoint's Hugging Face tokenizer, or None when the directory has none."""
-    if not has_tokenizer(model_dir):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except (
-        OSError,
-        ValueError,
-        TypeError,
-    ) as exc:  # fuzzing: a malformed tokenizer.json's traceback
-        raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {exc}") from None
-
-
-def stop_token_ids(model_dir: str | Path, model: ModelConfig, tokenizer) -> frozenset[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer (Llama 3 lists several)."""
-    ids = set(model.eos_token_ids)
-    gen_path = Path(model_dir) / "generation_config.json"
-    try:  # fuzzing: a malformed generation_config.json gave a traceback
-        if gen_path.is_file():
-            gen = json.loads(gen_path.read_text(encoding="utf-8"))
-            eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            ids.add(tokenizer.eos_token_id)
-        return frozenset(int(i) for i in ids)
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{gen_path}: not a usable generation config: {exc}") from None

@@ -48,6 +48,7 @@ from kvserve.engine.wire import (
     UtilityResult,
     failure_of,
 )
+from kvserve.model.kernel_choice import served_kernels
 from kvserve.quant.describe import describe_weights
 from kvserve.threads import describe_threads
 
@@ -95,6 +96,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         blocks_per_full_seq=engine.kv_manager.num_blocks_for(
             engine.max_model_len, c.scheduler.max_num_batched_tokens
         ),
+        **served_kernels(c.model_dir, c.quantization),
     )
 
 

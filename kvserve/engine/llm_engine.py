@@ -20,7 +20,6 @@ from kvserve.core.errors import CapacityError, ContextLengthError, InvalidReques
 from kvserve.core.outputs import RequestUpdate, ScheduledChunk
 from kvserve.core.request import Request, RequestStatus, sample_request_id
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.args import load_tokenizer, stop_token_ids
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.output_processor import OutputKind, OutputProcessor
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
@@ -28,6 +27,7 @@ from kvserve.engine.wire import FrozenMetrics, RequestDelta, SampleDelta
 from kvserve.kv.manager import KVCacheManager
 from kvserve.runner.executor import make_runner
 from kvserve.sched.scheduler import Scheduler
+from kvserve.tokenizer import load_tokenizer, stop_token_ids
 
 _score_ids = itertools.count()
 

@@ -33,6 +33,7 @@ from kvserve.engine.wire import (
     decoder,
     encoder,
 )
+from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ class MPClient(EngineClient):
         startup_timeout_s: float = 900.0,
     ) -> None:
         import zmq
-
-        from kvserve.engine.args import load_tokenizer
 
         if num_cores < 1:
             raise ValueError(f"the number of engine cores must be >= 1, got {num_cores}")

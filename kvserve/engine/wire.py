@@ -63,6 +63,10 @@ class EngineInfo(msgspec.Struct, frozen=True):
     kv_cache_bytes: int = 0  # the runner's KV tensors
     kv_groups: str = ""  # a hybrid model's KV groups (kv/groups.py); "" for one table
     blocks_per_full_seq: int = 0  # the most blocks a full-length request holds at once
+    # the native kernels quantised linears and bf16 products run on here (model/kernel_choice.py):
+    # "" where the served weights have none; /manifest shows them
+    kernel_isa: str = ""
+    bf16_products: str = ""
 
 
 class EngineStats(msgspec.Struct, frozen=True):

@@ -128,31 +128,49 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def linear_descriptor(module: torch.nn.Module, keep: list) -> _Linear | None:
     """The C description of a projection, or None when it has no native layout here. Tensors the
-    description points to are appended to `keep` (the caller holds them)."""
-    from kvserve.model.linear import PackedLinear
-    from kvserve.model.qlinear import QuantLinear
+    description points to are appended to `keep` (the caller holds them). Each projection class
+    describes itself (`native_descriptor`: linear.PackedLinear, qlinear.QuantLinear) through the
+    two constructors below, so this module knows the C layouts and not the classes."""
+    describe = getattr(module, "native_descriptor", None)
+    return None if describe is None else describe(keep)
 
-    if isinstance(module, PackedLinear) and module.panels is not None:
-        w = module.panels  # [P, K, 16] fp32 or bf16, or bf16 pairs [P, Kp / 2, 16, 2]
-        bias = None if module.bias is None else module.bias.float().contiguous()
-        keep += [w, bias]
-        n, k = module.out_features, module.in_features
-        if w.dim() == 4:  # bf16 products (csrc/bf16dot.c)
-            return _Linear(_LIN_BF16DOT, n, k, 2 * w.shape[1], 1, 1, 0, 0, w.data_ptr(), None, None,
-                           _ptr(bias))  # fmt: skip
-        kind = _LIN_BF16 if w.dtype == torch.bfloat16 else _LIN_F32
-        return _Linear(kind, n, k, k, 1, 1, 0, 0, w.data_ptr(), None, None, _ptr(bias))
-    if isinstance(module, QuantLinear) and module.layout == "panel":
-        # csrc/decode_step.h: w [P, nb, 8, 8, 4] int8 | [P, nb, 4, 8, 4] uint8, scales [P, G, 8]
-        bits = module.scheme.bits
-        keep += [module.w, module.scales, module.zeros, module.bias]
-        return _Linear(
-            _LIN_Q8 if bits == 8 else _LIN_Q4, module.out_features, module.in_features,
-            module.w.shape[1] * 32, module.scales.shape[1], int(module.bpg), module.act_mode,
-            int(module.w_min), module.w.data_ptr(), module.scales.data_ptr(), _ptr(module.zeros),
-            _ptr(module.bias),
-        )  # fmt: skip
-    return None
+
+def panel_descriptor(
+    panels: torch.Tensor, out_features: int, in_features: int, bias: torch.Tensor | None, keep: list
+) -> _Linear:
+    """A float projection on its panels: fp32 or bf16 [P, K, 16], or bf16 pairs [P, Kp / 2, 16, 2]
+    (bf16 products, csrc/bf16dot.c)."""
+    bias = None if bias is None else bias.float().contiguous()
+    keep += [panels, bias]
+    n, k = out_features, in_features
+    if panels.dim() == 4:
+        return _Linear(_LIN_BF16DOT, n, k, 2 * panels.shape[1], 1, 1, 0, 0, panels.data_ptr(), None,
+                       None, _ptr(bias))  # fmt: skip
+    kind = _LIN_BF16 if panels.dtype == torch.bfloat16 else _LIN_F32
+    return _Linear(kind, n, k, k, 1, 1, 0, 0, panels.data_ptr(), None, None, _ptr(bias))
+
+
+def quant_panel_descriptor(
+    bits: int,
+    out_features: int,
+    in_features: int,
+    w: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    bpg: int,
+    act_mode: int,
+    w_min: int,
+    keep: list,
+) -> _Linear:
+    """An integer projection on its panels (csrc/decode_step.h): w [P, nb, 8, 8, 4] int8 |
+    [P, nb, 4, 8, 4] uint8, scales [P, G, 8]."""
+    keep += [w, scales, zeros, bias]
+    return _Linear(
+        _LIN_Q8 if bits == 8 else _LIN_Q4, out_features, in_features, w.shape[1] * 32,
+        scales.shape[1], int(bpg), act_mode, int(w_min), w.data_ptr(), scales.data_ptr(),
+        _ptr(zeros), _ptr(bias),
+    )  # fmt: skip
 
 
 def f32_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -342,14 +360,14 @@ class FusedDecoder:
 
 def embedding_table(embed: torch.nn.Module) -> tuple[int, torch.Tensor | None, int]:
     """(kind, table, rows) of an embedding for csrc/decode_step.c decode_step_tokens: 1 an fp32
-    `nn.Embedding` table, 2 / 3 the fp32 / bf16 panels of a tied head (linear.PanelEmbedding); 0 (no
-    table) for any other module, which then looks its rows up itself."""
-    from kvserve.model.linear import PanelEmbedding  # linear.py imports this module
-
-    if type(embed) is PanelEmbedding:
-        kind = {torch.float32: 2, torch.bfloat16: 3}.get(embed.panels.dtype, 0)
-        if kind and embed.panels.is_contiguous():
-            return kind, embed.panels, embed.num_embeddings
+    `nn.Embedding` table, 2 / 3 the fp32 / bf16 panels of a tied head (`native_table()`:
+    linear.PanelEmbedding); 0 (no table) for any other module, which then looks its rows up itself."""
+    native_table = getattr(embed, "native_table", None)
+    if native_table is not None:
+        panels, rows = native_table()
+        kind = {torch.float32: 2, torch.bfloat16: 3}.get(panels.dtype, 0)
+        if kind and panels.is_contiguous():
+            return kind, panels, rows
     elif type(embed) is torch.nn.Embedding and embed.max_norm is None:
         weight = embed.weight
         if weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu":

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model import fused_decode
+from kvserve.model.kernel_choice import bf16_products_kernel  # the one place that decides
 from kvserve.model.qlinear import QuantEmbedding, QuantLinear, check_token_ids
 from kvserve.quant.convert import concat_rows
 from kvserve.quant.rtn import quantize
@@ -50,7 +51,7 @@ def onednn_available() -> bool:
         return False
 
 
-# kvserve.quant.kernels.bf16_products_kernel() -> the load log's name (a "scalar" one is flagged slow)
+# kernel_choice.bf16_products_kernel() -> the load log's name (a "scalar" one is flagged slow)
 _PRODUCTS_KERNEL_NAMES = {
     "vdpbf16ps": "bf16dot-avx512bf16",
     "avx512-fma": "bf16dot-avx512",
@@ -106,6 +107,15 @@ class PackedLinear(nn.Module):
             self._keep: list = []
             self._desc = fused_decode.linear_descriptor(self, self._keep)
 
+    def native_descriptor(self, keep: list):
+        """This projection on its panels for the C kernels (fused_decode.linear_descriptor); None
+        without them."""
+        if self.panels is None:
+            return None
+        return fused_decode.panel_descriptor(
+            self.panels, self.out_features, self.in_features, self.bias, keep
+        )
+
     def _init_bf16_products(self, weight: torch.Tensor) -> None:
         """bf16 products, fp32 sums (`--quantization linear=bf16`, csrc/bf16dot.c): the weights rounded
         to bf16 once, in the pair layout (`fused_decode.bf16_pair_panels`), and each input row rounded
@@ -129,8 +139,6 @@ class PackedLinear(nn.Module):
         kernels; "" for an fp32 linear."""
         if not self.bf16_products:
             return ""
-        from kvserve.quant.kernels import bf16_products_kernel  # the one place that decides
-
         return _PRODUCTS_KERNEL_NAMES[bf16_products_kernel()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,6 +165,11 @@ class PanelEmbedding(nn.Module):
         self.panels = panels  # the head's tensor, shared (not a parameter: no state_dict entry)
         self.num_embeddings = num_embeddings
         self.embedding_dim = panels.shape[1]
+
+    def native_table(self) -> tuple[torch.Tensor, int]:
+        """The tied head's panels and the table's rows, for the fused decode step's own embedding
+        lookup (fused_decode.embedding_table)."""
+        return self.panels, self.num_embeddings
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids [T] -> [T, hidden]; the two index tensors broadcast ahead of the sliced dim

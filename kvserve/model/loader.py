@@ -22,6 +22,7 @@ from kvserve.model.decoder import DecoderLM
 from kvserve.model.linear import apply_weight_scheme
 from kvserve.model.qlinear import QuantLinear, kernel_summary
 from kvserve.model.registry import get_arch
+from kvserve.quant.calibrated import calibrated_at_load
 from kvserve.quant.convert import artifact_tensors, concat_rows
 from kvserve.quant.rtn import QuantizedTensor
 from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
@@ -142,8 +143,6 @@ def load_model(
         )
     if scheme is not None and quantization_method != "rtn":
         # the block linears' codes, and the checkpoint with AWQ / SmoothQuant's scales folded
-        from kvserve.quant.methods import calibrated_at_load
-
         artifact, checkpoint = calibrated_at_load(
             model_dir, checkpoint, scheme, quantization_method, calib
         )

@@ -159,6 +159,25 @@ class QuantLinear(nn.Module):
             self.kernel = "dequantized-fp32" if device.type == "cpu" else f"dequantized-{device}"
             self.weight_deq = qt.dequantize().to(device)  # [out, in]
 
+    def native_descriptor(self, keep: list):
+        """This projection on the panel layout for the C kernels (fused_decode.linear_descriptor);
+        None on another layout."""
+        if self.layout != "panel":
+            return None
+        return fused_decode.quant_panel_descriptor(
+            self.scheme.bits,
+            self.out_features,
+            self.in_features,
+            self.w,
+            self.scales,
+            self.zeros,
+            self.bias,
+            self.bpg,
+            self.act_mode,
+            self.w_min,
+            keep,
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in] -> [..., out]; the op takes any strides and float dtype (one call: decode runs
         # ~120 of these per token, so Python work here costs as much as the matmul)

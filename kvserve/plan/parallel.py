@@ -17,12 +17,12 @@ import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from kvserve.plan.figures import Latency, Load, Workload
 from kvserve.plan.model import ModelSpec, PlanError
 
 if TYPE_CHECKING:
     from kvserve.plan.arith import RooflineCost
     from kvserve.plan.formats import WeightFormat
-    from kvserve.plan.planner import Latency, Load, Workload
 
 
 @dataclass(frozen=True)
@@ -204,13 +204,6 @@ class TensorParallelComm:
         logits = num_sampled * self.model.vocab_size * self.activation_bytes
         gather = gather_s(n, logits, link) if num_sampled > 0 else 0.0
         return self.num_allreduces_per_step * allreduce_s(n, message, link) + gather
-
-    def latency_share_s(self) -> float:
-        """The latency-only part of a step (what a one-token decode step mostly pays)."""
-        n = self.tensor_parallel
-        if n == 1:
-            return 0.0
-        return (self.num_allreduces_per_step * 2 + 1) * (n - 1) * self.link.latency_s
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,19 @@ into the preceding RMSNorm for q/k/v and gate/up, into up_proj's rows for down_p
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from kvserve.quant.methods import CALIB_TOKENS, check_method, read_calibration
 from kvserve.quant.rtn import QuantizedTensor, quantize, quantize_with, scales_for
 from kvserve.quant.scheme import TensorScheme, WeightScheme
+from kvserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 _SAMPLE_ROWS = 512
 # (input shared by, preceding op to fold 1/s into, how it folds)
@@ -459,3 +465,28 @@ def calibrated_quantize(
     # tensors left in float go back to the checkpoint's dtype (bf16 norms: the fold then rounds)
     checkpoint = {k: v.to(dtypes[k]) for k, v in checkpoint.items()}
     return quantized, checkpoint, extra
+
+
+def calibrated_at_load(
+    model_dir: Path,
+    checkpoint: dict,
+    scheme: WeightScheme,
+    method: str,
+    calib: str | None,
+) -> tuple[dict, dict]:
+    """For the loader (`--quantization FMT --quantization-method M --calib FILE`): the block
+    linears of `scheme` quantised by `method` on the first CALIB_TOKENS tokens of `calib`, as
+    `kvserve quantize` takes them, a row's last scale group short where the group does not divide
+    it. Returns ({HF weight name: QuantizedTensor}, the float checkpoint, rescaled where the
+    method folds scales into the preceding norm); the head and the table are left to the loader's
+    round to nearest."""
+    check_method(scheme, method)
+    ids = read_calibration(calib, method, load_tokenizer(model_dir), CALIB_TOKENS)
+    blocks = replace(scheme, embed=None, head=None)
+    quantized, checkpoint, _ = calibrated_quantize(
+        model_dir, checkpoint, blocks, method, ids, whole_groups=False
+    )
+    logger.info(
+        "quantization %s: %s on %d calibration tokens at load", scheme.name, method, len(ids)
+    )
+    return quantized, checkpoint

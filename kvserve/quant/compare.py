@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.core.errors import InvalidRequestError
-
-EVALUATION_NAME = "kvserve_evaluation.json"
+from kvserve.quant.provenance import artifact_sha256
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,6 @@ def model_identity(
     GGUF model's int8 activations."""
     from kvserve.gguf.model_dir import gguf_source
     from kvserve.paths import sha256_file
-    from kvserve.quant.convert import artifact_sha256
 
     identity = {"artifact_sha256": artifact_sha256(model_dir), "quantization": quantization}
     if (source := gguf_source(model_dir)) is not None:
@@ -261,16 +259,3 @@ def compare(
         prompt_len=prompt_len, greedy_tokens=greedy_tokens,
     )  # fmt: skip
     return signed_report(reference, candidate, candidate_stats(run, cand, thresholds))
-
-
-def recorded_evaluation(model_dir: str | Path) -> dict | None:
-    """The evaluation recorded beside an artifact (`eval compare --record`), if it still matches the
-    files: its hash and whether it passed."""
-    from kvserve.quant.convert import artifact_sha256
-
-    path = Path(model_dir) / EVALUATION_NAME
-    if not path.is_file():
-        return None
-    report = json.loads(path.read_text())
-    current = report.get("candidate", {}).get("artifact_sha256") == artifact_sha256(model_dir)
-    return {"sha256": report.get("sha256"), "passed": report.get("passed"), "current": current}

@@ -6,7 +6,6 @@ kvserve's fused module names.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -26,8 +25,8 @@ from kvserve.quant.artifact import (
     scheme_from_config,
     target_scheme,
 )
-from kvserve.quant.hf_checkpoints import METHODS as HF_METHODS
 from kvserve.quant.hf_checkpoints import hf_quantized_tensors
+from kvserve.quant.provenance import HF_METHODS, artifact_sha256
 from kvserve.quant.rtn import QuantizedTensor, quantize
 from kvserve.quant.scheme import QuantizationError, TensorScheme, WeightScheme
 
@@ -53,16 +52,6 @@ def tensor_class(name: str) -> str | None:
     if name.startswith("model.layers.") and parts[-1] == "weight" and parts[-2] in _LINEAR_NAMES:
         return "linear"
     return None
-
-
-def artifact_sha256(model_dir: str | Path) -> str:
-    """SHA-256 over config.json and the weight files, in name order: the artifact's identity."""
-    model_dir = Path(model_dir)
-    digest = hashlib.sha256()
-    for path in [model_dir / "config.json", *sorted(model_dir.glob("*.safetensors"))]:
-        digest.update(path.name.encode())
-        digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()
 
 
 def write_artifact(

@@ -26,7 +26,6 @@ from kvserve.core.errors import ModelLoadError
 from kvserve.quant.rtn import QuantizedTensor
 from kvserve.quant.scheme import KERNEL_BLOCK, TensorScheme
 
-METHODS = ("gptq", "awq")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's column order within a packed word
 QUANT_ENTRIES = ("qweight", "qzeros", "scales", "g_idx")
 RUNS = (
@@ -178,12 +177,3 @@ def hf_quantized_tensors(
             f"{where}: quantization_config says {cfg.method}, but no tensor is packed"
         )
     return out
-
-
-def describe(qconfig: dict) -> str:
-    """The served scheme's label for /manifest, e.g. `gptq int4-g128` or `awq int4-g128-zp`."""
-    group = qconfig.get("group_size", qconfig.get("q_group_size"))
-    grouping = "" if group in (-1, None) else f"-g{group}"
-    method = qconfig.get("quant_method")
-    zp = method == "awq" or not qconfig.get("sym", True)
-    return f"{method} int{qconfig.get('bits', qconfig.get('w_bit'))}{grouping}{'-zp' if zp else ''}"

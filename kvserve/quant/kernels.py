@@ -75,35 +75,9 @@ def kernel_isa() -> str:
     return ISA_NAMES.get(int(torch.ops.kvq.isa()), "scalar")
 
 
-def served_kernel_isa() -> str:
-    """The instruction set quantised linears run on: the native panel GEMV's (model/csrc/qgemv.c)
-    where the C library builds, else this extension's ("unavailable": a dequantised stand-in)."""
-    from kvserve.model import fused_decode
-
-    return fused_decode.isa() if fused_decode.max_rows() else kernel_isa()
-
-
-def bf16_products_kernel() -> str:
-    """What runs `bf16` linears here (csrc/bf16dot.c): "vdpbf16ps" (AVX512_BF16), "avx512-fma"
-    (the same operations on fp32 FMAs), "portable" (scalar loops, slower than fp32) or "torch" (no
-    C kernels)."""
-    from kvserve.model import fused_decode
-
-    if not fused_decode.max_rows():
-        return "torch"
-    if fused_decode.bf16_insn():
-        return "vdpbf16ps"
-    return "avx512-fma" if fused_decode.isa() == "avx512" else "portable"
-
-
-def set_max_isa(name: str) -> None:
-    """Cap the kernels' instruction set ("avx512", "avx2" or "scalar"; this extension has no AVX-512
-    path, so "avx512" leaves it on AVX2): tests run the fallbacks this way. The panel GEMVs quantised
-    linears take (model/fused_decode.py) follow the cap."""
-    from kvserve.model import fused_decode
-
+def set_extension_max_isa(name: str) -> None:
+    """Cap this extension's instruction set ("avx512", "avx2" or "scalar"; it has no AVX-512 path,
+    so "avx512" leaves it on AVX2). kvserve.model.kernel_choice.set_max_isa caps every kernel."""
     kernels_available()
     level = {v: k for k, v in ISA_NAMES.items()}[name if name != "avx512" else "avx2"]
     torch.ops.kvq.set_max_isa(level)
-    if fused_decode.max_rows():
-        fused_decode.set_max_isa(name)

@@ -107,9 +107,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def has_pending_runner_updates(self) -> bool:
-        return bool(self._finished_ids)
-
     # --- one step ---------------------------------------------------------------------------------------
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:

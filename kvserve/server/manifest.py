@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvserve import __version__
 from kvserve.paths import sha256_file
+from kvserve.quant.provenance import HF_METHODS, describe_hf_checkpoint, recorded_evaluation
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -27,8 +28,12 @@ def build_manifest(
     dtype: str,
     chat_template: str | None,
     engine_options: dict,
+    kernel_isa: str = "",
+    bf16_products: str = "",
 ) -> dict:
-    """SHA-256 of weights, tokenizer files and chat template; engine version; dtype and cache options."""
+    """SHA-256 of weights, tokenizer files and chat template; engine version; dtype and cache
+    options. `kernel_isa` and `bf16_products`: what the engine core reports it runs
+    (`EngineInfo`, kvserve/model/kernel_choice.py); the API process loads no kernel to find out."""
     model_dir = Path(model_dir)
     weights = {p.name: sha256_file(p) for p in sorted(model_dir.glob("*.safetensors"))}
     tokenizer = {
@@ -51,6 +56,8 @@ def build_manifest(
             engine_options.get("quantization"),
             engine_options.get("quantization_method") or "rtn",
             engine_options.get("calib"),
+            kernel_isa,
+            bf16_products,
         ),
         "kv_cache_dtype": (
             dtype
@@ -70,11 +77,17 @@ def fingerprint(manifest_sha256: str) -> str:
 
 
 def quantization_manifest(
-    model_dir: Path, at_load: str | None, at_load_method: str = "rtn", calib: str | None = None
+    model_dir: Path,
+    at_load: str | None,
+    at_load_method: str = "rtn",
+    calib: str | None = None,
+    kernel_isa: str = "",
+    bf16_products: str = "",
 ) -> dict | None:
     """The served quantisation scheme: the artifact's (config.json quantization_config) or the one
     applied at load (with its method, and the calibration file's hash for a calibrated one), the
-    kernels' instruction set, and the recorded evaluation of these files."""
+    kernels' instruction set (as the engine core reports it), and the recorded evaluation of these
+    files."""
     config_path = model_dir / "config.json"
     qconfig = (
         json.loads(config_path.read_text()).get("quantization_config")
@@ -83,31 +96,22 @@ def quantization_manifest(
     )
     if qconfig is None and at_load is None:
         return None
-    from kvserve.quant.compare import recorded_evaluation
-    from kvserve.quant.hf_checkpoints import METHODS, describe
-    from kvserve.quant.kernels import served_kernel_isa
-
     ours = (qconfig or {}).get("kvserve", {})
     if at_load:
         scheme, method = at_load, at_load_method
-    elif qconfig.get("quant_method") in METHODS:  # a GPTQ or AWQ checkpoint
-        scheme, method = describe(qconfig), qconfig["quant_method"]
+    elif qconfig.get("quant_method") in HF_METHODS:  # a GPTQ or AWQ checkpoint
+        scheme, method = describe_hf_checkpoint(qconfig), qconfig["quant_method"]
     else:
         scheme, method = ours.get("scheme") or qconfig.get("format"), ours.get("method")
     out = {
         "scheme": scheme,
         "source": f"{method} at load" if at_load else "checkpoint",
         "method": method,
-        "kernel_isa": served_kernel_isa(),  # "scalar" or "unavailable": a slower stand-in runs
+        "kernel_isa": kernel_isa,  # "scalar" or "unavailable": a slower stand-in runs
         "evaluation": recorded_evaluation(model_dir),
     }
-    if at_load:
-        from kvserve.quant.scheme import parse_weight_scheme
-
-        if parse_weight_scheme(at_load).runs_bf16:
-            from kvserve.quant.kernels import bf16_products_kernel
-
-            out["bf16_products"] = bf16_products_kernel()
+    if bf16_products:  # a load-time scheme with bf16 products
+        out["bf16_products"] = bf16_products
     if at_load and calib is not None:  # the codes depend on this text: it is part of the model
         out["calibration_sha256"] = sha256_file(Path(calib)) if Path(calib).is_file() else None
     return out

@@ -125,6 +125,8 @@ def load_engine(state: ServerState, client_factory: Callable[[], EngineClient]) 
             dtype=info.dtype,
             chat_template=template,
             engine_options=state.engine_options,
+            kernel_isa=info.kernel_isa,
+            bf16_products=info.bf16_products,
         )
         state.manifest_sha256 = manifest_hash(state.manifest)
         client.set_observers(

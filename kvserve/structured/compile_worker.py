@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 
 from kvserve.core.errors import InvalidRequestError
 from kvserve.mp_children import children_allowed
+from kvserve.structured.schema import compile_constraint
 
 logger = logging.getLogger("kvserve.structured")
 
@@ -65,8 +66,6 @@ def _worker_main(conn: Connection, tokenizer_info_json: str) -> None:
     """The worker: rebuild the tokenizer info, say ready, then compile (kind, spec) pairs until EOF."""
     _die_with_parent()
     import xgrammar as xgr
-
-    from kvserve.structured.grammar import compile_constraint
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
