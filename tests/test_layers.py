@@ -70,7 +70,12 @@ ONLY = {
     "config": {"quant": ("kvserve.quant.scheme", "kvserve.quant.methods")},
     "gguf": {"model": ("kvserve.model.block_weights",)},
     "server": {
-        "engine": ("kvserve.engine.client", "kvserve.engine.wire", "kvserve.engine.outputs"),
+        "engine": (
+            "kvserve.engine.client",
+            "kvserve.engine.output_processor",
+            "kvserve.engine.wire",
+            "kvserve.engine.outputs",
+        ),
         "quant": ("kvserve.quant.provenance",),
     },
     "sim": {"engine": ("kvserve.engine.step_log",)},
