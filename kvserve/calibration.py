@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sim.cost import FEATURES, StepLoad, StepProfile, feature_vector
@@ -187,9 +188,9 @@ def calibrate_main(args: Any) -> str:
         "dtype": args.dtype,
         "device": args.device,
         "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs or 64,
-        "max_num_batched_tokens": args.chunk_tokens or 2048,
-        "block_size": args.block_size or 16,
+        "max_num_seqs": args.max_num_seqs or SchedulerConfig.max_num_seqs,
+        "max_num_batched_tokens": args.chunk_tokens or SchedulerConfig.max_num_batched_tokens,
+        "block_size": args.block_size or CacheConfig.block_size,
         "num_blocks": args.num_blocks,
         "enable_prefix_caching": not args.no_prefix_caching,
     }

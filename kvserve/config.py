@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
 from kvserve.kv.groups import KVLayout, plan_layout, single_layout
-from kvserve.quant.methods import check_method
-from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
+from kvserve.quant.methods import DEFAULT_METHOD, check_method
+from kvserve.quant.scheme import QuantizationError, WeightScheme, parse_weight_scheme
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # KV cache storage: "auto" = the model's dtype; 8-bit codes with one fp16 scale per (token, kv head).
@@ -350,7 +351,7 @@ class EngineConfig:
     quantization: str | None = None  # weight scheme (docs/quantization.md), quantised at load
     # how `quantization` quantises the block linears at load: rtn, or a calibrated method (gptq, awq,
     # smoothquant) on the calibration text in `calib` (kvserve.quant.methods)
-    quantization_method: str = "rtn"
+    quantization_method: str = DEFAULT_METHOD
     calib: str | None = None
     # GGUF_ACTIVATIONS: a GGUF model's blocks times fp32 activations (the reference), or on the integer
     # panel kernel with activations rounded to int8 per 32 inputs (kvserve.model.loader)
@@ -388,13 +389,18 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"gguf_activations must be one of {GGUF_ACTIVATIONS}", "gguf_activations"
             )
-        if self.quantization is not None:
-            parse_weight_scheme(self.quantization)  # raises QuantizationError naming the choice
+        _ = self.weight_scheme  # parsed once, here: a bad string raises QuantizationError naming it
         self._check_quantization_method()
+
+    @cached_property
+    def weight_scheme(self) -> WeightScheme | None:
+        """`quantization` parsed, once for this config (it travels with it to the core and the
+        ranks); None when nothing is quantised at load."""
+        return None if self.quantization is None else parse_weight_scheme(self.quantization)
 
     def _check_quantization_method(self) -> None:
         method = self.quantization_method
-        if method == "rtn":
+        if method == DEFAULT_METHOD:
             if self.calib is not None:
                 raise QuantizationError(
                     "--calib is for a calibrated --quantization-method (gptq, awq, smoothquant); "
@@ -405,7 +411,7 @@ class EngineConfig:
             raise QuantizationError(
                 f"--quantization-method {method} needs --quantization (the format it produces)"
             )
-        check_method(parse_weight_scheme(self.quantization), method)  # unknown or mismatched
+        check_method(self.weight_scheme, method)  # unknown or mismatched
         if self.calib is None:
             raise QuantizationError(f"{method} needs calibration text: pass --calib FILE")
         if self.tensor_parallel_size > 1:

@@ -46,7 +46,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "measure_forward": {"config", "measure", "model"},
     "measure_team": {"measure", "measure_engine", "model", "plan", "quant"},
     "measure_overhead": {"core", "engine", "plan", "runner"},
-    "calibration": {"core", "engine", "sim"},
+    "calibration": {"core", "config", "engine", "sim"},
     "kvserve": {"_version", "core", "engine", "threads"},
     "cli": set(),  # the command line: filled in below with every layer
     "__main__": {"cli"},
@@ -76,7 +76,7 @@ ONLY = {
             "kvserve.engine.wire",
             "kvserve.engine.outputs",
         ),
-        "quant": ("kvserve.quant.provenance",),
+        "quant": ("kvserve.quant.provenance", "kvserve.quant.methods", "kvserve.quant.scheme"),
     },
     "sim": {"engine": ("kvserve.engine.step_log",)},
 }

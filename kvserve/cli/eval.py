@@ -8,6 +8,7 @@ import sys
 import time
 
 from kvserve.config import GGUF_ACTIVATIONS, KV_CACHE_DTYPES
+from kvserve.quant.methods import DEFAULT_METHOD
 
 
 def _at_least(low: int):
@@ -80,7 +81,7 @@ def register(subparsers) -> None:
     )
     cmp.add_argument(
         "--candidate-method",
-        default="rtn",
+        default=DEFAULT_METHOD,
         help="method of --candidate-quantization: rtn, gptq, awq, smoothquant",
     )
     cmp.add_argument(

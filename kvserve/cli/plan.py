@@ -289,6 +289,7 @@ def _measure(args: argparse.Namespace) -> Any:
         else:
             from kvserve.measure_engine import measure_engine
 
+            spec = None
             points = measure_engine(cfg, formats, progress=show)
         if args.measure_model:  # the engine outside the forward, on the real engine
             from kvserve.measure_overhead import measure_overhead

@@ -8,6 +8,8 @@ import argparse
 import json
 import sys
 
+from kvserve.quant.methods import DEFAULT_METHOD
+
 
 def register(subparsers) -> None:
     from kvserve.quant.methods import METHODS
@@ -26,7 +28,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument(
         "--method",
-        default="rtn",
+        default=DEFAULT_METHOD,
         choices=sorted(METHODS),
         help="rounding method (docs/quantization.md)",
     )

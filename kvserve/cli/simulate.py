@@ -14,6 +14,7 @@ from kvserve.cli.simulate_inputs import (
     hardware_from_args,
     workload_source_from_args,
 )
+from kvserve.config import SchedulerConfig
 
 DEFAULT_POLICIES = "static,reserve,on_demand,on_demand-chunked"
 
@@ -121,7 +122,12 @@ def register(subparsers: Any) -> None:
         "correlated in time as measured (residuals), all steps alike and independent (pooled)",
     )
     g = p.add_argument_group("engine limits")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="running sequences (64)")
+    g.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help=f"running sequences ({SchedulerConfig.max_num_seqs})",
+    )
     g.add_argument(
         "--chunk-tokens", type=int, default=None, help="token budget of -chunked policies (512)"
     )

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.config import SchedulerConfig
+
 
 def hardware_from_args(args: argparse.Namespace):
     from kvserve.plan.hardware import get_profile, manual_profile
@@ -43,7 +45,7 @@ def engine_shape_from_args(args: argparse.Namespace, deployment, max_len_needed:
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         block_size=block_size,
-        max_num_seqs=pick(args.max_num_seqs, "max_num_seqs", 64),
+        max_num_seqs=pick(args.max_num_seqs, "max_num_seqs", SchedulerConfig.max_num_seqs),
         chunk_tokens=pick(args.chunk_tokens, "max_num_batched_tokens", 512),
         enable_prefix_caching=not args.no_prefix_caching and d.get("enable_prefix_caching", True),
         static_batch_size=args.static_batch_size,

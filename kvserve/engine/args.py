@@ -50,6 +50,12 @@ MODEL_HELP = (
 DTYPES = ("auto", *sorted(DTYPE_BYTES))
 
 
+def _default(config_class, name: str):
+    """The default of a config dataclass's field: an engine option that is also a config field takes
+    its default from there, so each default is written once (kvserve/config.py)."""
+    return next(f.default for f in fields(config_class) if f.name == name)
+
+
 def _option(
     default,
     help: str,
@@ -89,11 +95,17 @@ class EngineArgs:
         type=int,
         optional=True,
     )
-    max_num_seqs: int = _option(64, "most sequences running at once", type=int)
-    max_num_batched_tokens: int = _option(
-        2048, "token budget of one step, shared by decode tokens and prompt chunks", type=int
+    max_num_seqs: int = _option(
+        _default(SchedulerConfig, "max_num_seqs"), "most sequences running at once", type=int
     )
-    block_size: int = _option(16, "tokens per KV-cache block", type=int)
+    max_num_batched_tokens: int = _option(
+        _default(SchedulerConfig, "max_num_batched_tokens"),
+        "token budget of one step, shared by decode tokens and prompt chunks",
+        type=int,
+    )
+    block_size: int = _option(
+        _default(CacheConfig, "block_size"), "tokens per KV-cache block", type=int
+    )
     num_blocks: int | None = _option(
         None,
         "KV-cache blocks (default: as many as --kv-cache-memory holds)",
@@ -120,7 +132,7 @@ class EngineArgs:
         "window layers no longer see (docs/scheduling.md)", type=bool,
     )  # fmt: skip
     admission: str = _option(
-        "on_demand",
+        _default(SchedulerConfig, "admission"),
         "on_demand: charge blocks as used, preempt when full; reserve: prompt + max_tokens "
         "up front (docs/scheduling.md)",
         choices=ADMISSION_POLICIES,
@@ -134,7 +146,7 @@ class EngineArgs:
         optional=True,
     )
     quantization_method: str = _option(
-        "rtn",
+        _default(EngineConfig, "quantization_method"),
         "how --quantization quantises the block linears: rtn (round to nearest), or gptq, awq, "
         "smoothquant on the calibration text of --calib (the head and table: rtn)",
         choices=tuple(METHODS),
@@ -146,7 +158,7 @@ class EngineArgs:
         metavar="FILE",
     )
     gguf_activations: str = _option(
-        "fp32",
+        _default(EngineConfig, "gguf_activations"),
         "a GGUF model's products: fp32 (its blocks times fp32 activations, the reference) or int8 "
         "(Q4_0, Q4_1, Q5_0, Q8_0 blocks on the integer panel kernel, activations rounded to int8 per "
         "32 inputs as llama.cpp does: faster; docs/gguf.md)",
@@ -163,20 +175,20 @@ class EngineArgs:
         choices=ATTENTION_BACKENDS,
     )
     thread_policy: str = _option(
-        "adaptive",
+        _default(EngineConfig, "thread_policy"),
         "adaptive: on CPU, steps use one thread fewer while a neighbour takes CPU time from "
         "the engine's threads, trying the full count again now and then; fixed: always "
         'torch\'s thread count (docs/performance.md "Threads")',
         choices=THREAD_POLICIES,
     )
     grammar_compile_timeout: float = _option(
-        60.0,
+        _default(EngineConfig, "grammar_compile_timeout_s"),
         "seconds a structured-output grammar may compile; past it the compile is stopped and its "
         "request gets a 400 (docs/structured-output.md)",
         type=float,
     )
     tensor_parallel_size: int = _option(
-        1,
+        _default(EngineConfig, "tensor_parallel_size"),
         "shard the model over N ranks (worker processes; gloo on CPU, NCCL on CUDA; "
         "docs/parallel.md)",
         type=int,

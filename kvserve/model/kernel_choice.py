@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvserve.model import fused_decode
 from kvserve.quant.kernels import kernel_isa, set_extension_max_isa
-from kvserve.quant.scheme import parse_weight_scheme
+from kvserve.quant.scheme import WeightScheme
 
 
 def served_kernel_isa() -> str:
@@ -38,7 +38,7 @@ def set_max_isa(name: str) -> None:
         fused_decode.set_max_isa(name)
 
 
-def served_kernels(model_dir: str | Path, quantization: str | None) -> dict[str, str]:
+def served_kernels(model_dir: str | Path, scheme: WeightScheme | None) -> dict[str, str]:
     """`EngineInfo.kernel_isa` and `bf16_products` for /manifest: the kernels the served weights
     run on, "" for what they do not use (quantised weights: at load, or a checkpoint's
     quantization_config; bf16 products: a load-time scheme with them), so that an unquantised model
@@ -47,8 +47,8 @@ def served_kernels(model_dir: str | Path, quantization: str | None) -> dict[str,
     checkpoint_quantized = config_path.is_file() and (
         json.loads(config_path.read_text()).get("quantization_config") is not None
     )
-    bf16 = quantization is not None and parse_weight_scheme(quantization).runs_bf16
+    bf16 = scheme is not None and scheme.runs_bf16
     return {
-        "kernel_isa": served_kernel_isa() if quantization or checkpoint_quantized else "",
+        "kernel_isa": served_kernel_isa() if scheme is not None or checkpoint_quantized else "",
         "bf16_products": bf16_products_kernel() if bf16 else "",
     }

@@ -24,8 +24,9 @@ from kvserve.model.qlinear import QuantLinear, kernel_summary
 from kvserve.model.registry import get_arch
 from kvserve.quant.calibrated import calibrated_at_load
 from kvserve.quant.convert import artifact_tensors, concat_rows
+from kvserve.quant.methods import DEFAULT_METHOD
 from kvserve.quant.rtn import QuantizedTensor
-from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
+from kvserve.quant.scheme import QuantizationError, WeightScheme, parse_weight_scheme
 
 # Our fused parameter <- the checkpoint's tensors, concatenated along the output dimension.
 _FUSED = {
@@ -95,17 +96,20 @@ def load_model(
     max_positions: int,
     dtype: str = "float32",
     device: str = "cpu",
-    quantization: str | None = None,
-    quantization_method: str = "rtn",
+    quantization: WeightScheme | str | None = None,
+    quantization_method: str = DEFAULT_METHOD,
     calib: str | None = None,
     gguf_activations: str = "fp32",
 ) -> DecoderLM:
-    """The checkpoint's DecoderLM on `device`; `quantization` (a scheme string, docs/quantization.md)
+    """The checkpoint's DecoderLM on `device`; `quantization` (a scheme, `EngineConfig.weight_scheme`,
+    or for a direct caller its string; docs/quantization.md)
     quantises its weights at load and runs them on the integer kernels: rounded to nearest, or the
     block linears by a calibrated `quantization_method` (gptq, awq, smoothquant) on the text in
     `calib`, as `kvserve quantize` would write them, short scale groups allowed. `gguf_activations`
     "int8" runs a GGUF file's blocks on the panel kernel with int8 activations (install_block_weights)."""
     model_dir = Path(model_dir)
+    scheme = parse_weight_scheme(quantization) if isinstance(quantization, str) else quantization
+    quantization = None if scheme is None else scheme.name
     arch = get_arch(config.model_type)
     with torch.device("meta"):
         model = DecoderLM(config, arch, max_positions)
@@ -130,7 +134,6 @@ def load_model(
             f"{model_dir} is already quantised (quantization_config in config.json): drop "
             f"--quantization {quantization}"
         )
-    scheme = parse_weight_scheme(quantization) if quantization is not None else None
     asks_bf16 = scheme is not None and scheme.runs_bf16
     if torch.device(device).type == "cpu" and dtype in ("bfloat16", "float16") and not asks_bf16:
         # vLLM users reach for --dtype bfloat16 for speed; here it takes the per-op torch path
@@ -141,7 +144,7 @@ def load_model(
             dtype,
             dtype,
         )
-    if scheme is not None and quantization_method != "rtn":
+    if scheme is not None and quantization_method != DEFAULT_METHOD:
         # the block linears' codes, and the checkpoint with AWQ / SmoothQuant's scales folded
         artifact, checkpoint = calibrated_at_load(
             model_dir, checkpoint, scheme, quantization_method, calib
@@ -253,7 +256,7 @@ def read_gguf_checkpoint(
             f"{path}: a GGUF model runs with fp32 activations (--dtype float32); for bf16 products "
             "requantise it with --quantization linear=bf16,head=bf16"
         )
-    if quantization is not None and method != "rtn":
+    if quantization is not None and method != DEFAULT_METHOD:
         raise QuantizationError(
             f"{path}: --quantization-method {method} calibrates a Hugging Face directory; a GGUF "
             "file can be requantised by rounding to nearest (rtn) only"

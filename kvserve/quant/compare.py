@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.core.errors import InvalidRequestError
+from kvserve.quant.methods import DEFAULT_METHOD
 from kvserve.quant.provenance import artifact_sha256
 
 
@@ -34,7 +35,7 @@ class Thresholds:
 def model_identity(
     model_dir: str | Path,
     quantization: str | None,
-    method: str = "rtn",
+    method: str = DEFAULT_METHOD,
     calib: str | None = None,
     kv_cache_dtype: str = "auto",
     gguf_activations: str = "fp32",
@@ -49,7 +50,7 @@ def model_identity(
     identity = {"artifact_sha256": artifact_sha256(model_dir), "quantization": quantization}
     if (source := gguf_source(model_dir)) is not None:
         identity["gguf_sha256"] = sha256_file(source)
-    if method != "rtn":
+    if method != DEFAULT_METHOD:
         identity |= {"method": method, "calibration_sha256": sha256_file(Path(calib))}
     if kv_cache_dtype != "auto":  # absent when "auto": earlier reports' hashes stay the same
         identity["kv_cache_dtype"] = kv_cache_dtype
@@ -65,7 +66,7 @@ class EvalModel:
 
     model_dir: Path
     quantization: str | None = None
-    method: str = "rtn"
+    method: str = DEFAULT_METHOD
     calib: str | None = None
     kv_cache_dtype: str = "auto"
     gguf_activations: str = "fp32"
@@ -230,7 +231,7 @@ def compare(
     *,
     ref_quantization: str | None = None,
     cand_quantization: str | None = None,
-    cand_method: str = "rtn",
+    cand_method: str = DEFAULT_METHOD,
     cand_calib: str | None = None,
     cand_kv_cache_dtype: str = "auto",
     cand_gguf_activations: str = "fp32",

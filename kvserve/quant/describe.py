@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvserve.gguf.model_dir import gguf_matrix_types
+from kvserve.quant.methods import DEFAULT_METHOD
 from kvserve.quant.scheme import ACT_NONE, ACT_TENSOR, ACT_TOKEN, TensorScheme, parse_weight_scheme
 
 _DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -18,7 +19,7 @@ _ACTS = {
 def describe_weights(
     dtype: str,
     quantization: str | None,
-    method: str = "rtn",
+    method: str = DEFAULT_METHOD,
     model_dir: str | Path | None = None,
     gguf_activations: str = "fp32",
 ) -> str:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from kvserve.quant.scheme import ACT_NONE, QuantizationError, WeightScheme
 
+DEFAULT_METHOD = "rtn"  # the default of every option and parameter that names a method
 METHODS = {
-    "rtn": "every format",
+    DEFAULT_METHOD: "every format",
     "gptq": "weight-only integer formats",
     "awq": "weight-only integer formats",
     "smoothquant": "w8a8 formats",
@@ -27,7 +28,7 @@ def check_method(scheme: WeightScheme, method: str) -> None:
     if method not in METHODS:
         raise QuantizationError(f"unknown method {method!r}: use one of {', '.join(METHODS)}")
     linear = scheme.for_class("linear")
-    if method == "rtn":
+    if method == DEFAULT_METHOD:
         return
     if linear is None:
         raise QuantizationError(

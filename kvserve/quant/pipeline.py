@@ -14,7 +14,7 @@ from kvserve.model.loader import read_checkpoint
 from kvserve.quant.artifact import read_quantization_config
 from kvserve.quant.calibrated import calibrated_quantize
 from kvserve.quant.convert import check_artifact_scheme, rtn_quantize, write_artifact
-from kvserve.quant.methods import CALIB_TOKENS, check_method, read_calibration
+from kvserve.quant.methods import CALIB_TOKENS, DEFAULT_METHOD, check_method, read_calibration
 from kvserve.quant.scheme import QuantizationError, parse_weight_scheme
 from kvserve.tokenizer import load_tokenizer
 
@@ -24,7 +24,7 @@ def quantize_checkpoint(
     out_dir: str | Path,
     *,
     weights: str,
-    method: str = "rtn",
+    method: str = DEFAULT_METHOD,
     calib: str | None = None,
     calib_tokens: int = CALIB_TOKENS,
     alpha: float = 0.5,
@@ -44,7 +44,7 @@ def quantize_checkpoint(
         raise QuantizationError("--out must differ from the source model directory")
     checkpoint = read_checkpoint(model_dir)
     extra: dict = {}
-    if method == "rtn":
+    if method == DEFAULT_METHOD:
         quantized = rtn_quantize(checkpoint, scheme)
     else:
         ids = read_calibration(calib, method, load_tokenizer(model_dir), calib_tokens)

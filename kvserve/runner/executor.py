@@ -85,11 +85,10 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
         world = config.tensor_parallel_size
         layout = TensorParallelLayout(0, world, config.model)  # bad splits fail before any spawn
-        if config.quantization is not None:
+        if config.weight_scheme is not None:
             from kvserve.model.parallel_quant import check_tensor_parallel_scheme
-            from kvserve.quant.scheme import parse_weight_scheme
 
-            check_tensor_parallel_scheme(parse_weight_scheme(config.quantization), layout)
+            check_tensor_parallel_scheme(config.weight_scheme, layout)
         if dist.is_initialized():
             raise WorkerFailedError(
                 "this process already has a torch.distributed process group; the tensor-parallel "

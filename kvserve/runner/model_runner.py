@@ -131,7 +131,7 @@ class ModelRunner:
             max_positions=config.scheduler.max_model_len,
             dtype=config.dtype,
             device=config.device,
-            quantization=config.quantization,
+            quantization=config.weight_scheme,
             quantization_method=config.quantization_method,
             calib=config.calib,
             gguf_activations=config.gguf_activations,

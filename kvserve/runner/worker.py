@@ -85,11 +85,10 @@ def load_rank_model(
         cpu_weights=False,
     )
     weight_bytes = state_bytes(model)
-    if config.quantization is not None:
+    scheme = config.weight_scheme
+    if scheme is not None:
         from kvserve.model.parallel_quant import quantize_tensor_parallel
-        from kvserve.quant.scheme import parse_weight_scheme
 
-        scheme = parse_weight_scheme(config.quantization)
         if scheme.is_quantized:
             checkpoint = read_checkpoint(Path(config.model_dir))
             quantize_tensor_parallel(model, checkpoint, scheme, device)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kvserve import __version__
 from kvserve.paths import sha256_file
+from kvserve.quant.methods import DEFAULT_METHOD
 from kvserve.quant.provenance import HF_METHODS, describe_hf_checkpoint, recorded_evaluation
 
 _TOKENIZER_FILES = (
@@ -54,7 +55,7 @@ def build_manifest(
         "quantization": quantization_manifest(
             model_dir,
             engine_options.get("quantization"),
-            engine_options.get("quantization_method") or "rtn",
+            engine_options.get("quantization_method") or DEFAULT_METHOD,
             engine_options.get("calib"),
             kernel_isa,
             bf16_products,
@@ -79,7 +80,7 @@ def fingerprint(manifest_sha256: str) -> str:
 def quantization_manifest(
     model_dir: Path,
     at_load: str | None,
-    at_load_method: str = "rtn",
+    at_load_method: str = DEFAULT_METHOD,
     calib: str | None = None,
     kernel_isa: str = "",
     bf16_products: str = "",

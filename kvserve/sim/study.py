@@ -14,7 +14,7 @@ from typing import Any
 from kvserve.bench.capacity import Trial, find_capacity
 from kvserve.bench.slo import ObjectiveSet, passes
 from kvserve.bench.summary import summarize
-from kvserve.config import ADMISSION_POLICIES, SchedulerConfig
+from kvserve.config import ADMISSION_POLICIES, CacheConfig, SchedulerConfig
 from kvserve.kv.groups import KVLayout
 from kvserve.sim.cost import CostModel
 from kvserve.sim.loop import StepHook, simulate_continuous
@@ -64,8 +64,8 @@ class EngineShape:
 
     num_blocks: int
     max_model_len: int
-    block_size: int = 16
-    max_num_seqs: int = 64
+    block_size: int = CacheConfig.block_size
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     chunk_tokens: int = 512
     enable_prefix_caching: bool = True
     static_batch_size: int | None = None  # None: max_num_seqs
