@@ -181,7 +181,7 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json is missing the key {exc.args[0]!r}") from exc
-        except (ValueError, TypeError, ZeroDivisionError) as exc:  # fuzzing: "abc", null, 0 heads
+        except (ValueError, TypeError, ZeroDivisionError) as exc:  # "abc", null, 0 heads
             raise ModelLoadError(
                 f"config.json has a value of the wrong type or range: {exc}"
             ) from exc
@@ -195,7 +195,7 @@ class ModelConfig:
             )
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:  # fuzzing: a traceback
+        except (ValueError, UnicodeDecodeError) as exc:
             raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{path} is not a JSON object")

@@ -28,7 +28,7 @@ def read_documents(path: str | Path) -> list[str]:
         )
     try:
         text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:  # fuzzing: a traceback
+    except UnicodeDecodeError as exc:
         raise InvalidRequestError(
             f"data file {str(path)!r} is not UTF-8 text: {exc}", "data"
         ) from None

@@ -24,7 +24,7 @@ def parse_bytes(text: str) -> int:
             if lowered.endswith(suffix):
                 return int(float(lowered[: -len(suffix)]) * factor)
         return int(lowered)
-    except (ValueError, OverflowError):  # fuzzing: "infGiB" overflowed with a traceback
+    except (ValueError, OverflowError):  # "infGiB" overflows
         raise argparse.ArgumentTypeError(
             f"expected a size such as 512MiB, 2GiB or a number of bytes, got {text!r}"
         ) from None

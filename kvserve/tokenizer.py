@@ -31,7 +31,7 @@ def load_tokenizer(model_dir: str | Path):
         OSError,
         ValueError,
         TypeError,
-    ) as exc:  # fuzzing: a malformed tokenizer.json's traceback
+    ) as exc:
         raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {exc}") from None
 
 
@@ -39,7 +39,7 @@ def stop_token_ids(model_dir: str | Path, model: ModelConfig, tokenizer) -> froz
     """EOS ids from generation_config.json, config.json and the tokenizer (Llama 3 lists several)."""
     ids = set(model.eos_token_ids)
     gen_path = Path(model_dir) / "generation_config.json"
-    try:  # fuzzing: a malformed generation_config.json gave a traceback
+    try:  # a malformed generation_config.json is a load error
         if gen_path.is_file():
             gen = json.loads(gen_path.read_text(encoding="utf-8"))
             eos = gen.get("eos_token_id") if isinstance(gen, dict) else None

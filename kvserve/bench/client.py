@@ -118,8 +118,8 @@ class _Stream:
             self.done = True
             return
         obj = json.loads(payload)
-        # fuzzing: a JSON list as the event, a string `delta` or a string token count crashed the
-        # whole run with a traceback; a malformed event now fails its own request (ValueError)
+        # a malformed event (a JSON list, a string `delta`, a string token count) fails its own
+        # request (ValueError), not the whole run
         _expect(isinstance(obj, dict), "the event is not a JSON object")
         if "error" in obj:
             err = obj["error"]

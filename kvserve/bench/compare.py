@@ -30,7 +30,7 @@ def load_run(path: str | Path) -> tuple[dict, list[RequestRecord]]:
         )
     try:
         summary = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:  # fuzzing: an empty or cut summary gave a traceback
+    except json.JSONDecodeError as exc:  # an empty or cut summary
         raise BenchError(
             f"{run}/summary.json is not valid JSON ({exc}): an interrupted run?"
         ) from None

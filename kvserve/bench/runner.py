@@ -84,7 +84,7 @@ class ServeConfig:
         if self.num_warmup < 0:
             raise BenchError("--warmup must be >= 0")
         if self.prefill_tok_s is not None and not 0 < self.prefill_tok_s < math.inf:
-            # fuzzing: -5 gave "prefill ~-4.00 s (share -943%)", and 0 counted as not given
+            # 0 and negatives refused (0 is not "not given")
             raise BenchError(f"--prefill-speed must be > 0 tokens/s, got {self.prefill_tok_s:g}")
         if not self.arrivals.is_open_loop and self.num_requests is None:
             raise BenchError("a closed loop with --duration needs --num-requests as an upper bound")

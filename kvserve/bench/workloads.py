@@ -219,7 +219,7 @@ def load_sharegpt(path: str | Path) -> list[tuple[str, str]]:
         if not isinstance(entry, dict):
             continue
         turns = entry.get("conversations") or entry.get("messages") or []
-        if not isinstance(turns, list):  # fuzzing: {"conversations": 5} raised a TypeError
+        if not isinstance(turns, list):  # e.g. {"conversations": 5}
             continue
         turns = [t for t in turns if isinstance(t, dict)]
         roles = [str(t.get("from", t.get("role", ""))).lower() for t in turns]

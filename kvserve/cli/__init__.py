@@ -71,8 +71,8 @@ def shows_default(action: argparse.Action) -> bool:
 
 
 def finite_float(text: str) -> float:
-    """argparse type for every float option: a finite number (fuzzing: "nan" passed checks written
-    as `x <= 0`, and hung `simulate --burstiness nan`; "inf" overflowed `bench --duration`). Options
+    """argparse type for every float option: a finite number ("nan" passes checks written as
+    `x <= 0`, and "inf" overflows durations). Options
     that mean something by inf (a request rate) parse their own text."""
     try:
         value = float(text)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     except KVServeError as exc:  # bad input the user can fix: a message, not a traceback
         print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # fuzzing: an output path that cannot be created gave a traceback
+    except OSError as exc:  # e.g. an output path that cannot be created
         print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

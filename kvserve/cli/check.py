@@ -90,7 +90,7 @@ def read_prompts(path: str | None) -> list[str | list[int]]:
             if "prompt_token_ids" in obj:
                 if not isinstance(ids, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):  # fuzzing: 5 or null gave a TypeError traceback; [1.7, true] became [1, 1]
+                ):  # 5, null, [1.7, true] are refused, not coerced
                     raise ValueError(f'{path}:{n}: "prompt_token_ids" must be a list of integers')
                 prompts.append(list(ids))
             elif isinstance(obj.get("prompt"), str):

@@ -12,8 +12,8 @@ from kvserve.quant.methods import DEFAULT_METHOD
 
 
 def _at_least(low: int):
-    """argparse type: an integer >= low (fuzzing: --window 1 failed after the model loaded, and
-    --max-tokens 0 or -100 silently scored every token or dropped the last 100)."""
+    """argparse type: an integer >= low, checked before the model loads (--max-tokens 0 or -100
+    would silently score every token or drop the last 100)."""
 
     def parse(text: str) -> int:
         try:
@@ -152,7 +152,7 @@ def run_perplexity(args: argparse.Namespace) -> int:
     if args.max_tokens:
         ids = ids[: args.max_tokens]
     windows = fixed_windows(ids, args.window)
-    if not windows:  # fuzzing: an empty file divided by zero
+    if not windows:
         print(f"kvserve eval: error: {args.data} holds fewer than 2 tokens", file=sys.stderr)
         return 2
     start = time.perf_counter()
@@ -199,7 +199,7 @@ def run_compare(args: argparse.Namespace) -> int:
 
     try:
         reference, candidate = resolve_model(args.reference), resolve_model(args.candidate)
-        # --record writes into the candidate's directory: not into the installed package (fuzzing),
+        # --record writes into the candidate's directory: not into the installed package,
         # and not into a float model that is quantised only at load (its report is not the dir's)
         if args.record and builtin_name(candidate):
             raise InvalidRequestError(

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 <= args.alpha <= 1:  # fuzzing: 50 or -3 wrote a checkpoint of NaN and inf scales
+    if not 0 <= args.alpha <= 1:  # outside, the scales become NaN and inf
         print(
             f"kvserve quantize: error: --alpha must be in [0, 1], got {args.alpha:g}",
             file=sys.stderr,

@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     config = engine_args.create_engine_config()  # fail fast on bad options, before binding
     chat_template = _read_chat_template(args.chat_template) if args.chat_template else None
     _check_serving_numbers(args)
-    try:  # fuzzing: these raised ValueError tracebacks; a bad flag is a one-line error
+    try:  # a bad flag is a one-line error
         limits = RequestLimits(
             max_request_bytes=args.max_request_bytes,
             max_json_depth=args.max_json_depth,
@@ -306,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _read_chat_template(path: str) -> str:
     """The template file's text, compiled once here: a broken template is a start-up error, not a 400
-    on every chat request that blames the client's messages (fuzzing), and an empty file is not
+    on every chat request that blames the client's messages, and an empty file is not
     silently the tokenizer's own template."""
     import jinja2
 
@@ -327,8 +327,8 @@ def _read_chat_template(path: str) -> str:
 
 
 def _check_serving_numbers(args: argparse.Namespace) -> None:
-    """Ranges argparse's types do not express (fuzzing: --request-timeout 0 answered every request
-    504, --max-waiting 0 answered every request 400, --port 70000 failed inside uvicorn)."""
+    """Ranges argparse's types do not express (--request-timeout 0 would answer every request 504,
+    --max-waiting 0 every request 400; --port 70000 would fail inside uvicorn)."""
     checks = (
         (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0"),
         (args.grace_period >= 0, "--grace-period must be >= 0"),

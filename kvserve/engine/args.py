@@ -375,7 +375,7 @@ class EngineArgs:
             draft_dir = resolve_model(self.speculative_model, role="draft model")
             draft = ModelConfig.from_dir(draft_dir)
             check_same_vocabulary(model_dir, draft_dir)
-        elif self.speculative_model is not None:  # fuzzing: silently ignored, never even checked
+        elif self.speculative_model is not None:  # never silently ignored
             raise InvalidRequestError(
                 f"--speculative-model is for --speculative-method draft, not {method}",
                 "speculative_model",
@@ -418,8 +418,7 @@ _DEVICE = re.compile(r"([a-z]+)(?::(\d+))?")
 
 
 def _check_device(device: str) -> None:
-    """cpu, cuda or cuda:N that this torch can use (fuzzing: `--device foo` or `cuda` without CUDA
-    failed with a traceback once the model loaded). Torch is imported only for a CUDA device: the
+    """cpu, cuda or cuda:N that this torch can use, checked before the model loads. Torch is imported only for a CUDA device: the
     API process builds this configuration, and on CPU it never loads torch (docs/design.md)."""
     match = _DEVICE.fullmatch(device)
     kind = match.group(1) if match else None

@@ -89,9 +89,9 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
             result = UtilityResult(command.call_id, None, failure_of("", exc))
         send(CoreOutputs(results=[result]))
 
-    # fuzzing: a schema of 700 properties compiled for over 60 s here, and every request arriving
-    # meanwhile (validated on this loop) waited, then failed with it. A daemon thread: a compile
-    # still running does not hold up the core's exit.
+    # A schema of hundreds of properties can compile for a minute: on its own thread, requests
+    # arriving meanwhile are checked on this loop without waiting. A daemon thread: a compile still
+    # running does not hold up the core's exit.
     grammar_checks: queue.SimpleQueue = queue.SimpleQueue()
 
     def check_grammars() -> None:

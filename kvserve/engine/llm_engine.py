@@ -362,9 +362,9 @@ class LLMEngine:
             delta = detok.update(new_ids, finished=finish_reason is not None)
             if detok.stopped and not stopped_before:
                 # A stop string (text, the front end's to match) ended it: tell the scheduler, and
-                # keep the tokens up to the one that completed it (fuzzing: a speculative step's
-                # later tokens were kept). It wins over the scheduler's reason in the same step
-                # (fuzzing: completed by the max_tokens-th token, it said "length").
+                # keep the tokens up to the one that completed it (a speculative step commits
+                # several). It wins over the scheduler's reason in the same step (completed by the
+                # max_tokens-th token, the request stopped; it did not reach its length).
                 if finish_reason is None:
                     self.scheduler.finish_requests(
                         [sample.request_id], RequestStatus.FINISHED_STOPPED

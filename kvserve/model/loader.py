@@ -73,7 +73,7 @@ def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
                 for name in progress(names, len(names), f"loading {path.name}"):
                     if not name.endswith(_IGNORED_SUFFIXES):
                         tensors[name] = f.get_tensor(name)
-        except SafetensorError as exc:  # fuzzing: a corrupt file's traceback
+        except SafetensorError as exc:
             raise ModelLoadError(f"{path}: not a readable safetensors file: {exc}") from None
     return tensors
 

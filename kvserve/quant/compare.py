@@ -150,7 +150,7 @@ def reference_run(
         raise InvalidRequestError(f"{ref.config.model_dir} has no tokenizer", "reference")
     ids = token_stream(ref.tokenizer, read_documents(data))[:max_tokens]
     windows = [list(w) for w in fixed_windows(ids, min(window, ref.engine.max_model_len))]
-    if not windows:  # fuzzing: an empty file gave an IndexError
+    if not windows:
         raise InvalidRequestError(f"{data} holds fewer than 2 tokens", "data")
     prompts = [w[:prompt_len] for w in windows[:num_prompts] if len(w) >= prompt_len]
     return ReferenceRun(
@@ -173,7 +173,7 @@ def _greedy(llm, prompts: list[list[int]], greedy_tokens: int) -> list[list[int]
 def candidate_stats(run: ReferenceRun, cand, thresholds: Thresholds = Thresholds()) -> dict:
     """The report's measurements of the loaded candidate `cand` (an LLM) against `run`."""
     vocab_sizes = {run.logits[0].shape[-1], cand.engine.config.model.vocab_size}
-    if len(vocab_sizes) != 1:  # fuzzing: a tensor-size RuntimeError from the KL
+    if len(vocab_sizes) != 1:  # the KL needs one vocabulary
         raise InvalidRequestError(
             f"the reference's vocabulary ({run.logits[0].shape[-1]}) and the candidate's "
             f"({cand.engine.config.model.vocab_size}) differ: compare models that share a tokenizer",

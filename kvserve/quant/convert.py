@@ -77,7 +77,7 @@ def write_artifact(
         err = ((qt.dequantize() - tensor.float()).norm() / tensor.float().norm()).item()
         report_tensors[name] = {"scheme": qt.scheme.name, "relative_error": err}
     config = json.loads((model_dir / "config.json").read_text())
-    # before anything is written (fuzzing: a refused scheme left --out holding model.safetensors)
+    # before anything is written (a refused scheme leaves --out untouched)
     config["quantization_config"] = build_quantization_config(scheme, method)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -52,7 +52,7 @@ def quantize_checkpoint(
             model_dir, checkpoint, scheme, method, ids, alpha=alpha
         )
         extra["calibration"] = {"file": str(calib), "num_tokens": len(ids)}
-    if not quantized:  # fuzzing: `head=int8` on a tied-embedding model wrote an artifact of nothing
+    if not quantized:  # e.g. `head=int8` on a tied-embedding model
         raise QuantizationError(
             f"--weights {weights} quantises no tensor of this model (a tied head is the embedding, "
             "which stays in float)"

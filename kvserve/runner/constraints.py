@@ -66,7 +66,7 @@ def commit_tokens(matcher, token_ids: Sequence[int]) -> int | None:
     grammar terminated (through its stop token), else None. A verification step emits the accepted
     proposals and one more token, and the rows after the grammar's end are not masked (above): with
     `ignore_eos` or `min_tokens` the stop token does not end the request, so the tokens after it
-    must be cut here (fuzzing: a choice of "yes" came back "yes\n" with a draft model)."""
+    must be cut here (else a choice of "yes" could come back "yes\n" with a draft model)."""
     for used, token_id in enumerate(token_ids):
         if matcher.is_terminated():
             return used

@@ -293,8 +293,8 @@ class ModelRunner:
             # uniform, the one it would take without speculation; proposals are accepted while
             # they equal it (a draft proposes with the same uniforms, so it often does). The output
             # is then the non-speculative one whatever the batch, the budget or preemption did to
-            # the proposals (differential fuzzing: with rejection sampling the generator advanced by
-            # a number of draws that depended on them).
+            # the proposals (rejection sampling would advance the generator by a number of draws
+            # that depends on them).
             drawn = invert_cdf(probs, peek_uniforms(state.generator, num_spec + 1))
             num_accepted, final = verify_greedy(drawn[None], proposals[None])
             torch.rand(  # the stream advances by the emitted tokens only, as without speculation

@@ -110,7 +110,7 @@ class _SamplingRequest(_Request):
                 so.setdefault(key, value)
         for key, value in so.items():
             param = f"structured_outputs.{key}"
-            # a JSON boolean, stricter than vLLM's coercion (fuzzing: "yes", 5, [1] and 0 turned it on)
+            # a JSON boolean, stricter than vLLM's coercion ("yes", 5, [1] or 0 must not turn it on)
             if key == "json_object" and value is not None and not isinstance(value, bool):
                 raise InvalidRequestError("json_object must be a boolean", param)
             if value is None or value is False:
@@ -121,7 +121,7 @@ class _SamplingRequest(_Request):
             elif key == "json_object":
                 found.append(StructuredOutput("json_object", "", param))
             elif key in ("regex", "grammar"):
-                if not isinstance(value, str):  # fuzzing: a number was taken as its str()
+                if not isinstance(value, str):  # never a number taken as its str()
                     raise InvalidRequestError(f"{key} must be a string", param)
                 found.append(StructuredOutput(key, value, param))
             elif key == "choice":

@@ -139,7 +139,7 @@ class OpenAIServing(JobAccounting):
         extra = request.chat_template_kwargs or {}
         own = {"chat_template": template, "add_generation_prompt": request.add_generation_prompt,
                "tokenize": False, **tools.template_kwargs(request.tool_plan(), template)}  # fmt: skip
-        # fuzzing: these gave the client a TypeError about apply_chat_template's arguments
+        # names the template call itself passes: a clear 400, not a TypeError from apply_chat_template
         reserved = sorted(set(extra) & (own.keys() | {"conversation", "tools"}))
         if reserved:
             raise InvalidRequestError(
@@ -159,16 +159,16 @@ class OpenAIServing(JobAccounting):
     def encode(self, text: str, add_special_tokens: bool, param: str, room: int = 0) -> list[int]:
         """Tokenise `text`, after refusing one that cannot fit the context with `room` tokens of output
         whatever its tokens (kvserve.server.token_bound): the engine's own check comes after tokenising,
-        which for a text of megabytes takes seconds of a worker. `/tokenize` passes room 0 (fuzzing: a
-        2 MB text took 5.6 s of a worker there)."""
+        which for a text of megabytes takes seconds of a worker. `/tokenize` passes room 0 (a 2 MB text
+        takes ~5 s of a worker to encode)."""
         self.require_tokenizer()
         bound = self.token_bound
         if bound is not None:
             limit = self.engine.info.max_model_len
             # Shorter texts could fit (or are cheap to tokenise: the engine's check names them exactly).
             at_least = bound.at_least(text, max(limit, (limit - room) * bound.longest_token))
-            # at_least 0: not worked out, and the engine names the exact count (fuzzing: "at least
-            # 0 tokens" for a huge max_tokens)
+            # at_least 0: not worked out, and the engine names the exact count (never "at least 0
+            # tokens" for a huge max_tokens)
             if at_least and at_least + room > limit:
                 how = f"{len(text)} characters; no token of this tokenizer covers more than "
                 how += str(bound.longest_token)
@@ -327,8 +327,8 @@ class OpenAIServing(JobAccounting):
         disconnected: Callable[[], Awaitable[bool]] | None = None,
     ) -> Job:
         """Build the job off the loop (a grammar through the grammar queue), then admit it: reserve its
-        samples in the waiting count, or 429. `--request-timeout` counts from here (fuzzing: a grammar
-        that compiled for 43 s got its 504 only then, under a 1.5 s limit). `disconnected`: polled while
+        samples in the waiting count, or 429. `--request-timeout` counts from here, a grammar's compile
+        included (a long compile gets its 504 at the limit, not when it ends). `disconnected`: polled while
         a grammar waits for its turn; a client that left takes its grammar out of the queue (499)."""
         received = time.monotonic()
         budget = asyncio.timeout(self.options.request_timeout_s)  # None: no limit

@@ -83,9 +83,9 @@ def _check_tool(tool: Any, index: int) -> dict:
         raise InvalidRequestError(
             "function.parameters must be a JSON schema object", f"{param}.function.parameters"
         )
-    # Arguments are a JSON object (OpenAI refuses any other top-level type the same way). fuzzing:
-    # with {"type": "string"} or {} a forced call's grammar let the model write `"arguments": "x"`,
-    # and the client got `x`, which is not JSON.
+    # Arguments are a JSON object (OpenAI refuses any other top-level type the same way): with
+    # {"type": "string"} or {}, a forced call's grammar would let the model write `"arguments": "x"`,
+    # and the client would get `x`, which is not JSON.
     if "type" not in parameters:
         parameters = {"type": "object", **parameters}
     elif parameters["type"] != "object":
@@ -174,7 +174,7 @@ def _template_call(call: Any, param: str) -> dict:
             arguments = json.loads(arguments)
         except (json.JSONDecodeError, RecursionError):
             arguments = None
-    if not isinstance(arguments, dict):  # fuzzing: "5" and "[1, 2]" went to the template
+    if not isinstance(arguments, dict):  # "5" or "[1, 2]" must not reach the template
         raise InvalidRequestError(
             "tool call arguments must be a JSON object", f"{param}.function.arguments"
         )
