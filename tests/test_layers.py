@@ -22,7 +22,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "kv": {"core"},
     "config": {"core", "kv", "quant"},  # quant.scheme and quant.methods only (torch-free): below
     "sched": {"core", "kv", "config"},
-    "plan": {"core", "kv", "config", "paths"},
+    "plan": {"core", "kv", "config", "paths", "quant"},
     "evaluation": {"core"},
     "gguf": {"core", "paths", "model"},  # model.block_weights only: below
     "models": {"core", "gguf"},
@@ -68,6 +68,7 @@ EXCEPTIONS = {
 # Inside an allowed layer, only these modules: the rest of that layer is above the importer.
 ONLY = {
     "config": {"quant": ("kvserve.quant.scheme", "kvserve.quant.methods")},
+    "plan": {"quant": ("kvserve.quant.scheme",)},  # the one reader of format strings
     "gguf": {"model": ("kvserve.model.block_weights",)},
     "server": {
         "engine": (

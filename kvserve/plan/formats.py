@@ -9,20 +9,22 @@ Format strings:
   checkpoints ship).
 - `linear=int4-g128,embed=int8,head=int8,norm=bf16`: per category; a category not named stays bf16.
 - `mixed`: the example above (int4-g128 linears, 8-bit embedding and head, bf16 norms and biases).
+
+The strings are read by the quantiser's own reader (kvserve.quant.scheme: `split_weight_format`,
+`lex_tensor_format`), so the planner and the engine agree on every name; the planner prices widths and
+group sizes kvserve has no kernel for.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from kvserve.plan.model import ModelSpec, PlanError, TensorShape
+from kvserve.quant.scheme import FORMAT_CLASSES, SCALE_BITS, lex_tensor_format, split_weight_format
 
-SCALE_BITS = 16  # scales and zero-points are stored in fp16
-CATEGORIES = ("linear", "embed", "head", "norm")
+CATEGORIES = FORMAT_CLASSES
 _FLOAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8}
-_INT_RE = re.compile(r"^int(\d)(?:-g(\d+))?(-zp)?$")
 
 
 @dataclass(frozen=True)
@@ -65,22 +67,23 @@ class TensorFormat:
 
 
 def parse_tensor_format(text: str) -> TensorFormat:
-    text = text.strip().lower()
-    if text in ("int8-pc", "int8-per-channel", "w8"):
-        text = "int8"
-    if text in _FLOAT_BITS:
-        return TensorFormat(text, _FLOAT_BITS[text], is_float=True)
-    m = _INT_RE.match(text)
-    if not m or not 2 <= int(m.group(1)) <= 8:
+    parts = lex_tensor_format(text)
+    if parts is not None and parts.float_bits is not None:
+        return TensorFormat(parts.name, parts.float_bits, is_float=True)
+    if parts is None or parts.variant == "pt" or not 2 <= parts.bits <= 8:
         raise PlanError(
-            f"unknown tensor format {text!r}: use bf16, fp16, fp32, fp8, int8, int4-g128, "
-            "int4-g64, int4-g128-zp, ..."
+            f"unknown tensor format {text.strip().lower()!r}: use bf16, fp16, fp32, fp8, int8, "
+            "int4-g128, int4-g64, int4-g128-zp, ..."
         )
-    bits, group, zp = int(m.group(1)), m.group(2), bool(m.group(3))
-    if group is not None and int(group) <= 0:
-        raise PlanError(f"{text}: group size must be positive")
+    if parts.group_size is not None and parts.group_size <= 0:
+        raise PlanError(f"{parts.name}: group size must be positive")
+    # w8a8 stores int8 weights per output channel: its bytes are int8's
     return TensorFormat(
-        text, bits, is_float=False, group_size=int(group) if group else None, zero_point=zp
+        parts.name,
+        parts.bits,
+        is_float=False,
+        group_size=parts.group_size,
+        zero_point=parts.zero_point,
     )
 
 
@@ -116,25 +119,16 @@ class WeightFormat:
         return 8 * self.weight_bytes(model) / model.num_params
 
 
-MIXED = "linear=int4-g128,embed=int8,head=int8,norm=bf16"
-
-
 def parse_weight_format(text: str) -> WeightFormat:
-    text = text.strip().lower()
-    spec = MIXED if text == "mixed" else text
+    try:
+        text, classes = split_weight_format(text)
+    except ValueError as exc:
+        raise PlanError(f"{text.strip().lower()}: {exc}") from None
     bf16 = parse_tensor_format("bf16")
-    if "=" in spec:
-        parts: dict[str, TensorFormat] = {}
-        for item in spec.split(","):
-            key, _, value = item.partition("=")
-            key = key.strip()
-            if key not in CATEGORIES:
-                raise PlanError(
-                    f"{text}: unknown category {key!r}; categories: {', '.join(CATEGORIES)}"
-                )
-            parts[key] = parse_tensor_format(value)
+    if classes is not None:
+        parts = {key: parse_tensor_format(value) for key, value in classes.items()}
         return WeightFormat(text, **{c: parts.get(c, bf16) for c in CATEGORIES})
-    fmt = parse_tensor_format(spec)
+    fmt = parse_tensor_format(text)
     if fmt.is_float:
         return WeightFormat(text, fmt, fmt, fmt, fmt)
     return WeightFormat(text, linear=fmt, embed=bf16, head=bf16, norm=bf16)

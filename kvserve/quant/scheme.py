@@ -16,11 +16,17 @@ A scheme string names one tensor format, or one per tensor class (docs/quantizat
   AWQ checkpoints ship).
 
 Only what a kernel can run parses: 4- or 8-bit integers, groups a multiple of 32.
+
+The format strings themselves are read here once, for the planner too: `split_weight_format` splits a
+scheme into its classes (expanding `mixed`), `lex_tensor_format` reads one class's format into its
+parts. `parse_weight_scheme` keeps what kvserve's kernels run; `kvserve.plan.formats` prices any
+integer width and group size.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from kvserve.core.errors import InvalidRequestError
@@ -29,7 +35,8 @@ SCALE_BITS = 16  # scales and zero-points are stored in fp16
 KERNEL_BLOCK = 32  # the kernels quantise activations and walk weights in blocks of 32 inputs
 FLOAT_FORMATS = ("fp32", "bf16", "fp16")
 CLASSES = ("linear", "embed", "head")
-MIXED = "linear=int4-g128,embed=int8,head=int8"
+FORMAT_CLASSES = (*CLASSES, "norm")  # norm weights and biases: always float
+MIXED = "linear=int4-g128,embed=int8,head=int8,norm=bf16"
 ACT_NONE, ACT_TOKEN, ACT_TENSOR = "block", "token", "tensor"
 
 
@@ -81,37 +88,95 @@ class TensorScheme:
 
 
 _ALIASES = {"int8-pc": "int8", "int8-per-channel": "int8", "w8": "int8", "int4-tensor": "int4-pt"}
+_FLOAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8}
+_INT_RE = re.compile(r"^int(\d+)(?:-g(\d+))?(-zp)?$")
+
+
+@dataclass(frozen=True)
+class FormatParts:
+    """One tensor format string, read: a float (`float_bits`) or `bits`-bit integers with a scale per
+    `group_size` inputs (None: per output channel), maybe a zero-point; `variant` "pt" is one scale
+    per tensor, "a8" / "a8-pt" int8 activations per token / per tensor (w8a8)."""
+
+    name: str
+    float_bits: int | None = None
+    bits: int | None = None
+    group_size: int | None = None
+    zero_point: bool = False
+    variant: str = ""
+
+
+def lex_tensor_format(text: str) -> FormatParts | None:
+    """The parts of one tensor format string (aliases resolved), or None if it is not one."""
+    name = _ALIASES.get(text.strip().lower(), text.strip().lower())
+    if name in _FLOAT_BITS:
+        return FormatParts(name, float_bits=_FLOAT_BITS[name])
+    if name in ("w8a8", "w8a8-pt"):
+        return FormatParts(name, bits=8, variant=name[2:])  # "a8" or "a8-pt"
+    if name == "int4-pt":
+        return FormatParts(name, bits=4, variant="pt")
+    match = _INT_RE.match(name)
+    if match is None:
+        return None
+    bits, group, zp = int(match.group(1)), match.group(2), bool(match.group(3))
+    return FormatParts(
+        name, bits=bits, group_size=None if group is None else int(group), zero_point=zp
+    )
+
+
+def split_weight_format(text: str) -> tuple[str, dict[str, str] | None]:
+    """(the scheme's name, {class: its format string}), or (name, None) for one format that names no
+    class; `mixed` is expanded. Raises ValueError naming an unknown or repeated class."""
+    name = text.strip().lower()
+    spec = MIXED if name == "mixed" else name
+    if "=" not in spec:
+        return name, None
+    parts: dict[str, str] = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in FORMAT_CLASSES:
+            raise ValueError(f"unknown tensor class {key!r}; classes: {', '.join(FORMAT_CLASSES)}")
+        if key in parts:
+            raise ValueError(f"{key} is given twice")
+        parts[key] = value.strip()
+    return name, parts
 
 
 def parse_tensor_scheme(text: str) -> TensorScheme:
-    name = _ALIASES.get(text.strip().lower(), text.strip().lower())
-    if name in FLOAT_FORMATS:
-        return TensorScheme(name, None)
-    if name in ("w8a8", "w8a8-pt"):
-        return TensorScheme(name, 8, act=ACT_TOKEN if name == "w8a8" else ACT_TENSOR)
-    if name == "int4-pt":
-        return TensorScheme(name, 4, granularity="tensor")
-    parts = name.split("-")
-    head, rest = parts[0], parts[1:]
-    if head not in ("int8", "int4"):
-        hint = " (plan prices it, but kvserve has no kernel for it)" if head[:3] == "int" else ""
-        raise QuantizationError(f"unknown quantisation format {text!r}{hint}; " + _CHOICES)
-    bits = int(head[3:])
-    zero_point = "zp" in rest
-    rest = [r for r in rest if r != "zp"]
-    group = None
-    if rest:
-        if len(rest) != 1 or not rest[0].startswith("g") or not rest[0][1:].isdigit():
-            raise QuantizationError(f"unknown quantisation format {text!r}; " + _CHOICES)
-        group = int(rest[0][1:])
-        if group <= 0 or group % KERNEL_BLOCK:
+    parts = lex_tensor_format(text)
+    if parts is None:
+        raise QuantizationError(f"unknown quantisation format {text!r}; " + _CHOICES)
+    name = parts.name
+    if parts.float_bits is not None:
+        if name not in FLOAT_FORMATS:
             raise QuantizationError(
-                f"{text}: the group size must be a positive multiple of {KERNEL_BLOCK}"
+                f"unknown quantisation format {text!r} (plan prices it, but kvserve has no kernel "
+                "for it); " + _CHOICES
             )
-    if zero_point and bits == 8:
+        return TensorScheme(name, None)
+    if parts.variant in ("a8", "a8-pt"):
+        return TensorScheme(name, 8, act=ACT_TOKEN if parts.variant == "a8" else ACT_TENSOR)
+    if parts.variant == "pt":
+        return TensorScheme(name, 4, granularity="tensor")
+    if parts.bits not in (4, 8):
+        raise QuantizationError(
+            f"unknown quantisation format {text!r} (plan prices it, but kvserve has no kernel for "
+            "it); " + _CHOICES
+        )
+    group = parts.group_size
+    if group is not None and (group <= 0 or group % KERNEL_BLOCK):
+        raise QuantizationError(
+            f"{text}: the group size must be a positive multiple of {KERNEL_BLOCK}"
+        )
+    if parts.zero_point and parts.bits == 8:
         raise QuantizationError(f"{text}: int8 is symmetric only (use int8 or int4-g128-zp)")
     return TensorScheme(
-        name, bits, "group" if group else "channel", group_size=group, zero_point=zero_point
+        name,
+        parts.bits,
+        "group" if group else "channel",
+        group_size=group,
+        zero_point=parts.zero_point,
     )
 
 
@@ -163,23 +228,14 @@ def parse_weight_scheme(text: str) -> WeightScheme:
     """`int8`, `int4-g128`, `mixed`, `linear=int4-g64,embed=int8,head=fp32`, ... (see module doc)."""
     if not isinstance(text, str) or not text.strip():
         raise QuantizationError("empty quantisation format; " + _CHOICES)
-    name = text.strip().lower()
-    spec = MIXED if name == "mixed" else name
-    if "=" not in spec:
-        return WeightScheme(name, parse_tensor_scheme(spec))
-    parts: dict[str, TensorScheme] = {}
-    for item in spec.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
-        if key == "norm":
-            if value.strip() not in FLOAT_FORMATS:
-                raise QuantizationError(f"{text}: norm weights must stay float")
-            continue
-        if key not in CLASSES:
-            raise QuantizationError(
-                f"{text}: unknown tensor class {key!r}; classes: {', '.join(CLASSES)}"
-            )
-        if key in parts:
-            raise QuantizationError(f"{text}: {key} is given twice")
-        parts[key] = parse_tensor_scheme(value)
+    try:
+        name, classes = split_weight_format(text)
+    except ValueError as exc:
+        raise QuantizationError(f"{text}: {exc}") from None
+    if classes is None:
+        return WeightScheme(name, parse_tensor_scheme(name))
+    norm = classes.pop("norm", None)
+    if norm is not None and norm not in FLOAT_FORMATS:
+        raise QuantizationError(f"{text}: norm weights must stay float")
+    parts = {key: parse_tensor_scheme(value) for key, value in classes.items()}
     return WeightScheme(name, parts.get("linear"), parts.get("embed"), parts.get("head"))
