@@ -83,10 +83,10 @@ class Channel:
     @property
     def peer(self) -> str:
         try:
-            host, port = self.sock.getpeername()[:2]
-            return f"{host}:{port}"
+            name = self.sock.getpeername()
         except OSError:
             return "?"
+        return f"{name[0]}:{name[1]}" if isinstance(name, tuple) else "a local peer"
 
     def fileno(self) -> int:  # multiprocessing.connection.wait accepts the channel
         return self.sock.fileno()
@@ -131,6 +131,8 @@ class Channel:
 
 def _keepalive(sock: socket.socket) -> None:
     """Notice a vanished peer on an idle connection within about 20 s."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):  # a socketpair in the tests
+        return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 2)):
         if hasattr(socket, name):
