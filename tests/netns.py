@@ -33,13 +33,20 @@ class Host:
         """`argv` run inside this host's namespace."""
         return ["ip", "netns", "exec", self.namespace, *argv]
 
-    def netem(self, delay_ms: float, rate_gbit: float) -> None:
-        """Shape this host's outgoing traffic (delay and rate); replaces any earlier setting."""
-        _ip("tc", "-n", self.namespace, "qdisc", "del", "dev", self.veth, "root", check=False)
-        _ip(
-            "tc", "-n", self.namespace, "qdisc", "add", "dev", self.veth, "root", "netem",
-            "delay", f"{delay_ms}ms", "rate", f"{rate_gbit}gbit",
-        )  # fmt: skip
+    def netem(self, delay_ms: float, rate_gbit: float) -> str:
+        """Shape this host's outgoing traffic (delay and rate), replacing any earlier setting, and
+        say how: netem, or, on a kernel without sch_netem, tbf (the rate only, no added delay)."""
+        self.clear_netem()
+        tc = ("tc", "-n", self.namespace, "qdisc", "add", "dev", self.veth, "root")
+        result = _ip(*tc, "netem", "delay", f"{delay_ms:g}ms", "rate", f"{rate_gbit:g}gbit",
+                     check=False)  # fmt: skip
+        if result.returncode == 0:
+            return f"netem delay {delay_ms:g}ms rate {rate_gbit:g}gbit"
+        if "unknown" not in result.stderr:
+            raise subprocess.CalledProcessError(result.returncode, tc, "", result.stderr)
+        burst_kb = max(64, int(rate_gbit * 1e9 / 8 / 1000 / 1024) * 2)  # two timer ticks' bytes
+        _ip(*tc, "tbf", "rate", f"{rate_gbit:g}gbit", "burst", f"{burst_kb}kb", "latency", "50ms")
+        return f"tbf rate {rate_gbit:g}gbit (this kernel has no netem: no delay added)"
 
     def clear_netem(self) -> None:
         _ip("tc", "-n", self.namespace, "qdisc", "del", "dev", self.veth, "root", check=False)
