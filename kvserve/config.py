@@ -334,6 +334,66 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class DistConfig:
+    """Where this process sits in a multi-host tensor-parallel layout."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    init_addr: str | None = None  # HOST:PORT of node 0's handshake listener
+    timeout_s: float = 60.0  # to join, and for every collective across hosts
+    secret_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise InvalidRequestError(f"--nnodes must be >= 1, got {self.nnodes}", "nnodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise InvalidRequestError(
+                f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}", "node_rank"
+            )
+        if not self.timeout_s > 0:
+            raise InvalidRequestError(
+                f"--dist-timeout must be > 0, got {self.timeout_s}", "dist_timeout"
+            )
+        if self.nnodes > 1:
+            self.address  # noqa: B018 (validates HOST:PORT)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def address(self) -> tuple[str, int]:
+        text = self.init_addr
+        if not text:
+            raise InvalidRequestError(
+                "--nnodes > 1 needs --dist-init-addr HOST:PORT", "dist_init_addr"
+            )
+        host, sep, port = text.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidRequestError(
+                f"--dist-init-addr must be HOST:PORT (node 0's address), got {text!r}",
+                "dist_init_addr",
+            )
+        return host, int(port)
+
+    def ranks_per_node(self, world_size: int) -> int:
+        if world_size % self.nnodes:
+            raise InvalidRequestError(
+                f"--tensor-parallel-size {world_size} must be a multiple of --nnodes {self.nnodes} "
+                "(every node runs the same number of ranks)",
+                "nnodes",
+            )
+        return world_size // self.nnodes
+
+    def node_ranks(self, world_size: int, node_rank: int | None = None) -> range:
+        """The global ranks node `node_rank` (default: this one) runs: a contiguous slice."""
+        per_node = self.ranks_per_node(world_size)
+        node = self.node_rank if node_rank is None else node_rank
+        return range(node * per_node, (node + 1) * per_node)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything needed to build an engine. `model` is the checkpoint's config."""
 
@@ -363,8 +423,12 @@ class EngineConfig:
     # A grammar still compiling after this long is abandoned (its worker process killed) and its request
     # gets a 400 (kvserve.structured.compile_worker, docs/structured-output.md).
     grammar_compile_timeout_s: float = 60.0
+    # the hosts the tensor-parallel ranks span (docs/parallel.md, "Across hosts"); one by default
+    dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
+        if self.dist.multi_node:
+            self.dist.ranks_per_node(self.tensor_parallel_size)  # raises unless K divides N
         if not self.grammar_compile_timeout_s > 0:
             raise InvalidRequestError(
                 f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}",

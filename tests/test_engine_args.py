@@ -19,6 +19,7 @@ COMMANDS = {
     "generate": ["generate", "--prompt", "x"],
     "serve": ["serve"],
     "bench latency": ["bench", "latency"],
+    "tp-node": ["tp-node"],
 }
 PACKAGE = Path(__file__).parent.parent / "kvserve"
 

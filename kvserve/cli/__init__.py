@@ -27,6 +27,7 @@ COMMANDS = (
     "train_demo",
     "check",
     "quantize",
+    "tp_node",
 )
 
 

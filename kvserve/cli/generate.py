@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.core.errors import KVServeError
     from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine.llm import LLM
+    from kvserve.runner.executor import WorkerFailedError
 
     try:
         llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, model=args.model))
@@ -53,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
     except KVServeError as exc:
         print(f"kvserve generate: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerFailedError as exc:  # a tensor-parallel rank (here or on another host) failed
+        print(f"kvserve generate: error: {exc}", file=sys.stderr)
+        return 1
     for index, output in enumerate(outputs):
         completion = output.outputs[0]
         if args.json:

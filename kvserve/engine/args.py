@@ -24,6 +24,7 @@ from kvserve.config import (
     SPECULATIVE_METHODS,
     THREAD_POLICIES,
     CacheConfig,
+    DistConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -193,6 +194,38 @@ class EngineArgs:
         "docs/parallel.md)",
         type=int,
     )
+    nnodes: int = _option(
+        1,
+        "hosts the tensor-parallel ranks span; node 0 runs the engine, the others `kvserve tp-node` "
+        "(SGLang's spelling; docs/parallel.md)",
+        type=int,
+        group="multi-host tensor parallelism",
+    )
+    node_rank: int = _option(
+        0, "this host's index, 0 to --nnodes - 1 (0: the engine)", type=int,
+        group="multi-host tensor parallelism",
+    )  # fmt: skip
+    dist_init_addr: str | None = _option(
+        None,
+        "node 0's HOST:PORT: node 0 listens there (on HOST only) for the other nodes, which must "
+        "prove the shared secret ($KVSERVE_DIST_SECRET or --dist-secret-file)",
+        optional=True,
+        metavar="HOST:PORT",
+        group="multi-host tensor parallelism",
+    )
+    dist_timeout: float = _option(
+        60.0,
+        "seconds every node has to join, and that a collective across hosts waits for a rank",
+        type=float,
+        group="multi-host tensor parallelism",
+    )
+    dist_secret_file: str | None = _option(
+        None,
+        "file holding the nodes' shared secret (default: $KVSERVE_DIST_SECRET)",
+        optional=True,
+        metavar="FILE",
+        group="multi-host tensor parallelism",
+    )
     speculative_model: str | None = _option(
         None,
         "draft model directory or built-in name (kvserve-demo-draft); same tokenizer",
@@ -337,6 +370,13 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             thread_policy=self.thread_policy,
             grammar_compile_timeout_s=self.grammar_compile_timeout,
+            dist=DistConfig(
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                init_addr=self.dist_init_addr,
+                timeout_s=self.dist_timeout,
+                secret_file=self.dist_secret_file,
+            ),
         )
         return replace(config, cache=self._sized_cache(config))
 

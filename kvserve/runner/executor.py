@@ -26,9 +26,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
+from kvserve.core.errors import InvalidRequestError
 from kvserve.model.parallel import TensorParallelLayout, check_tensor_parallel_arch
 from kvserve.mp_children import children_allowed
 from kvserve.runner.model_runner import ModelRunner
+from kvserve.runner.multinode import gloo_environment, listen, load_secret
+from kvserve.runner.nodes import NodeGroup, NodeJoinError, RemoteNode
 from kvserve.runner.worker import (
     ERROR,
     FORWARD,
@@ -44,6 +47,7 @@ from kvserve.threads import spawn_environment
 COLLECTIVE_TIMEOUT_S = 120.0  # a collective waits this long for a slow rank before failing
 READY_TIMEOUT_S = 600.0  # workers load their shards within this
 JOIN_TIMEOUT_S = 5.0
+NODE_REPORT_WAIT_S = 2.0  # after a failed step: how long rank 0 waits for a node's own report
 
 
 class WorkerFailedError(RuntimeError):
@@ -51,6 +55,12 @@ class WorkerFailedError(RuntimeError):
 
 
 def make_runner(config: EngineConfig, num_blocks: int) -> ModelRunner:
+    if config.dist.node_rank != 0:
+        raise InvalidRequestError(
+            f"--node-rank {config.dist.node_rank} runs only ranks: start it with `kvserve tp-node`; "
+            "the engine (serve, generate) is node 0",
+            "node_rank",
+        )
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, num_blocks)
     check_tensor_parallel_arch(config.model)  # before any rank starts
@@ -95,9 +105,22 @@ class TensorParallelRunner(ModelRunner):
                 "engine starts its own (one tensor-parallel engine per process)"
             )
         self.world_size = world
+        multi = config.dist.multi_node
+        secret = load_secret(config.dist.secret_file) if multi else b""  # before anything starts
         cuda = torch.device(config.device).type == "cuda"
-        threads = 1 if cuda else threads_per_rank(world)
-        init_method, rendezvous_dir = _rendezvous()
+        local_ranks = config.dist.node_ranks(world) if multi else range(world)
+        threads = 1 if cuda else threads_per_rank(len(local_ranks))
+        timeout_s = config.dist.timeout_s if multi else COLLECTIVE_TIMEOUT_S
+        self._error: WorkerFailedError | None = None
+        self._workers, self._conns, self._nodes = [], [], []
+        self._store = self._node_group = None
+        rendezvous_dir = None
+        if multi:
+            self._node_group = NodeGroup(config, secret)  # binds --dist-init-addr, or raises
+            self._store, init_method = _tcp_store(self._node_group.host, world, timeout_s)
+            os.environ.update(gloo_environment(self._node_group.host))  # rank 0 and local ranks
+        else:
+            init_method, rendezvous_dir = _rendezvous()
         specs = [
             RankSpec(
                 rank,
@@ -106,13 +129,11 @@ class TensorParallelRunner(ModelRunner):
                 "nccl" if cuda else "gloo",
                 _rank_device(config.device, rank),
                 threads,
-                COLLECTIVE_TIMEOUT_S,
+                timeout_s,
             )
-            for rank in range(world)
+            for rank in local_ranks
         ]
-        self._error: WorkerFailedError | None = None
         context = mp.get_context("spawn")
-        self._workers, self._conns = [], []
         self._finalizer = weakref.finalize(
             self,
             _stop_workers,
@@ -120,6 +141,7 @@ class TensorParallelRunner(ModelRunner):
             self._conns,
             torch.get_num_threads(),
             rendezvous_dir,
+            self._node_group,
         )
         try:
             for spec in specs[1:]:
@@ -135,15 +157,23 @@ class TensorParallelRunner(ModelRunner):
                 child.close()
                 self._workers.append(process)
                 self._conns.append(parent)
+            if multi:
+                deadline = time.monotonic() + config.dist.timeout_s
+                try:
+                    self._nodes = self._node_group.admit(self._store.port, num_blocks, deadline)
+                except NodeJoinError as exc:
+                    raise WorkerFailedError(str(exc)) from None
             self._rank0 = specs[0]
-            init_rank(specs[0])
+            init_rank(specs[0], self._store)
             super().__init__(config, num_blocks)  # loads rank 0's shard through _load_model
-            self.rank_weight_bytes = [self._weight_bytes]
-            self.rank_kv_cache_bytes = [self.kv_cache_bytes]
+            ready = {0: (self._weight_bytes, self.kv_cache_bytes)}
             for rank, conn in enumerate(self._conns, start=1):
                 _, weight_bytes, kv_bytes = self._await_ready(rank, conn)
-                self.rank_weight_bytes.append(weight_bytes)
-                self.rank_kv_cache_bytes.append(kv_bytes)
+                ready[rank] = (weight_bytes, kv_bytes)
+            for node in self._nodes:
+                ready.update(self._await_node_ready(node))
+            self.rank_weight_bytes = [ready[rank][0] for rank in range(world)]
+            self.rank_kv_cache_bytes = [ready[rank][1] for rank in range(world)]
         except BaseException:
             self.shutdown()
             raise
@@ -170,6 +200,28 @@ class TensorParallelRunner(ModelRunner):
         assert message[0] == READY, message
         return message
 
+    def _await_node_ready(self, node: RemoteNode) -> dict[int, tuple[int, int]]:
+        """{rank: (weight bytes, KV bytes)} once every rank of `node` has loaded."""
+        ready = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(ready) < len(node.ranks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerFailedError(
+                    f"{node.name()} did not load within {READY_TIMEOUT_S:.0f} s"
+                )
+            try:
+                message = node.channel.recv(timeout_s=left)
+            except (ConnectionError, TimeoutError, ValueError) as exc:
+                raise WorkerFailedError(
+                    f"tensor-parallel {node.name()} lost while loading: {exc}"
+                ) from None
+            if message[0] == ERROR:
+                raise WorkerFailedError(f"tensor-parallel {message[1]}")
+            _, rank, weight_bytes, kv_bytes = message
+            ready[rank] = (weight_bytes, kv_bytes)
+        return ready
+
     # --- each step ------------------------------------------------------------------------------
 
     def _forward(self, chunks, rows):
@@ -186,6 +238,11 @@ class TensorParallelRunner(ModelRunner):
                         f"tensor-parallel rank {rank} exited with code {process.exitcode}"
                     )
                 conn.send((FORWARD, chunks, rows))
+            for node in self._nodes:
+                reason = node.failure()
+                if reason is not None:
+                    raise WorkerFailedError(f"tensor-parallel {reason}")
+                node.send([FORWARD, chunks, rows])
             return super()._forward(chunks, rows)
         except (OSError, RuntimeError) as exc:  # a broken pipe; gloo/NCCL errors and timeouts
             self._error = self._failure(exc)
@@ -204,6 +261,14 @@ class TensorParallelRunner(ModelRunner):
                         reports.append(message[1])
             except (OSError, EOFError):
                 pass
+        for node in self._nodes:  # a node reports its rank's end a moment after gloo notices
+            node.drain(NODE_REPORT_WAIT_S)
+            if node.reports or node.closed:
+                reports.append(node.failure() or "")
+        if self._nodes and reports:  # one line: which host failed, first
+            return WorkerFailedError(
+                f"tensor-parallel {reports[0]} (rank 0 saw: {_first_line(exc)})"
+            )
         codes = [p.exitcode for p in self._workers]
         detail = "; ".join(reports) or f"worker exit codes {codes}"
         return WorkerFailedError(f"tensor-parallel step failed ({exc}): {detail}")
@@ -212,9 +277,34 @@ class TensorParallelRunner(ModelRunner):
         self._finalizer()  # idempotent
 
 
-def _stop_workers(workers: list, conns: list, num_threads: int, rendezvous_dir: str) -> None:
-    """Stop the workers (ask, then terminate, then kill), destroy rank 0's process group, remove
-    the rendezvous directory, restore the engine process's thread count."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _tcp_store(host: str, world_size: int, timeout_s: float):
+    """torch.distributed's store on an ephemeral port of `host` only (TCPStore alone would listen
+    on every interface), and the init method for the other ranks. Its port is told to a node only
+    after the node proved the secret; the store itself has no authentication."""
+    from datetime import timedelta
+
+    sock = listen(host, 0)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(
+        host, port, world_size, True, timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=sock.detach(),
+    )  # fmt: skip
+    return store, f"tcp://{host}:{port}"
+
+
+def _stop_workers(
+    workers: list, conns: list, num_threads: int, rendezvous_dir: str | None, node_group=None
+) -> None:
+    """Stop the workers (ask, then terminate, then kill) and the other nodes (asked: each stops its
+    own ranks), destroy rank 0's process group, remove the rendezvous directory, restore the engine
+    process's thread count."""
+    if node_group is not None:
+        node_group.close()
     for process, conn in zip(workers, conns, strict=False):
         if process.exitcode is None:
             try:
@@ -233,5 +323,6 @@ def _stop_workers(workers: list, conns: list, num_threads: int, rendezvous_dir: 
         conn.close()
     if dist.is_initialized():
         dist.destroy_process_group()
-    shutil.rmtree(rendezvous_dir, ignore_errors=True)
+    if rendezvous_dir is not None:
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
     torch.set_num_threads(num_threads)

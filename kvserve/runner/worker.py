@@ -36,7 +36,7 @@ class RankSpec:
 
     rank: int
     world_size: int
-    init_method: str  # file://PATH, the ranks' rendezvous (a file store)
+    init_method: str  # file://PATH (one host: a file store) or tcp://HOST:PORT (node 0's TCPStore)
     backend: str  # gloo | nccl
     device: str  # cpu | cuda:N
     num_threads: int  # torch intra-op threads of this rank (CPU)
@@ -49,18 +49,28 @@ class RankSpec:
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
 
 
-def init_rank(spec: RankSpec) -> None:
+def init_rank(spec: RankSpec, store=None) -> None:
+    """Join the process group: through `store` when given (rank 0 across hosts owns the TCPStore),
+    else through `spec.init_method`."""
     import torch.distributed as dist
 
     torch.set_num_threads(spec.num_threads)
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))
+    if store is None and spec.init_method.startswith("tcp://"):
+        # a client of node 0's TCPStore, passed as a store as rank 0 passes its own (an init_method
+        # would put the keys under another prefix than rank 0's)
+        host, _, port = spec.init_method[len("tcp://") :].rpartition(":")
+        store = dist.TCPStore(
+            host, int(port), spec.world_size, False, timedelta(seconds=spec.timeout_s)
+        )
+    where = {"store": store} if store is not None else {"init_method": spec.init_method}
     dist.init_process_group(
         spec.backend,
-        init_method=spec.init_method,
         rank=spec.rank,
         world_size=spec.world_size,
         timeout=timedelta(seconds=spec.timeout_s),
+        **where,
     )
 
 
