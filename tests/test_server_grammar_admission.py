@@ -1,6 +1,6 @@
-"""A grammar that compiles slowly holds up its own request only (fuzzing: a schema of 700
-properties compiled for over 60 s, and every request arriving meanwhile, validated on the engine
-core's command loop, waited and then failed with a 500). The compile is slowed by the test-only
+"""A grammar that compiles slowly holds up its own request only (a schema of hundreds of
+properties can compile for a minute; requests arriving meanwhile must neither wait for it nor fail
+with it). The compile is slowed by the test-only
 fault `grammar:SECONDS`; the plain request must be answered while it runs."""
 
 from __future__ import annotations
@@ -44,37 +44,63 @@ def test_a_slow_grammar_does_not_hold_up_plain_requests(gpt2_model_dir, tmp_path
         assert structured["response"].status_code == 200, structured["response"].text
 
 
-def test_a_grammar_check_past_the_timeout_is_the_requests_400_not_a_500():
+def test_a_grammar_the_core_does_not_accept_in_time_is_the_requests_400_not_a_500():
+    """The one check of a request is the core's, at add; the server waits for the core to accept it.
+    A new grammar's wait is bounded (the core's compile limit twice, plus a margin) and past it the
+    request gets a 400 naming its grammar; a plain request waits on the core's liveness alone; a dead
+    core's error passes through."""
+    import asyncio
+
     from kvserve.core.errors import InvalidRequestError
     from kvserve.core.sampling_params import SamplingParams, StructuredOutput
-    from kvserve.engine.client import VALIDATE_MARGIN_S, EngineClient
+    from kvserve.engine.client import VALIDATE_MARGIN_S
     from kvserve.engine.wire import EngineDeadError
+    from kvserve.server.responses import Job
+    from kvserve.server.serving import OpenAIServing
 
-    client = object.__new__(EngineClient)  # only validate(), over a core that never answers
-    timeouts: list[float] = []
+    waits: list[float | None] = []
+    closed: list[str] = []
 
-    asked: list[int] = []
+    class Stream:  # a core that never accepts, or is dead
+        def __init__(self, request_id, error):
+            self.request_id, self.error = request_id, error
 
-    def never_answers(core, command, timeout_s):
-        asked.append(core)
-        timeouts.append(timeout_s)
-        raise TimeoutError("the engine core did not answer in time")
+        async def accepted(self, timeout_s=None):
+            waits.append(timeout_s)
+            raise self.error
 
-    client._call = never_answers
-    client.info = SimpleNamespace(grammar_compile_timeout_s=2.0)
-    client._cores = [SimpleNamespace(index=0, alive=False), SimpleNamespace(index=1, alive=True)]
+        def close(self):
+            closed.append(self.request_id)
+
+    def serving_over(error) -> OpenAIServing:
+        serving = object.__new__(OpenAIServing)
+        serving.options = SimpleNamespace(max_waiting=None, log_content=False)
+        serving.engine = SimpleNamespace(
+            info=SimpleNamespace(grammar_compile_timeout_s=2.0),
+            reserve=lambda n, limit: True,
+            release=lambda n: None,
+            add=lambda request_id, *a, **k: Stream(request_id, error),
+        )
+        return serving
+
+    def started(params, known) -> Job:
+        fields = ("r", "completion", False, params, [[1, 2]], [None], False, False)
+        return Job(*fields, grammar_known=known)
+
     grammar = SamplingParams(structured=StructuredOutput("regex", "[0-9]+"))
+    serving = serving_over(TimeoutError())
+    late = started(grammar, known=False)
     with pytest.raises(InvalidRequestError, match="did not compile within 34 s") as info:
-        client.validate([1, 2], grammar)
-    assert info.value.param == grammar.structured.param  # fuzzing: it was null
-    with pytest.raises(TimeoutError):  # without a grammar the core itself is late: not a 400
-        client.validate([1, 2], SamplingParams())
-    assert timeouts == [2 * 2.0 + VALIDATE_MARGIN_S] * 2  # the core's limit, twice, + margin
-    assert asked == [1, 1]  # the first live core checks it
-    client._cores[1].alive = False
-    client.dead_reason = "every core exited"
+        asyncio.run(serving._start(late))
+    assert info.value.param == grammar.structured.param
+    assert waits == [2 * 2.0 + VALIDATE_MARGIN_S]  # the core's limit, twice, + margin
+    serving.release(late)
+    assert closed == ["r"]  # the engine request it started is ended
+    waits.clear()
+    serving = serving_over(EngineDeadError("every core exited"))
     with pytest.raises(EngineDeadError, match="every core exited"):
-        client.validate([1, 2], SamplingParams())
+        asyncio.run(serving._start(started(SamplingParams(), known=True)))
+    assert waits == [None]  # a plain request: no timeout of its own
 
 
 def _waiting_grammars(url: str) -> float:

@@ -50,9 +50,6 @@ class AsyncEngine(EngineClient):
     def error(self) -> str | None:
         return self.dead_reason
 
-    def validate(self, prompt_token_ids: list[int], params) -> int:
-        return self.engine.validate(prompt_token_ids, params).max_tokens  # immutable config only
-
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._core.shutdown(timeout_s)
 

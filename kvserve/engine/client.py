@@ -21,7 +21,7 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from kvserve.core.errors import InvalidRequestError, KVServeError
+from kvserve.core.errors import KVServeError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.output_processor import OutputKind, OutputProcessor, Tracked, so_far
 from kvserve.engine.outputs import RequestOutput
@@ -36,13 +36,12 @@ from kvserve.engine.wire import (
     Failure,
     UtilityCmd,
     UtilityResult,
-    ValidateCmd,
     error_from_wire,
 )
 
-# A request's check in the core, its grammar's compilation included: the core abandons a compile past
-# `info.grammar_compile_timeout_s`; one more may run ahead of it in the core's check thread (a request
-# that left while its grammar compiled), and a replacement worker may be starting.
+# How long a request with a new grammar may wait for the core to accept it: the core abandons a compile
+# past `info.grammar_compile_timeout_s`; one more may run ahead of it in the core's grammar thread (a
+# request that left while its grammar compiled), and a replacement worker may be starting.
 VALIDATE_MARGIN_S = 30.0
 
 
@@ -166,27 +165,6 @@ class EngineClient:
     def release(self, num_samples: int) -> None:
         with self._lock:
             self._num_reserved -= num_samples
-
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request (compiling its grammar, if any); returns its max_tokens. Blocking: call it
-        off the event loop. The core stops a compile past its limit (a 400 naming it); a core that
-        still has not answered after `validate_timeout_s` gives this request a 400, not the engine a
-        failure: the core compiles grammars beside its other work."""
-        ids = list(prompt_token_ids)
-        timeout_s = validate_timeout_s(self.info)
-        # Any live core can check it (data parallel: core 0 may be the one that died).
-        core = self._live_cores()[0]
-        try:
-            return self._call(
-                core.index, lambda call_id: ValidateCmd(call_id, ids, params), timeout_s
-            )
-        except TimeoutError:
-            if params.structured is None:
-                raise
-            raise InvalidRequestError(
-                f"the structured-output grammar did not compile within {timeout_s:.0f} s",
-                params.structured.param,
-            ) from None
 
     def _live_cores(self) -> list[CoreHandle]:
         live = [c for c in self._cores if c.alive]
@@ -344,6 +322,8 @@ class EngineClient:
                 core.stats = out.stats
                 core.num_admitted = out.num_admitted_samples
                 core.num_engine_waiting = out.num_waiting_samples
+            for request_id in out.accepted:  # before its outputs: the core names it first
+                items.append((request_id, ACCEPTED))
             for failure in out.failures:
                 items.append((failure.request_id, error_from_wire(failure)))
             for output in self._outputs.process(out.deltas):
@@ -398,6 +378,9 @@ class EngineClient:
                 pass
 
 
+ACCEPTED = object()  # queued for a request when its core has accepted it (RequestStream.accepted)
+
+
 class RequestStream:
     """The outputs of one submitted request, as an async iterator; `aclose` aborts it if unfinished."""
 
@@ -409,6 +392,21 @@ class RequestStream:
         self._queue = queue
         self._tracked = tracked
         self._open = True
+        self._accepted = False
+
+    async def accepted(self, timeout_s: float | None = None) -> None:
+        """Wait until the core has checked and added the request (its context, the cache's capacity,
+        its grammar compiled): the one check a request gets. A refusal raises its error here, before
+        any output; TimeoutError after `timeout_s` (None: the core's liveness bounds the wait)."""
+        while not self._accepted:
+            async with asyncio.timeout(timeout_s):
+                item = await self._queue.get()
+            if isinstance(item, BaseException):
+                await self.aclose()
+                raise item
+            self._accepted = True  # the marker (outputs never come before it)
+            if item is not ACCEPTED:
+                raise RuntimeError(f"an output of {self.request_id} came before its acceptance")
 
     def so_far(self) -> RequestOutput:
         """The whole request as received until now (also after it ended or was aborted): what
@@ -423,6 +421,9 @@ class RequestStream:
         if not self._open:
             raise StopAsyncIteration
         item = await self._queue.get()
+        if item is ACCEPTED:  # a caller that did not wait for it
+            self._accepted = True
+            item = await self._queue.get()
         if isinstance(item, BaseException):
             await self.aclose()
             raise item
@@ -436,10 +437,14 @@ class RequestStream:
         if self._open:
             self._queue.put_nowait(error)
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """End the request if it is still open (its engine request is aborted)."""
         if self._open:
             self._open = False
             self._client._forget(self.request_id, abort=True)
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:

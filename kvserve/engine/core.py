@@ -161,6 +161,7 @@ class EngineCore:
         self._quarantine: deque[AddCmd] = deque()
         self._probation: str | None = None
         self._failures: list[Failure] = []
+        self._accepted: list[str] = []  # added since the last message: the client stops waiting
         self._results: list[UtilityResult] = []
         self._faults = faults
         self._fault_armed = False
@@ -217,6 +218,8 @@ class EngineCore:
             )  # fmt: skip
             self._unscheduled[cmd.request_id] = cmd
             self._live.add(cmd.request_id)
+            if count:  # a re-admission from quarantine was accepted the first time
+                self._accepted.append(cmd.request_id)
         except KVServeError as exc:
             self._fail(cmd.request_id, exc)
         except Exception as exc:  # attributable: this request alone fails
@@ -227,8 +230,20 @@ class EngineCore:
         structured = cmd.params.structured
         return structured is not None and not self.engine.grammar_compiled(structured)
 
+    def _refused_before_compile(self, cmd: AddCmd) -> KVServeError | None:
+        """The checks that need no grammar (context, capacity, sampling) first: a request that fails
+        them does not wait for a compile only to be refused."""
+        try:
+            self.engine.validate(cmd.prompt_token_ids, cmd.params.without_structured())
+        except KVServeError as exc:
+            self._num_admitted += cmd.params.n  # taken from the queue, as `_add` counts it
+            self._fail(cmd.request_id, exc)
+            return exc
+        return None
+
     def _defer(self, cmd: AddCmd) -> None:
         """Hand the request's grammar to the grammar thread; `_compiled` adds the request after."""
+        logger.info("request %s: compiling a structured-output grammar", cmd.request_id)
         self._compiling[cmd.request_id] = cmd
         if self._grammar_thread is None:
             self._grammar_thread = threading.Thread(
@@ -274,10 +289,10 @@ class EngineCore:
     def _apply_commands(self) -> None:
         while (cmd := self._next_command()) is not None:
             if isinstance(cmd, AddCmd):
-                if self._needs_compile(cmd):
-                    self._defer(cmd)
-                else:
+                if not self._needs_compile(cmd):
                     self._add(cmd)
+                elif self._refused_before_compile(cmd) is None:
+                    self._defer(cmd)
             elif isinstance(cmd, AbortCmd):
                 for request_id in cmd.request_ids:
                     waiting = self._compiling.pop(request_id, None)
@@ -371,6 +386,8 @@ class EngineCore:
                         return
                 t0 = clock()
                 self._apply_commands()
+                if self._accepted or self._failures:  # the callers waiting on their checks go on now
+                    self._publish_admissions()
                 t1 = clock()
                 deltas = self._step()
                 t2 = clock()
@@ -391,6 +408,11 @@ class EngineCore:
                     )
             self.emit(CoreOutputs(results=self._take_results(), dead_reason=self.dead_reason))
 
+    def _publish_admissions(self) -> None:
+        accepted, self._accepted = self._accepted, []
+        failures, self._failures = self._failures, []
+        self.emit(CoreOutputs(accepted=accepted, failures=failures))
+
     def _take_results(self) -> list[UtilityResult]:
         results, self._results = self._results, []
         return results
@@ -403,10 +425,12 @@ class EngineCore:
         while self._mask_times:
             masks.append(self._mask_times.popleft())
         failures, self._failures = self._failures, []
+        accepted, self._accepted = self._accepted, []
         compiles, self._compile_times[:] = list(self._compile_times), []
         # slept: only the time asleep waiting for work (idle), never lock or interpreter waits
         self.emit(
             CoreOutputs(
+                accepted=accepted,
                 deltas=deltas,
                 failures=failures,
                 results=self._take_results(),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import threading
 import time
@@ -24,11 +23,8 @@ from kvserve.engine.wire import (
     Ready,
     ShutdownCmd,
     ToCore,
-    UtilityResult,
-    ValidateCmd,
     decoder,
     encoder,
-    failure_of,
 )
 
 logger = logging.getLogger("kvserve.engine.core")
@@ -81,24 +77,6 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
     send(Ready(engine_info(engine), pid))
     core.start()
 
-    def validate(command: ValidateCmd) -> None:
-        try:
-            value = engine.validate(command.prompt_token_ids, command.params).max_tokens
-            result = UtilityResult(command.call_id, value)
-        except Exception as exc:
-            result = UtilityResult(command.call_id, None, failure_of("", exc))
-        send(CoreOutputs(results=[result]))
-
-    # A schema of hundreds of properties can compile for a minute: on its own thread, requests
-    # arriving meanwhile are checked on this loop without waiting. A daemon thread: a compile still
-    # running does not hold up the core's exit.
-    grammar_checks: queue.SimpleQueue = queue.SimpleQueue()
-
-    def check_grammars() -> None:
-        while (command := grammar_checks.get()) is not None and not stop.is_set():
-            validate(command)
-
-    threading.Thread(target=check_grammars, name="kvserve-grammar", daemon=True).start()
     dec = decoder(ToCore)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
@@ -111,19 +89,9 @@ def run_core(config, faults, in_address: str, out_address: str, index: int, pare
         command = dec.decode(pull.recv())
         if isinstance(command, ShutdownCmd):
             break
-        if isinstance(command, ValidateCmd):  # reads only immutable configuration: no need to wait
-            # for a step boundary; a grammar compiled already is a lookup
-            structured = command.params.structured
-            if structured is None or engine.grammar_compiled(structured):
-                validate(command)
-            else:  # compiling a grammar can take seconds: not in the way of other requests
-                logger.info("check %d: compiling a structured-output grammar", command.call_id)
-                grammar_checks.put(command)
-            continue
-        core.submit(command)
+        core.submit(command)  # checked once, when the core adds it (EngineCore._add)
     core.shutdown()
     stop.set()
-    grammar_checks.put(None)
     push.close()
     pull.close(linger=0)
     ctx.term()

@@ -3,7 +3,8 @@
 Every message is a frozen msgspec Struct, tagged so one decoder reads the union; over ZMQ they travel as
 MessagePack. The same objects are used in-process (the in-process client hands them over directly).
 
-Front end -> core: `AddCmd`, `AbortCmd`, `UtilityCmd`, `ValidateCmd`, `ShutdownCmd`.
+Front end -> core: `AddCmd`, `AbortCmd`, `UtilityCmd`, `ShutdownCmd`. A request is checked once, when
+the core adds it: `CoreOutputs.accepted` names it, or `CoreOutputs.failures` says why not.
 Core -> front end: `Ready` (once, with the static `EngineInfo`), `CoreOutputs` (after every step or batch
 of commands: per-step deltas, failures, stats, utility results), `Heartbeat` (every `HEARTBEAT_S`).
 
@@ -157,16 +158,8 @@ class UtilityCmd(msgspec.Struct, frozen=True, tag=True):
     """A named maintenance call, answered in `CoreOutputs.results` with the same `call_id`."""
 
     call_id: int
-    method: str  # validate | reset_prefix_cache | debug_engine | warm_up
+    method: str  # reset_prefix_cache | debug_engine | warm_up
     args: list = []
-
-
-class ValidateCmd(msgspec.Struct, frozen=True, tag=True):
-    """Check a request against the model and the cache; answered like a utility call (its max_tokens)."""
-
-    call_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
 
 
 class ShutdownCmd(msgspec.Struct, frozen=True, tag=True):
@@ -192,6 +185,7 @@ class StepRow(msgspec.Struct, frozen=True):
 
 
 class CoreOutputs(msgspec.Struct, frozen=True, tag=True):
+    accepted: list[str] = []  # requests added (checked: context, capacity, grammar), in order
     deltas: list[RequestDelta] = []
     failures: list[Failure] = []
     results: list[UtilityResult] = []
@@ -213,7 +207,7 @@ class Heartbeat(msgspec.Struct, frozen=True, tag=True):
     pid: int
 
 
-ToCore = AddCmd | AbortCmd | UtilityCmd | ValidateCmd | ShutdownCmd
+ToCore = AddCmd | AbortCmd | UtilityCmd | ShutdownCmd
 FromCore = CoreOutputs | Ready | Heartbeat
 
 

@@ -1,11 +1,11 @@
 """Structured-output requests wait for their grammar's compilation here, not in the worker pool.
 
-Compiling a grammar can take tens of seconds (a 50,000-way `guided_choice`: ~25 s). When each such request
-held a worker of the shared pool while it compiled (or waited for the engine core to compile it), five of
-them starved every plain request (57 s for a 4-token completion), and a tiny regex queued behind them timed
-out. Here a request with a grammar waits on the event loop, as a coroutine, for its turn; one grammar is
-checked at a time, on a thread of its own, and the smallest constraint goes first, so a small grammar waits
-for at most the compilation already running. Smallest first, with ageing: a request's place is its arrival
+Compiling a grammar can take tens of seconds (a 50,000-way `guided_choice`: ~25 s). A request whose grammar
+the engine has not compiled yet must not hold a worker of the shared pool while it waits (five of them
+would starve every plain request), nor queue a tiny regex behind large ones. Here such a request waits on
+the event loop, as a coroutine, for its turn; one is started at a time (the engine core compiles its
+grammar when it adds the request, and accepts it once compiled), and the smallest constraint goes
+first, so a small grammar waits for at most the compilation already running. Smallest first, with ageing: a request's place is its arrival
 time plus 0.1 ms per byte of its constraint, so a 500 KB grammar lets newer small ones pass for 50 s, not
 for ever. The engine's compile time limit then counts compilation, not the queue. Beyond `max_waiting`
 queued grammars a request gets a 429.
@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import functools
 import heapq
+import inspect
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -43,9 +44,12 @@ class GrammarQueue:
         return sum(not future.done() for _, _, future in self._waiting)
 
     async def run(self, size: int, fn: Callable[..., Any], *args) -> Any:
-        """Run `fn(*args)` on the grammar thread when this request's turn comes (`size`: the constraint's
-        bytes)."""
+        """Run `fn(*args)` when this request's turn comes (`size`: the constraint's bytes): awaited
+        here if it is a coroutine function (the server's: start the request and wait until the engine
+        core has compiled its grammar and accepted it), else on the grammar thread."""
         async with self._turn(size):
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*args)
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
             call = functools.partial(contextvars.copy_context().run, fn, *args)

@@ -35,9 +35,8 @@ class Job:
     finished_choices: set[int] = field(default_factory=set)  # streamed finish chunks
     key_id: str | None = None  # the caller's API key id (metering)
     num_reserved: int = 0  # waiting-queue places held for it and not yet used
-    validated: bool = (
-        False  # checked by the engine (a new grammar: later, through the grammar queue)
-    )
+    # no grammar, or one the engine compiled before; a new one waits its turn in the grammar queue
+    grammar_known: bool = False
     streams: list = field(default_factory=list)  # the engine's request streams, once started
     # a stream's newest output per prompt: that step's deltas with the running counts (continuous usage)
     latest: dict[int, RequestOutput] = field(default_factory=dict)

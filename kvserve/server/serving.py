@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvserve.core.errors import ContextLengthError, InvalidRequestError, KVServeError
 from kvserve.core.sampling_params import SamplingParams, StructuredOutput
-from kvserve.engine.client import EngineClient
+from kvserve.engine.client import EngineClient, validate_timeout_s
 from kvserve.engine.output_processor import OutputKind
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server import tools
@@ -296,10 +296,7 @@ class OpenAIServing(JobAccounting):
         return self._job("completion", request, params, ids, texts)
 
     def _job(self, kind, request, params, ids, texts) -> Job:
-        validated = params.structured is None or params.structured in self.compiled_grammars
-        # A grammar the engine has not compiled yet waits for its turn in `prepare`; the other checks
-        # (context, capacity) come first, so that such a request does not queue only to fail them.
-        self.validate(ids, params if validated else params.without_structured())
+        known = params.structured is None or params.structured in self.compiled_grammars
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Job(
             request_id=f"{prefix}-{uuid.uuid4().hex[:24]}",
@@ -312,12 +309,8 @@ class OpenAIServing(JobAccounting):
             continuous_usage=request.continuous_usage,
             cache_salt=request.cache_salt,
             user=request.safety_identifier or request.user,
-            validated=validated,
+            grammar_known=known,
         )
-
-    def validate(self, ids: list[list[int]], params: SamplingParams) -> None:
-        for prompt_ids in ids:
-            self.engine.validate(prompt_ids, params)
 
     async def prepare(
         self,
@@ -326,23 +319,36 @@ class OpenAIServing(JobAccounting):
         key_id: str | None = None,
         disconnected: Callable[[], Awaitable[bool]] | None = None,
     ) -> Job:
-        """Build the job off the loop (a grammar through the grammar queue), then admit it: reserve its
-        samples in the waiting count, or 429. `--request-timeout` counts from here, a grammar's compile
-        included (a long compile gets its 504 at the limit, not when it ends). `disconnected`: polled while
-        a grammar waits for its turn; a client that left takes its grammar out of the queue (499)."""
+        """Build the job off the loop, then start it: reserve its samples in the waiting count (or
+        429), hand its prompts to the engine and wait until the core has accepted each one. That is
+        the one check a request gets (context, capacity, a new grammar compiled, which first waits its
+        turn in the grammar queue); a refusal raises here, before any response starts.
+        `--request-timeout` counts from here, a grammar's compile included (a long compile gets its 504
+        at the limit, not when it ends). `disconnected`: polled while a grammar waits for its turn; a
+        client that left takes its grammar out of the queue (499)."""
         received = time.monotonic()
         budget = asyncio.timeout(self.options.request_timeout_s)  # None: no limit
+        job = None
         try:
             async with budget:
                 job = await offload(builder, self, request)
-                if not job.validated:
-                    await _unless_gone(self._compile(job), disconnected)
-        except TimeoutError:
-            if not budget.expired():  # the engine's own TimeoutError (a core that did not answer)
-                raise
-            raise self._timeout_error() from None
-        job.received = received
-        job.key_id = key_id
+                job.received = received
+                job.key_id = key_id
+                if job.grammar_known:
+                    await self._start(job)
+                else:
+                    size = len(job.params.structured.spec)
+                    await _unless_gone(self.grammar_queue.run(size, self._start, job), disconnected)
+                    self._remember_grammar(job.params.structured)
+        except BaseException as exc:
+            if job is not None:
+                self.release(job)  # its streams, if any, end here
+            if isinstance(exc, TimeoutError) and budget.expired():
+                raise self._timeout_error() from None
+            raise
+        return job
+
+    async def _start(self, job: Job) -> None:
         num_samples = len(job.prompt_token_ids) * job.params.n
         limit = self.options.max_waiting
         if not self.engine.reserve(num_samples, limit):
@@ -354,13 +360,37 @@ class OpenAIServing(JobAccounting):
                 headers={"Retry-After": "1"},
             )
         job.num_reserved = num_samples
-        return job
+        kind = OutputKind.DELTA if job.stream else OutputKind.FINAL
+        many = len(job.prompt_token_ids) > 1
+        for i, ids in enumerate(job.prompt_token_ids):
+            job.streams.append(
+                self.engine.add(
+                    f"{job.request_id}-p{i}" if many else job.request_id,
+                    ids,
+                    job.params,
+                    prompt=job.prompt_texts[i] if self.options.log_content else None,
+                    cache_salt=job.cache_salt,
+                    arrival_time=job.arrival_time,
+                    reserved=True,
+                    group=job.request_id,  # fair admission among API calls
+                    output_kind=kind,
+                )
+            )
+            job.num_reserved -= job.params.n
+        # a new grammar compiles in the core first; the core's own limit ends a compile, this bounds
+        # the wait beyond it (a compile queued behind another)
+        wait_s = None if job.grammar_known else validate_timeout_s(self.engine.info)
+        for stream in job.streams:
+            try:
+                await stream.accepted(wait_s)
+            except TimeoutError:
+                structured = job.params.structured
+                raise InvalidRequestError(
+                    f"the structured-output grammar did not compile within {wait_s:.0f} s",
+                    structured.param,
+                ) from None
 
-    async def _compile(self, job: Job) -> None:
-        structured = job.params.structured
-        size = len(structured.spec)
-        await self.grammar_queue.run(size, self.validate, job.prompt_token_ids, job.params)
-        job.validated = True
+    def _remember_grammar(self, structured: StructuredOutput) -> None:
         if len(self.compiled_grammars) >= _MAX_KNOWN_GRAMMARS:
             self.compiled_grammars.clear()
         self.compiled_grammars.add(structured)
@@ -375,10 +405,13 @@ class OpenAIServing(JobAccounting):
         )
 
     def release(self, job: Job) -> None:
-        """Give back a reservation nobody used (the job never started)."""
+        """Give back a reservation nobody used, and end the job's engine requests that are still
+        open (a job that never got to its response, or whose response ended early)."""
         if job.num_reserved:
             self.engine.release(job.num_reserved)
             job.num_reserved = 0
+        for stream in job.streams:
+            stream.close()
 
     # --- running ----------------------------------------------------------------------------------------
 
@@ -389,34 +422,11 @@ class OpenAIServing(JobAccounting):
             job.interrupt(_shutdown_error())
         return len(jobs)
 
-    async def _outputs(
-        self, job: Job, kind: OutputKind
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The outputs of every prompt's request, merged: (prompt index, output), each as `kind` asks
-        (DELTA for a stream, FINAL otherwise). Raises APIError when the request's time budget or the
-        server's grace period runs out."""
-        streams = []
-        try:
-            for i, ids in enumerate(job.prompt_token_ids):
-                streams.append(
-                    self.engine.add(
-                        f"{job.request_id}-p{i}"
-                        if len(job.prompt_token_ids) > 1
-                        else job.request_id,
-                        ids,
-                        job.params,
-                        prompt=job.prompt_texts[i] if self.options.log_content else None,
-                        cache_salt=job.cache_salt,
-                        arrival_time=job.arrival_time,
-                        reserved=True,
-                        group=job.request_id,  # fair admission among API calls
-                        output_kind=kind,
-                    )
-                )
-                job.num_reserved -= job.params.n
-        finally:
-            self.release(job)
-        job.streams = streams
+    async def _outputs(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The outputs of every prompt's request, merged: (prompt index, output): each step's deltas
+        for a stream, the finished request otherwise. Raises APIError when the request's time budget or
+        the server's grace period runs out."""
+        streams = job.streams  # started and accepted by `prepare`
         timeout = self.options.request_timeout_s
         timer = None
         if timeout is not None:
@@ -443,7 +453,7 @@ class OpenAIServing(JobAccounting):
         """Run a non-streaming request to the end; returns the response body."""
         finals: dict[int, RequestOutput] = {}
         try:
-            async with contextlib.aclosing(self._outputs(job, OutputKind.FINAL)) as outputs:
+            async with contextlib.aclosing(self._outputs(job)) as outputs:
                 async for index, output in outputs:
                     finals[index] = output  # FINAL: only finished outputs come
         except APIError as error:
@@ -492,7 +502,7 @@ class OpenAIServing(JobAccounting):
                     latest,
                 )
         try:
-            async with contextlib.aclosing(self._outputs(job, OutputKind.DELTA)) as outputs:
+            async with contextlib.aclosing(self._outputs(job)) as outputs:
                 async for index, output in outputs:
                     latest[index] = output  # this step's deltas, with the running counts
                     for completion in output.outputs:
