@@ -4,7 +4,7 @@ the evidence (the plan's terms, the model's forward timed alone)."""
 
 from __future__ import annotations
 
-from kvserve.bench.phases import MIN_FULL_BATCH_STEPS
+from kvserve.lab.bench.phases import MIN_FULL_BATCH_STEPS
 
 TOLERANCE = 0.15
 

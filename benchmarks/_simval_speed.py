@@ -6,7 +6,7 @@ measured runs minutes later (the server's own step log shows it: the same kinds 
 which no cost model can predict. So each rate reports, beside the a priori and replay predictions:
 
 - `speed`: the mean measured / predicted cost of the steps the server ran during that run
-  (kvserve.sim.server_steps.machine_speed), per step class (`by_class`) and per kind of step
+  (kvserve.lab.sim.server_steps.machine_speed), per step class (`by_class`) and per kind of step
   (`by_kind`: prefill, decode);
 - `replay_at_run_speed`: the replay with each kind of step scaled by its own speed
   (`StepProfile.scaled_by_kind`), each metric the median over the noise seeds
@@ -28,8 +28,8 @@ import json
 import statistics
 from pathlib import Path
 
-from kvserve.sim.cost import STEP_KINDS, StepProfile
-from kvserve.sim.server_steps import machine_speed
+from kvserve.lab.sim.cost import STEP_KINDS, StepProfile
+from kvserve.lab.sim.server_steps import machine_speed
 
 # A kind of step (prefill, decode) needs this many steps in the run for its own speed; with fewer
 # it takes the run's one number
@@ -153,7 +153,7 @@ def print_table(results: list[dict], metrics) -> None:
 
 
 # The latency metrics a measured run's own sampling spread is computed for: (name, pooled sample
-# kind of kvserve.bench.metrics.pooled_samples, percentile)
+# kind of kvserve.lab.bench.metrics.pooled_samples, percentile)
 INTERVAL_METRICS = (
     ("ttft_p50_s", "ttft", 50),
     ("ttft_p99_s", "ttft", 99),
@@ -171,7 +171,7 @@ def measured_intervals(records, level: float = 0.90, num_boot: int = 2000, seed:
     a prediction inside it cannot be told apart from the measurement by this run."""
     import numpy as np
 
-    from kvserve.bench.metrics import PERCENTILE_METHOD, pooled_samples, request_metrics
+    from kvserve.lab.bench.metrics import PERCENTILE_METHOD, pooled_samples, request_metrics
 
     done = [m for r in records if r.phase == "measured" and (m := request_metrics(r)) is not None]
     if not done:

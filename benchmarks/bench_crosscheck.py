@@ -7,7 +7,7 @@ goes first), at the same constant rate with the same prompt and forced output le
 warm-up requests on either side, the server's prefix cache reset before every run (GuideLLM sends
 the same prompts each time; `kvserve bench serve --reset-prefix-cache`). Every number is
 recomputed from each tool's raw per-request timings with one set of definitions
-(kvserve.bench.crosscheck: TTFT; decode time per token = kvserve's TPOT = GuideLLM's ITL; output
+(kvserve.lab.bench.crosscheck: TTFT; decode time per token = kvserve's TPOT = GuideLLM's ITL; output
 tok/s over the run), and each tool's own headline numbers are kept beside them. The spread is the min..max over a tool's runs.
 
 Run under the exclusive CPU lock (it is a timing):
@@ -32,15 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.sim_validation import start_server  # noqa: E402
-from kvserve.bench.client import reset_prefix_cache  # noqa: E402
-from kvserve.bench.crosscheck import (  # noqa: E402
+from kvserve.lab.bench.client import reset_prefix_cache  # noqa: E402
+from kvserve.lab.bench.crosscheck import (  # noqa: E402
     guidellm_reported,
     kvserve_reported,
     mapped_metrics,
     timings_from_guidellm,
     timings_from_kvserve,
 )
-from kvserve.bench.records import read_jsonl  # noqa: E402
+from kvserve.lab.bench.records import read_jsonl  # noqa: E402
 from tests.server_utils import free_port  # noqa: E402
 
 COMPARED = (
@@ -227,7 +227,7 @@ def main() -> int:
             "server_warmup_requests": args.server_warmup,
             "order": "A B, then B A, per round",
         },  # fmt: skip
-        "definitions": sys.modules["kvserve.bench.crosscheck"].__doc__,
+        "definitions": sys.modules["kvserve.lab.bench.crosscheck"].__doc__,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "table": table,
         "runs": runs,

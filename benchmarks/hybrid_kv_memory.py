@@ -4,7 +4,7 @@ and predicted by the planner (issue 45; docs/scheduling.md "Hybrid models").
 For each of --hybrid-kv-cache and --no-hybrid-kv-cache, one engine runs one request of CONTEXT prompt
 tokens; after its prompt is computed the blocks it holds are counted through the KV manager's public API
 (after the release the next step makes), times the bytes of one block of the runner's tensors. The planner
-(`kvserve.plan.arith.kv_bytes_per_sequence`) predicts the same from the model's config alone.
+(`kvserve.lab.plan.arith.kv_bytes_per_sequence`) predicts the same from the model's config alone.
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/hybrid_kv_memory.py --context 32760 \
         --out benchmarks/results/zen3_avx2/hybrid_kv_memory.json
@@ -22,9 +22,9 @@ from pathlib import Path
 from kvserve.config import DTYPE_BYTES
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.llm import LLM
+from kvserve.lab.plan import arith
+from kvserve.lab.plan.model import load_model as load_plan_model
 from kvserve.models import resolve_model
-from kvserve.plan import arith
-from kvserve.plan.model import load_model as load_plan_model
 
 
 def measure(model: str, context: int, hybrid: bool) -> dict:

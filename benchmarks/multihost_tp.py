@@ -1,5 +1,5 @@
 """Tensor parallelism across two hosts: collective and decode-step times per link setting, measured
-against the planner's all-reduce formula (kvserve.plan.parallel; docs/parallel.md "Across hosts").
+against the planner's all-reduce formula (kvserve.lab.plan.parallel; docs/parallel.md "Across hosts").
 
 The two hosts are network namespaces joined by a veth pair (tests/netns.py; needs root). For each
 setting, netem shapes both ends of the veth (so each direction has the delay and the rate):
@@ -136,8 +136,8 @@ def _rate_only(setting):
 
 
 def planned(setting, model_dir: Path) -> dict:
-    from kvserve.plan.model import from_hf_config
-    from kvserve.plan.parallel import Interconnect, TensorParallelComm, allreduce_s
+    from kvserve.lab.plan.model import from_hf_config
+    from kvserve.lab.plan.parallel import Interconnect, TensorParallelComm, allreduce_s
 
     if setting is None:
         return {}

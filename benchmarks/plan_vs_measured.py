@@ -8,7 +8,7 @@
 2. `kvserve plan --measure --measure-model MODEL --measure-contexts C1,C2 --save PROFILE`: the
    roofline and the engine's own kernels for each step shape it runs (docs/planning.md, "A
    measured engine profile"), the decode attention timed at the contexts predicted below.
-3. The plan (what `kvserve plan --hardware PROFILE` computes: kvserve.plan.engine_cost, and the
+3. The plan (what `kvserve plan --hardware PROFILE` computes: kvserve.lab.plan.engine_cost, and the
    bare roofline beside it) for batch 1, 4, 16 at contexts 128 and 2000, for each weight format.
 4. `kvserve bench latency` measures the decode steps (median) at the same batch and context, the
    formats in A B C order at the first context and C B A at the next (a linear drift then biases
@@ -47,9 +47,9 @@ from kvserve.threads import apply_thread_defaults  # noqa: E402
 apply_thread_defaults()
 
 from benchmarks._plan_explain import TOLERANCE, explain, print_table  # noqa: E402
-from kvserve.plan import KVFormat, arith, load_model, parse_weight_format  # noqa: E402
-from kvserve.plan.engine_cost import EngineCost  # noqa: E402
-from kvserve.plan.hardware import get_profile  # noqa: E402
+from kvserve.lab.plan import KVFormat, arith, load_model, parse_weight_format  # noqa: E402
+from kvserve.lab.plan.engine_cost import EngineCost  # noqa: E402
+from kvserve.lab.plan.hardware import get_profile  # noqa: E402
 
 COMMANDS: list[str] = []
 
@@ -65,8 +65,8 @@ def probe(label: str) -> dict:
     row) and of the per-op path (16 rows), from the same code `--measure` runs, shortened."""
     import torch
 
-    from kvserve.measure import MeasureConfig, measure_gemv
-    from kvserve.measure_engine import measure_dispatch
+    from kvserve.lab.measure import MeasureConfig, measure_gemv
+    from kvserve.lab.measure_engine import measure_dispatch
 
     cfg = MeasureConfig(min_time_s=0.3, min_samples=5, dispatch_rounds=1)
     with torch.inference_mode():
@@ -124,7 +124,7 @@ def measure_steps(
 
 def decode_step_p50(point: dict) -> float:
     """The median decode step at the batch's rows (`bench latency`'s `batch_step_s`: of the steps
-    with every request decoding where there are at least 3, kvserve.bench.phases). With chunked
+    with every request decoding where there are at least 3, kvserve.lab.bench.phases). With chunked
     prefill the first requests decode while the later prompts fill and finish first, so the decode
     phase's later steps carry fewer rows: at 48 x 504 tokens the median over every decode step was
     67 ms where the 48-row forward alone took 87 (1207)."""
@@ -173,15 +173,15 @@ def plan_step(spec, profile, weights: str, batch: int, context: float) -> dict:
 def retimed_profile(profile, spec, weights: str, batches: list[int], contexts: list[int]):
     """`profile` with the plan's largest terms timed again now, beside the steps: the team step's
     layers (`team-layer:FMT`, at 16 and the longest context) and the head (`head:FMT`) at the
-    rows these steps ran, as `--measure` times them (kvserve/measure_team.py). The machine's
+    rows these steps ran, as `--measure` times them (kvserve/lab/measure_team.py). The machine's
     speed moves between the profile and the steps (the probes drifted 1.4-4x over one run here);
     the plan from these points holds the planner's arithmetic against the steps at one speed."""
     import dataclasses
 
     import torch
 
-    from kvserve.measure import MeasureConfig
-    from kvserve.measure_team import measure_head, measure_team_layers
+    from kvserve.lab.measure import MeasureConfig
+    from kvserve.lab.measure_team import measure_head, measure_team_layers
 
     parts = plan_parts(weights, spec)
     fixed = [(p.num_columns, p.median_s) for p in profile.points if p.kind == "fused-fixed"]
@@ -261,8 +261,8 @@ def main() -> int:
             steps = measure_steps(args.model, weights, batches, context, out, args, long)
             forwards = {}
             if not args.no_forward:  # the model's part of the same steps, timed alone, now
-                from kvserve.measure import MeasureConfig
-                from kvserve.measure_forward import time_model_forwards
+                from kvserve.lab.measure import MeasureConfig
+                from kvserve.lab.measure_forward import time_model_forwards
 
                 shapes = [(b, int(t)) for b, (_, t, _, _) in sorted(steps.items())]
                 quant = None if weights == "fp32" else weights

@@ -78,9 +78,9 @@ def heldout_files(work: Path, seed: int = 1234, fraction: float = 0.03) -> dict[
 
 
 def quality(args: argparse.Namespace) -> dict:
+    from kvserve.lab.plan.formats import parse_weight_format
+    from kvserve.lab.plan.model import load_model as plan_model
     from kvserve.models import default_model_dir
-    from kvserve.plan.formats import parse_weight_format
-    from kvserve.plan.model import load_model as plan_model
     from kvserve.quant.compare import compare
     from kvserve.quant.pipeline import quantize_checkpoint
 

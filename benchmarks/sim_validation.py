@@ -132,7 +132,7 @@ def compare(predicted: dict, measured: dict) -> dict:
 def server_side(run_dir: Path) -> dict:
     """The server's own means over the run (its /metrics, after minus before): they separate the
     engine loop's time from HTTP delivery and the client."""
-    from kvserve.bench.prometheus import delta
+    from kvserve.lab.bench.prometheus import delta
 
     before = (run_dir / "server_metrics_before.prom").read_text()
     after = (run_dir / "server_metrics_after.prom").read_text()
@@ -362,7 +362,7 @@ def validate_rate(args, base_url: str, rate: str, workload: list[str], profile: 
     replay = simulate(
         profile, ["--trace", str(run_dir / "requests.jsonl")], out / f"sim_replay_{rate}.json"
     )
-    from kvserve.bench.records import read_jsonl
+    from kvserve.lab.bench.records import read_jsonl
 
     replays = at_speed_results(runs, one_runs, measured, METRICS, dig, compare)
     at_speed_cmp = replays["replay_at_run_speed"]

@@ -2,7 +2,7 @@
 
 The rules, used by tests/test_import_cycles.py and tests/test_layers.py (docs/design.md):
 
-- A node is a module of the package; a package is its `__init__.py` (`kvserve.plan`).
+- A node is a module of the package; a package is its `__init__.py` (`kvserve.lab.plan`).
 - Every import statement counts wherever it stands: at module level, inside a function or method,
   under `if TYPE_CHECKING:`, in a `try:`. An import moved into a function still runs, and a cycle
   that only a function-level import closes is still a cycle.
@@ -10,8 +10,8 @@ The rules, used by tests/test_import_cycles.py and tests/test_layers.py (docs/de
   `kvserve.a.b` when `b` is a submodule, else to `kvserve.a` (the package's `__init__` is what
   provides the name). Relative imports are resolved against the importing module's package.
 - The parent packages that Python initialises on the way to `kvserve.a.b` are not edges: a package
-  `__init__` that re-exports its submodules (`kvserve.plan`) would otherwise make each of them a
-  cycle with their own package. Only `kvserve.plan`, `kvserve.cli` and `kvserve` import anything in
+  `__init__` that re-exports its submodules (`kvserve.lab.plan`) would otherwise make each of them a
+  cycle with their own package. Only `kvserve.lab.plan`, `kvserve.cli` and `kvserve` import anything in
   their `__init__`, and tests/test_import_cycles.py checks that those imports stay acyclic too.
 - Dynamic imports (`importlib.import_module`) are not seen.
 """

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from kvserve.bench.arrivals import (
+from kvserve.lab.bench.arrivals import (
     ArrivalSpec,
     gamma_offsets,
     gap_stats,
@@ -20,7 +20,7 @@ from kvserve.bench.arrivals import (
     schedule,
     unit_gaps,
 )
-from kvserve.bench.records import BenchError
+from kvserve.lab.bench.records import BenchError
 
 N = 20_000
 

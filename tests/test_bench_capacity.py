@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.bench.capacity import Trial, conservative_capacity, find_capacity
+from kvserve.lab.bench.capacity import Trial, conservative_capacity, find_capacity
 
 
 def threshold(limit: float):

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.bench.crosscheck import (
+from kvserve.lab.bench.crosscheck import (
     mapped_metrics,
     timings_from_guidellm,
     timings_from_kvserve,
 )
-from kvserve.bench.metrics import latency_table, request_metrics
-from kvserve.bench.records import RequestRecord, StreamEvent
+from kvserve.lab.bench.metrics import latency_table, request_metrics
+from kvserve.lab.bench.records import RequestRecord, StreamEvent
 
 # Request k: sent at k s; first token after 0.1 + 0.01 k s; then n - 1 tokens 20 ms apart (one per
 # event), the stream closes 5 ms after the last token.
@@ -85,7 +85,7 @@ def test_kvserve_tpot_is_the_mapped_decode_time_per_token():
 
 def test_unequal_lengths_separate_token_weighted_from_request_weighted():
     # GuideLLM's ITL weighs each request by its decoded tokens: a long slow request dominates.
-    from kvserve.bench.crosscheck import Timing
+    from kvserve.lab.bench.crosscheck import Timing
 
     fast = [Timing(0, 0.1, 0.1 + 0.01 * 2, 0.2, 3)] * 3  # 10 ms per token, 2 decoded tokens each
     slow = [Timing(0, 0.1, 0.1 + 0.05 * 99, 5.0, 100)]  # 50 ms per token, 99 decoded tokens

@@ -6,10 +6,10 @@ import ast
 import json
 from pathlib import Path
 
-from kvserve.bench.compare import compare_runs, format_comparison
-from kvserve.bench.identity import identity_fields
-from kvserve.bench.prometheus import server_counters
-from kvserve.bench.records import RequestRecord, write_jsonl
+from kvserve.lab.bench.compare import compare_runs, format_comparison
+from kvserve.lab.bench.identity import identity_fields
+from kvserve.lab.bench.prometheus import server_counters
+from kvserve.lab.bench.records import RequestRecord, write_jsonl
 
 BENCH = Path(__file__).parent.parent / "kvserve" / "bench"
 
@@ -101,7 +101,7 @@ def test_compare_verdicts(tmp_path):
 
 
 def test_bench_talks_http_only():
-    """kvserve.bench (but the offline `latency` bench) imports nothing from the engine's layers."""
+    """kvserve.lab.bench (but the offline `latency` bench) imports nothing from the engine's layers."""
     forbidden = ("kvserve.engine", "kvserve.runner", "kvserve.model", "kvserve.sched", "kvserve.kv",
                  "kvserve.server", "torch")  # fmt: skip
     for path in sorted(BENCH.glob("*.py")) + [BENCH.parent / "cli" / "bench.py"]:

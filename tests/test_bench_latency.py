@@ -1,6 +1,6 @@
 """`kvserve bench latency`: the phase split, the identical-output check and the roofline names.
 
-The pure parts (kvserve.bench.phases) are checked on synthetic steps with known answers; one run of
+The pure parts (kvserve.lab.bench.phases) are checked on synthetic steps with known answers; one run of
 the command on a tiny checkpoint checks the wiring: step counts per phase, chunked prefill, the
 engine's own timestamps, the alone-vs-batched comparison (with one injected difference) and the
 roofline bound of each regime against docs/planning.md's formulas computed here by hand.
@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from kvserve.bench import latency, phases
-from kvserve.bench.records import BenchError
 from kvserve.cli import main as cli_main
-from kvserve.plan.hardware import HardwareProfile, save_profile
-from kvserve.plan.model import load_model
+from kvserve.lab.bench import latency, phases
+from kvserve.lab.bench.records import BenchError
+from kvserve.lab.plan.hardware import HardwareProfile, save_profile
+from kvserve.lab.plan.model import load_model
 from tests.checkpoints import build_checkpoint
 
 # --- pure parts ---------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def test_latency_grid_end_to_end(tiny_dir, tmp_path, monkeypatch, capsys):
     assert "MISMATCH B=3 P=20 O=4 prompt 1: first differs at position 2" in printed
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads((out / "latency.json").read_text())
-    assert doc["schema"] == "kvserve.bench.latency/1"
+    assert doc["schema"] == "kvserve.lab.bench.latency/1"
     # the engine default (prefix caching on); every iteration resets the cache (docs/load-tests.md)
     assert doc["engine"]["options"]["enable_prefix_caching"] is True
     assert [(p["batch_size"], p["prompt_len"], p["output_len"]) for p in doc["points"]] == [

@@ -8,8 +8,8 @@ import os
 import signal
 import time
 
-from kvserve.bench.loadgen import LoadPlan, run_load
-from kvserve.bench.records import RequestRecord, RequestSpec
+from kvserve.lab.bench.loadgen import LoadPlan, run_load
+from kvserve.lab.bench.records import RequestRecord, RequestSpec
 
 
 class FakeSender:

@@ -6,15 +6,21 @@ import math
 
 import pytest
 
-from kvserve.bench.metrics import (
+from kvserve.lab.bench.metrics import (
     Percentiles,
     request_metrics,
     token_level_itl,
     tokens_per_chunk_histogram,
 )
-from kvserve.bench.records import BenchError, RequestRecord, StreamEvent, read_jsonl, write_jsonl
-from kvserve.bench.slo import ObjectiveSet, parse_duration_s
-from kvserve.bench.summary import littles_law, summarize, wall_clock_decomposition
+from kvserve.lab.bench.records import (
+    BenchError,
+    RequestRecord,
+    StreamEvent,
+    read_jsonl,
+    write_jsonl,
+)
+from kvserve.lab.bench.slo import ObjectiveSet, parse_duration_s
+from kvserve.lab.bench.summary import littles_law, summarize, wall_clock_decomposition
 
 
 def rec(

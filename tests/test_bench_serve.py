@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench.records import sha256_text
 from kvserve.cli import main as cli_main
+from kvserve.lab.bench.records import sha256_text
 
 FIXTURES = Path(__file__).parent / "fixtures" / "bench"
 

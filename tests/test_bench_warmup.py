@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from kvserve.bench.client import ClientConfig
-from kvserve.bench.loadgen import LoadPlan
-from kvserve.bench.records import RequestSpec
-from kvserve.bench.runner import _drive
+from kvserve.lab.bench.client import ClientConfig
+from kvserve.lab.bench.loadgen import LoadPlan
+from kvserve.lab.bench.records import RequestSpec
+from kvserve.lab.bench.runner import _drive
 
 
 class CountingServer:

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvserve.bench.records import BenchError
-from kvserve.bench.text import pieces, take_pieces
-from kvserve.bench.tokenization import ApproxTokenizer, LocalTokenizer, PromptFitter
-from kvserve.bench.workloads import LengthDist, WorkloadSpec, build_workload
+from kvserve.lab.bench.records import BenchError
+from kvserve.lab.bench.text import pieces, take_pieces
+from kvserve.lab.bench.tokenization import ApproxTokenizer, LocalTokenizer, PromptFitter
+from kvserve.lab.bench.workloads import LengthDist, WorkloadSpec, build_workload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

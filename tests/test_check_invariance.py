@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kvserve.check.invariance import Position, Trace, compare
-from kvserve.check.shapes import CheckConfig, OfflineCheck
+from kvserve.lab.check.invariance import Position, Trace, compare
+from kvserve.lab.check.shapes import CheckConfig, OfflineCheck
 
 PROMPTS = [[(i * 31 + j * 7 + 3) % 250 + 3 for j in range(20 + 9 * i)] for i in range(4)]
 CFG = CheckConfig(max_tokens=8, num_logprobs=5, batch_sizes=(2, 4), chunk_tokens=8,

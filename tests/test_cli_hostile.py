@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from kvserve.bench.client import ClientConfig, _Stream, send_request
-from kvserve.bench.records import RequestSpec
 from kvserve.cli import _subparsers, build_parser, finite_float, main
+from kvserve.lab.bench.client import ClientConfig, _Stream, send_request
+from kvserve.lab.bench.records import RequestSpec
 
 
 def test_no_float_option_takes_nan_or_inf():
@@ -97,9 +97,9 @@ def test_a_server_sending_a_malformed_event_fails_that_request_only():
 
 def test_bench_library_checks_refuse_nan(tmp_path):
     """The checks were written `x <= 0`, which NaN passes."""
-    from kvserve.bench.arrivals import ArrivalSpec
-    from kvserve.bench.records import BenchError
-    from kvserve.bench.workloads import LengthDist
+    from kvserve.lab.bench.arrivals import ArrivalSpec
+    from kvserve.lab.bench.records import BenchError
+    from kvserve.lab.bench.workloads import LengthDist
 
     with pytest.raises(BenchError, match="burstiness"):
         ArrivalSpec("gamma", 1.0, float("nan"))
@@ -110,7 +110,7 @@ def test_bench_library_checks_refuse_nan(tmp_path):
 
 
 def test_a_sharegpt_file_with_odd_turns_is_read_or_refused_cleanly(tmp_path):
-    from kvserve.bench.workloads import load_sharegpt
+    from kvserve.lab.bench.workloads import load_sharegpt
 
     path = tmp_path / "d.json"
     good = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}

@@ -11,9 +11,9 @@ import pytest
 
 from kvserve.config import DTYPE_BYTES
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.lab.plan import arith
+from kvserve.lab.plan.model import load_model as load_plan_model
 from kvserve.models import resolve_model
-from kvserve.plan import arith
-from kvserve.plan.model import load_model as load_plan_model
 from tests.real_models import gemma3_gguf
 
 pytestmark = pytest.mark.slow

@@ -54,6 +54,6 @@ def test_the_graph_sees_function_level_and_relative_imports():
     seen = {(i.module, i.target) for i in imports() if i.in_function}
     assert seen, "no function-level import found: the reader misses them"
     resolved = import_graph._resolve(
-        "kvserve.plan.model", False, __import__("ast").parse("from .arith import x").body[0]
+        "kvserve.lab.plan.model", False, __import__("ast").parse("from .arith import x").body[0]
     )
-    assert resolved == ["kvserve.plan.arith"]
+    assert resolved == ["kvserve.lab.plan.arith"]

@@ -192,9 +192,9 @@ def test_the_simulator_keeps_a_hybrid_models_blocks_as_the_engine_does():
     """Eight 3,000-token requests on a Gemma-3-270M-shaped model: with every layer global the cache
     holds two at a time and the others preempt or wait; with the groups all eight run at once."""
     from kvserve.config import SchedulerConfig
-    from kvserve.plan.model import from_hf_config
-    from kvserve.sim.loop import simulate_continuous
-    from kvserve.sim.workload import SimRequest
+    from kvserve.lab.plan.model import from_hf_config
+    from kvserve.lab.sim.loop import simulate_continuous
+    from kvserve.lab.sim.workload import SimRequest
     from tests.test_gemma3 import GEMMA3_270M
 
     spec = from_hf_config(GEMMA3_270M)

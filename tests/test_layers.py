@@ -48,6 +48,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "measure_overhead": {"core", "engine", "plan", "runner"},
     "calibration": {"core", "config", "engine", "sim"},
     "kvserve": {"_version", "core", "engine", "threads"},
+    "lab": set(),  # kvserve/lab/__init__.py: the lab's door, imports nothing
     "cli": set(),  # the command line: filled in below with every layer
     "__main__": {"cli"},
 }
@@ -56,14 +57,14 @@ MAY_IMPORT["cli"] = set(MAY_IMPORT) - {"__main__"}
 # (importing module or package prefix, imported module prefix): the lines a module may cross.
 EXCEPTIONS = {
     # the offline latency bench uses the public LLM API and EngineArgs (docs/design.md)
-    ("kvserve.bench.latency", "kvserve.engine.llm"),
-    ("kvserve.bench.latency", "kvserve.engine.args"),
+    ("kvserve.lab.bench.latency", "kvserve.engine.llm"),
+    ("kvserve.lab.bench.latency", "kvserve.engine.args"),
     # `kvserve quantize` reads the float checkpoint through the model's loader
     ("kvserve.quant.pipeline", "kvserve.model.loader"),
     # `kvserve eval compare` runs both models through the LLM API (lab code)
     ("kvserve.quant.compare", "kvserve.engine.llm"),
     # the simulator replays the engine's step log format (docs/simulator.md)
-    ("kvserve.sim.delivery", "kvserve.engine.step_log"),
+    ("kvserve.lab.sim.delivery", "kvserve.engine.step_log"),
 }
 # Inside an allowed layer, only these modules: the rest of that layer is above the importer.
 ONLY = {
@@ -96,7 +97,11 @@ TORCH_FREE_MODULES = (
 
 
 def layer_of(module: str) -> str:
+    """`kvserve.x...` is layer x; inside the lab (`kvserve.lab.x...`) each package or module is a
+    layer of its own (bench, plan, sim, check, the measure modules, calibration)."""
     parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "lab":
+        return parts[2]
     return parts[1] if len(parts) > 1 else "kvserve"
 
 
@@ -160,4 +165,35 @@ def test_the_rules_can_fail():
     """A rule that cannot fail is a defect: the engine importing the simulator would be caught."""
     assert "sim" not in MAY_IMPORT["engine"] and "server" not in MAY_IMPORT["engine"]
     assert "torch" not in MAY_IMPORT["core"] and "core" in TORCH_FREE
-    assert not _excepted("kvserve.engine.core", "kvserve.sim.loop")
+    assert not _excepted("kvserve.engine.core", "kvserve.lab.sim.loop")
+
+
+def test_nothing_but_the_command_line_imports_the_lab():
+    """The lab (kvserve/lab) stands beside the engine: the engine, the server and every other layer
+    never import it; only `kvserve bench|plan|simulate|check` do."""
+    bad = []
+    for imp in imports():
+        if imp.target.startswith("kvserve.lab") and not imp.module.startswith("kvserve.lab"):
+            if layer_of(imp.module) not in ("cli", "__main__"):
+                bad.append(f"{imp.module}:{imp.line} imports {imp.target}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_lab_uses_no_private_name_of_the_engine():
+    """What the lab takes from the rest of kvserve is public: no `_name` imported from outside it."""
+    import ast
+
+    root = modules()["kvserve"].parent.parent
+    bad = []
+    for name, path in modules().items():
+        if not name.startswith("kvserve.lab"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                outside = node.module.startswith("kvserve") and not node.module.startswith(
+                    "kvserve.lab"
+                )
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if outside and private and node.module != "kvserve._version":
+                    bad.append(f"{path.relative_to(root)}:{node.lineno} imports {private}")
+    assert not bad, "\n".join(bad)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvserve.measure as measure
-from kvserve.measure import MeasureConfig, last_level_cache_bytes, stream_copies
-from kvserve.measure_engine import fused_rows, step_weight_bytes
-from kvserve.plan.model import ModelSpec
+import kvserve.lab.measure as measure
+from kvserve.lab.measure import MeasureConfig, last_level_cache_bytes, stream_copies
+from kvserve.lab.measure_engine import fused_rows, step_weight_bytes
+from kvserve.lab.plan.model import ModelSpec
 
 QUICK = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0, dispatch_rounds=1,
                       attention_contexts=(32, 64))  # fmt: skip
@@ -57,8 +57,8 @@ def test_the_step_reads_every_layers_linears_and_the_head():
 
 
 def _head_bytes(model: ModelSpec, fmt: str) -> float:
-    from kvserve.plan.formats import parse_tensor_format
-    from kvserve.plan.model import TensorShape
+    from kvserve.lab.plan.formats import parse_tensor_format
+    from kvserve.lab.plan.model import TensorShape
 
     shape = TensorShape("head", "head", model.vocab_size, model.hidden_size)
     return parse_tensor_format(fmt).num_bytes(shape)
@@ -69,7 +69,7 @@ def test_the_head_probe_cycles_through_copies_that_span_the_steps_weights(monkey
     """One head called over and over stays in the last-level cache (an int8 head of 28 MB ran
     1.7x faster so on a 32 MiB L3); the probe calls copies in turn, as many as make the step's
     weights, up to 8x the cache."""
-    import kvserve.measure_team as mt
+    import kvserve.lab.measure_team as mt
 
     model = _shape(2)
     head_bytes, step_bytes = _head_bytes(model, fmt), step_weight_bytes(model, fmt)
@@ -101,7 +101,7 @@ def test_the_head_probe_cycles_through_copies_that_span_the_steps_weights(monkey
 def test_the_team_layer_probe_takes_enough_of_the_models_layers_to_leave_the_cache(monkeypatch):
     """12 layers of int4 fit in a 32 MiB cache: the probe's decoder has as many of the model's
     layers as make the step's weights (up to 8x the cache), never more than the model has."""
-    import kvserve.measure_team as mt
+    import kvserve.lab.measure_team as mt
 
     model = _shape(40)
     layer_bytes, _ = mt._layer_bytes(model, "int8")
@@ -130,7 +130,7 @@ def test_the_team_layer_probe_takes_enough_of_the_models_layers_to_leave_the_cac
 def test_the_linear_probe_streams_copies_and_counts_one_sets_bytes(monkeypatch):
     """Without a model: as many bytes as the fp32 matrices (int8 is a quarter: 4 copies); with
     one, the step's weights. bytes/s x seconds stays one set's bytes."""
-    from kvserve.measure_engine import measure_linear
+    from kvserve.lab.measure_engine import measure_linear
 
     monkeypatch.setattr(measure, "last_level_cache_bytes", lambda device="cpu": 1 << 30)
     cfg = MeasureConfig(gemv_rows=256, gemv_cols=128, warmup=1, min_samples=2, min_time_s=0.0)

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from kvserve.bench.records import BenchError, RequestRecord
-from kvserve.bench.summary import failures_by_reason
-from kvserve.bench.workloads import LengthDist, WorkloadSpec
 from kvserve.core.errors import ModelLoadError
+from kvserve.lab.bench.records import BenchError, RequestRecord
+from kvserve.lab.bench.summary import failures_by_reason
+from kvserve.lab.bench.workloads import LengthDist, WorkloadSpec
 from kvserve.models import (
     ASSETS_DIR,
     builtin_name,

@@ -1,4 +1,4 @@
-"""kvserve.plan arithmetic against hand-computed values (docs/planning.md) and published parameter counts."""
+"""kvserve.lab.plan arithmetic against hand-computed values (docs/planning.md) and published parameter counts."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import math
 
 import pytest
 
-from kvserve.plan import arith
-from kvserve.plan.formats import KVFormat, parse_tensor_format, parse_weight_format
-from kvserve.plan.hardware import (
+from kvserve.lab.plan import arith
+from kvserve.lab.plan.formats import KVFormat, parse_tensor_format, parse_weight_format
+from kvserve.lab.plan.hardware import (
     BUILTIN,
     HardwareProfile,
     get_profile,
     manual_profile,
     profiles_dir,
 )
-from kvserve.plan.model import (
+from kvserve.lab.plan.model import (
     PRESETS,
     ModelSpec,
     PlanError,
@@ -24,7 +24,7 @@ from kvserve.plan.model import (
     from_hf_config,
     load_model,
 )
-from kvserve.plan.planner import Assumptions, Prices, Workload, make_plan
+from kvserve.lab.plan.planner import Assumptions, Prices, Workload, make_plan
 
 # d=64, L=2, n_q=4, n_kv=2, d_h=16, f=128, V=100.
 # per block: q,o 2*64*64 = 8192; k,v 2*64*32 = 4096; MLP 3*64*128 = 24576; norms 2*64 = 128

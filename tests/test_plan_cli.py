@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import plan as plan_cli
-from kvserve.plan import get_profile, load_model, make_plan
-from kvserve.plan.hardware import load_profile_file
+from kvserve.lab.plan import get_profile, load_model, make_plan
+from kvserve.lab.plan.hardware import load_profile_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,12 +119,12 @@ def test_plot_written(tmp_path, capsys):
 def test_plan_does_not_import_torch():
     code = (
         "import sys, argparse\n"
-        "import kvserve.plan, kvserve.plan.arith, kvserve.plan.report, kvserve.plan.plot\n"
+        "import kvserve.lab.plan, kvserve.lab.plan.arith, kvserve.lab.plan.report, kvserve.lab.plan.plot\n"
         "from kvserve.cli import plan as p\n"
         "parser = argparse.ArgumentParser(); p.register(parser.add_subparsers())\n"
         "args = parser.parse_args(['plan', 'SmolLM2-135M', '--json', '--compare', 'h100-sxm'])\n"
         "assert args.func(args) == 0\n"
-        "assert 'torch' not in sys.modules, 'kvserve.plan imported torch'\n"
+        "assert 'torch' not in sys.modules, 'kvserve.lab.plan imported torch'\n"
         "assert 'matplotlib' not in sys.modules, 'matplotlib imported without a plot'\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -144,9 +144,9 @@ TINY_MEASURE = dict(
 
 
 def test_measure_tiny_and_plan_on_it(tmp_path):
-    from kvserve.measure import MeasureConfig, measure_roofline
-    from kvserve.plan.hardware import save_profile
-    from kvserve.plan.plot import plot_roofline
+    from kvserve.lab.measure import MeasureConfig, measure_roofline
+    from kvserve.lab.plan.hardware import save_profile
+    from kvserve.lab.plan.plot import plot_roofline
 
     profile = measure_roofline(MeasureConfig(**TINY_MEASURE))
     assert profile.measured and profile.compute_dtype == "fp32"
@@ -164,7 +164,7 @@ def test_measure_tiny_and_plan_on_it(tmp_path):
 
 
 def test_cli_measure_saves_this_machine(tmp_path, monkeypatch, capsys):
-    import kvserve.measure as measure
+    import kvserve.lab.measure as measure
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(

@@ -1,4 +1,4 @@
-"""The planner's decode step from a measured engine profile (kvserve.plan.engine_cost): the
+"""The planner's decode step from a measured engine profile (kvserve.lab.plan.engine_cost): the
 formula by hand, interpolation between measured batch sizes, the GEMV fallback for a format
 without points, the bound it names, and the plan using it and saying so."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.plan import arith, make_plan, parse_weight_format
-from kvserve.plan.engine_cost import EngineCost
-from kvserve.plan.hardware import HardwareProfile, MeasuredPoint
-from kvserve.plan.model import ModelSpec
+from kvserve.lab.plan import arith, make_plan, parse_weight_format
+from kvserve.lab.plan.engine_cost import EngineCost
+from kvserve.lab.plan.hardware import HardwareProfile, MeasuredPoint
+from kvserve.lab.plan.model import ModelSpec
 
 TIED = ModelSpec(
     name="tiny", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -99,8 +99,8 @@ def test_the_plan_uses_the_measured_engine_profile_and_says_so():
 
 
 def test_measure_engine_times_the_engines_own_modules():
-    from kvserve.measure import MeasureConfig
-    from kvserve.measure_engine import measure_engine
+    from kvserve.lab.measure import MeasureConfig
+    from kvserve.lab.measure_engine import measure_engine
 
     cfg = MeasureConfig(gemv_rows=128, gemv_cols=64, warmup=1, min_samples=2, min_time_s=0.0,
                         attention_contexts=(16, 64), attention_cache_bytes=1e6)  # fmt: skip
@@ -108,7 +108,7 @@ def test_measure_engine_times_the_engines_own_modules():
     kinds = {p.kind for p in points}
     expected = {"dispatch", "dispatch-fixed", "attention", "attention-time", "linear:fp32",
                 "linear:int8"}  # fmt: skip
-    from kvserve.measure_engine import fused_rows
+    from kvserve.lab.measure_engine import fused_rows
 
     if fused_rows():  # the C kernels built here: the fused step is a step shape of its own
         from kvserve.model import fused_decode
@@ -135,8 +135,8 @@ def test_measure_engine_times_the_engines_own_modules():
 
 
 def test_linears_over_a_models_own_matrices_count_the_planners_bytes():
-    from kvserve.measure import MeasureConfig
-    from kvserve.measure_engine import linear_shapes, measure_linear
+    from kvserve.lab.measure import MeasureConfig
+    from kvserve.lab.measure_engine import linear_shapes, measure_linear
 
     cfg = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0)
     shapes = linear_shapes(cfg, TIED)
@@ -162,8 +162,8 @@ def test_attention_points_are_medians_of_interleaved_rounds():
     """One slow phase of the machine must not set an attention point (the profile's 4 x 2000
     point was one timing, shared by every format's plan): each point is the median over rounds,
     the contexts A B, then B A."""
-    from kvserve.measure import MeasureConfig
-    from kvserve.measure_engine import interleaved_medians_s
+    from kvserve.lab.measure import MeasureConfig
+    from kvserve.lab.measure_engine import interleaved_medians_s
 
     order: list[int] = []
     # the machine is slow (10x) during the second round only

@@ -1,5 +1,5 @@
 """The engine outside the forward and the fused step's two paths in the planner's decode step
-(kvserve.plan.engine_cost, kvserve/measure_overhead.py, docs/planning.md): a synthetic profile
+(kvserve.lab.plan.engine_cost, kvserve/lab/measure_overhead.py, docs/planning.md): a synthetic profile
 gives the expected sum and the term is in `kvserve plan`'s output; the team step vs the forking
 path by rows x context; the real engine's parts add up and land where the time is spent."""
 
@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvserve.plan import arith, make_plan, parse_weight_format
-from kvserve.plan.engine_cost import EngineCost
-from kvserve.plan.hardware import HardwareProfile, save_profile
+from kvserve.lab.plan import arith, make_plan, parse_weight_format
+from kvserve.lab.plan.engine_cost import EngineCost
+from kvserve.lab.plan.hardware import HardwareProfile, save_profile
 from tests.test_plan_fused_profile import FP32, FUSED, PER_OP, SPEC, pt
 
 ENGINE = (
@@ -94,7 +94,7 @@ def test_the_fused_step_runs_as_a_team_at_short_contexts_and_forks_above():
 
 
 def test_the_engines_parts_add_up_to_the_step_less_the_forward():
-    from kvserve.measure_overhead import overhead_points, split_step
+    from kvserve.lab.measure_overhead import overhead_points, split_step
 
     steps = [split_step(0.030, 0.025, 0.020, 0.003), split_step(0.040, 0.032, 0.024, 0.004)]
     for s, (step_s, forward_s) in zip(steps, [(0.030, 0.020), (0.040, 0.024)], strict=True):
@@ -118,7 +118,7 @@ def test_measure_overhead_times_the_real_engine_and_puts_a_slow_sampler_in_its_p
     tiny_checkpoint, monkeypatch
 ):
     import kvserve.runner.model_runner as runner_mod
-    from kvserve.measure_overhead import PARTS, measure_overhead
+    from kvserve.lab.measure_overhead import PARTS, measure_overhead
 
     forward, sample = runner_mod.forward_chunks, runner_mod.ModelRunner._sample
     points = measure_overhead(tiny_checkpoint, rows=(1, 2), new_tokens=4, iters=1)
@@ -133,7 +133,7 @@ def test_measure_overhead_times_the_real_engine_and_puts_a_slow_sampler_in_its_p
     # engine-sample only (the real parts take milliseconds).
     import types
 
-    import kvserve.measure_overhead as overhead_mod
+    import kvserve.lab.measure_overhead as overhead_mod
 
     delay_s = [0.0]
     clock = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + delay_s[0])
@@ -157,7 +157,7 @@ def test_the_planners_path_rule_matches_the_kernels_choice(threads):
     fused step or not (the decoder's step count), one OpenMP region or not (team_steps())."""
     import torch
 
-    from kvserve.measure_engine import _tiny_decoder, fused_profile_fields, fused_rows
+    from kvserve.lab.measure_engine import tiny_decoder, fused_profile_fields, fused_rows
     from kvserve.model import fused_decode
 
     if not fused_rows():
@@ -174,7 +174,7 @@ def test_the_planners_path_rule_matches_the_kernels_choice(threads):
         shapes = [(1, 40), (1, 700), (1, 2100), (4, 300), (fused_rows(), 40),
                   (fused_rows(), 600), (fused_rows() + 1, 40)]  # fmt: skip
         for rows, context in shapes:
-            make_step, model = _tiny_decoder(1, True, context=context, max_batch=rows)
+            make_step, model = tiny_decoder(1, True, context=context, max_batch=rows)
             team_before = fused_decode.team_steps()
             with torch.inference_mode():
                 make_step(rows)()
@@ -191,7 +191,7 @@ def test_the_fused_rows_are_the_fixed_points_rows_not_the_team_hosts():
     """With --measure-model the per-layer fused points are the team host's, at 1, 4 and 16 rows;
     the fixed part is timed at every row count the step takes (up to 64). The profile said 16,
     and the planner priced steps of 17-64 rows per-op although the engine ran them fused."""
-    from kvserve.measure_engine import FUSED_ROWS, fused_profile_fields
+    from kvserve.lab.measure_engine import FUSED_ROWS, fused_profile_fields
 
     measured = [pt("fused-dispatch", n, median_s=1e-5) for n in (1, 4, 16)]
     measured += [pt("fused-fixed", n, median_s=1e-4) for n in FUSED_ROWS]
@@ -242,8 +242,8 @@ def test_fused_fp32_steps_above_four_rows_stream_at_the_panel_gemvs_rate():
 
 
 def test_host_points_are_medians_of_rounds_so_one_slow_round_does_not_move_them(monkeypatch):
-    import kvserve.measure_engine as me
-    from kvserve.measure import MeasureConfig
+    import kvserve.lab.measure_engine as me
+    from kvserve.lab.measure import MeasureConfig
 
     calls = []
 
@@ -262,7 +262,7 @@ def test_host_points_are_medians_of_rounds_so_one_slow_round_does_not_move_them(
         slow = 5e-3 if len(calls) in (3, 4) and fn.layers > 1 else 0.0  # round 2's many-layer call
         return 1e-3 + fn.layers * 1e-4 + slow
 
-    monkeypatch.setattr(me, "_tiny_decoder", fake_decoder)
+    monkeypatch.setattr(me, "tiny_decoder", fake_decoder)
     monkeypatch.setattr(me, "time_median_s", fake_timer)
     monkeypatch.setattr(me, "fused_rows", lambda: 0)
     points = me.measure_dispatch(MeasureConfig(dispatch_rounds=3), dispatch_layers=8, rows=(1,))
@@ -279,7 +279,7 @@ def test_the_overhead_engine_holds_every_rows_prompt_and_output(monkeypatch, tmp
     import json
 
     import kvserve.engine.llm as llm_mod
-    from kvserve.measure_overhead import measure_overhead
+    from kvserve.lab.measure_overhead import measure_overhead
 
     config = {"model_type": "llama", "hidden_size": 3072, "num_hidden_layers": 28,
               "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,

@@ -1,4 +1,4 @@
-"""Step shapes in a measured engine profile (kvserve.plan.engine_cost, docs/planning.md): the
+"""Step shapes in a measured engine profile (kvserve.lab.plan.engine_cost, docs/planning.md): the
 fused decode step's host cost for the rows it takes, the per-op path above them or with a
 quantised KV cache, linear rates not interpolated across the kernel change, the cache read from
 attention timed per context, and an old profile without these entries still planning."""
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from kvserve.plan import arith, make_plan, parse_weight_format
-from kvserve.plan.engine_cost import EngineCost, attention_excess_s
-from kvserve.plan.hardware import HardwareProfile, MeasuredPoint, load_profile_file
-from kvserve.plan.model import ModelSpec
+from kvserve.lab.plan import arith, make_plan, parse_weight_format
+from kvserve.lab.plan.engine_cost import EngineCost, attention_excess_s
+from kvserve.lab.plan.hardware import HardwareProfile, MeasuredPoint, load_profile_file
+from kvserve.lab.plan.model import ModelSpec
 
 SPEC = ModelSpec(
     name="tiny", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from kvserve.cli import plan as plan_cli
-from kvserve.plan import get_profile, load_model, make_plan, parse_weight_format
-from kvserve.plan.model import ModelSpec, PlanError
-from kvserve.plan.parallel import (
+from kvserve.lab.plan import get_profile, load_model, make_plan, parse_weight_format
+from kvserve.lab.plan.model import ModelSpec, PlanError
+from kvserve.lab.plan.parallel import (
     INTERCONNECTS,
     Interconnect,
     Parallelism,
@@ -20,7 +20,7 @@ from kvserve.plan.parallel import (
     kv_heads_per_rank,
     shard_model,
 )
-from kvserve.plan.planner import Workload
+from kvserve.lab.plan.planner import Workload
 
 # d=64, L=2, n_q=4, n_kv=2, d_h=16, f=128, V=100 (tests/test_plan.py's TINY): 80,448 parameters
 # tied, of which norms 2 L d + d = 320.

@@ -1,4 +1,4 @@
-"""The team step's host cost on a model's own layer shapes (kvserve/measure_team.py,
+"""The team step's host cost on a model's own layer shapes (kvserve/lab/measure_team.py,
 docs/planning.md): the arithmetic on known timings, the real measurement's shape, and
 `measure_engine` with a model putting it in place of the tiny decoder's slope."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.measure import MeasureConfig
-from kvserve.measure_engine import fused_rows
-from kvserve.plan.model import ModelSpec
+from kvserve.lab.measure import MeasureConfig
+from kvserve.lab.measure_engine import fused_rows
+from kvserve.lab.plan.model import ModelSpec
 
 WIDE = ModelSpec(
     name="wide", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -20,7 +20,7 @@ needs_fused = pytest.mark.skipif(not fused_rows(), reason="no fused step here")
 
 @needs_fused
 def test_the_host_per_layer_is_the_step_less_its_gemvs_and_the_fixed_part(monkeypatch):
-    import kvserve.measure_team as mt
+    import kvserve.lab.measure_team as mt
 
     seen = []
 
@@ -45,7 +45,7 @@ def test_the_host_per_layer_is_the_step_less_its_gemvs_and_the_fixed_part(monkey
 
 @needs_fused
 def test_the_host_is_never_negative(monkeypatch):
-    import kvserve.measure_team as mt
+    import kvserve.lab.measure_team as mt
 
     def fake_medians(calls, cfg, rounds):
         for call in calls.values():
@@ -59,7 +59,7 @@ def test_the_host_is_never_negative(monkeypatch):
 
 @needs_fused
 def test_measure_engine_with_a_model_takes_the_team_host_from_its_shapes(monkeypatch):
-    import kvserve.measure_team as mt
+    import kvserve.lab.measure_team as mt
 
     calls = []
     real = mt.measure_team_host

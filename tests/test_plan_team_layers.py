@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.measure import MeasureConfig
-from kvserve.measure_engine import fused_rows
-from kvserve.plan import arith, parse_weight_format
-from kvserve.plan.engine_cost import EngineCost
-from kvserve.plan.hardware import HardwareProfile, MeasuredPoint
-from kvserve.plan.model import ModelSpec
+from kvserve.lab.measure import MeasureConfig
+from kvserve.lab.measure_engine import fused_rows
+from kvserve.lab.plan import arith, parse_weight_format
+from kvserve.lab.plan.engine_cost import EngineCost
+from kvserve.lab.plan.hardware import HardwareProfile, MeasuredPoint
+from kvserve.lab.plan.model import ModelSpec
 
 TIED = ModelSpec(
     name="tiny", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -126,7 +126,7 @@ QUICK = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0, dispatch_rounds=1
 def test_the_measurement_is_the_fused_step_less_its_fixed_part_on_the_models_shapes(
     monkeypatch, fmt
 ):
-    import kvserve.measure_team as mt
+    import kvserve.lab.measure_team as mt
 
     seen = []
 
@@ -150,12 +150,12 @@ def test_the_measurement_is_the_fused_step_less_its_fixed_part_on_the_models_sha
 
 
 def test_the_head_points_count_the_heads_bytes_over_its_streaming_time(monkeypatch):
-    import kvserve.measure_team as mt
+    import kvserve.lab.measure_team as mt
 
     monkeypatch.setattr(mt, "interleaved_medians_s", lambda calls, cfg, rounds: {0: 3e-3, 1: 1e-3})
     (p,) = mt.measure_head(QUICK, WIDE, "int8", rows=(2,))
-    from kvserve.plan.formats import parse_tensor_format
-    from kvserve.plan.model import TensorShape
+    from kvserve.lab.plan.formats import parse_tensor_format
+    from kvserve.lab.plan.model import TensorShape
 
     num_bytes = parse_tensor_format("int8").num_bytes(TensorShape("h", "head", 100, 128))
     assert p.kind == "head:int8" and p.num_columns == 2
@@ -212,12 +212,12 @@ def test_bf16_is_measured_on_the_bf16_product_modules_the_loader_builds():
     linears, the head and the linear points as bf16-product modules, the step fused."""
     import torch
 
-    from kvserve.measure_engine import _tiny_decoder
+    from kvserve.lab.measure_engine import tiny_decoder
     from kvserve.model.linear import make_linear
     from kvserve.quant.scheme import parse_tensor_scheme
 
     bf16 = parse_tensor_scheme("bf16")
-    make_step, model = _tiny_decoder(2, True, 64, 4, WIDE, bf16)
+    make_step, model = tiny_decoder(2, True, 64, 4, WIDE, bf16)
     linears = [m for m in model.layers.modules() if hasattr(m, "bf16_products")]
     assert len(linears) == 2 * 4 and all(m.bf16_products for m in linears)
     with torch.inference_mode():
@@ -234,8 +234,8 @@ def test_the_team_layers_the_head_and_the_engine_are_timed_at_every_row_count_th
     Their default rows now reach the fused step's, as does the engine outside the forward."""
     import inspect
 
-    import kvserve.measure_team as mt
-    from kvserve.measure_overhead import OVERHEAD_ROWS
+    import kvserve.lab.measure_team as mt
+    from kvserve.lab.measure_overhead import OVERHEAD_ROWS
 
     most = fused_rows() or 64  # the fused step's rows (64 where the kernels are built)
     for fn in (mt.measure_team_layers, mt.measure_head):
@@ -263,10 +263,10 @@ def test_past_16_rows_the_team_layers_are_timed_at_the_context_16_rows_cache_hol
     2,048 tokens would not fit 24 GB). The cache holds 16 rows at the longest context; 32 and 64
     rows are timed at the longest context that cache holds, and the fit takes each row count's
     own two contexts."""
-    import kvserve.measure_team as mt
+    import kvserve.lab.measure_team as mt
 
     built, seen = [], {}
-    real = mt._tiny_decoder
+    real = mt.tiny_decoder
 
     def spy(*args, **kwargs):
         built.append(args[6] if len(args) > 6 else kwargs.get("cache_rows"))
@@ -278,7 +278,7 @@ def test_past_16_rows_the_team_layers_are_timed_at_the_context_16_rows_cache_hol
         seen.setdefault(len(seen), sorted(calls))
         return {c: 1e-3 + 1e-6 * c for c in calls}
 
-    monkeypatch.setattr(mt, "_tiny_decoder", spy)
+    monkeypatch.setattr(mt, "tiny_decoder", spy)
     monkeypatch.setattr(mt, "interleaved_medians_s", fake_medians)
     cfg = MeasureConfig(warmup=1, min_samples=2, min_time_s=0.0, dispatch_rounds=1,
                         attention_contexts=(16, 256))  # fmt: skip

@@ -91,9 +91,9 @@ def test_the_plan_with_its_kernels_timed_again_beside_the_steps_is_named_not_swa
 
 def test_the_retimed_profile_replaces_the_team_layers_and_head_of_the_plans_formats(monkeypatch):
     import benchmarks.plan_vs_measured as pvm
-    import kvserve.measure_team as mt
-    from kvserve.plan.hardware import HardwareProfile, MeasuredPoint
-    from kvserve.plan.model import ModelSpec
+    import kvserve.lab.measure_team as mt
+    from kvserve.lab.plan.hardware import HardwareProfile, MeasuredPoint
+    from kvserve.lab.plan.model import ModelSpec
 
     spec = ModelSpec(
         name="tiny", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.plan.formats import parse_tensor_format
-from kvserve.plan.model import TensorShape
+from kvserve.lab.plan.formats import parse_tensor_format
+from kvserve.lab.plan.model import TensorShape
 from kvserve.quant.rtn import quantize
 from kvserve.quant.scheme import (
     QuantizationError,

@@ -13,13 +13,13 @@ import pytest
 from kvserve.config import SchedulerConfig
 from kvserve.core.outputs import RunnerOutput, SampledTokens, ScheduledChunk, SchedulerOutput
 from kvserve.kv.manager import KVCacheManager
-from kvserve.plan import arith, load_model
+from kvserve.lab.plan import arith, load_model
+from kvserve.lab.sim.cost import RooflineStepCost, StepLoad
+from kvserve.lab.sim.loop import simulate_continuous
+from kvserve.lab.sim.study import EngineShape, Policy, run_policy
+from kvserve.lab.sim.timeline import FAKE_TOKEN_ID, make_request
+from kvserve.lab.sim.workload import SimRequest
 from kvserve.sched.scheduler import Scheduler
-from kvserve.sim.cost import RooflineStepCost, StepLoad
-from kvserve.sim.loop import simulate_continuous
-from kvserve.sim.study import EngineShape, Policy, run_policy
-from kvserve.sim.timeline import FAKE_TOKEN_ID, make_request
-from kvserve.sim.workload import SimRequest
 
 BLOCK = 4
 
@@ -101,8 +101,8 @@ def test_simulator_makes_exactly_the_schedulers_decisions():
 
 
 def test_simulation_is_deterministic_for_a_seed():
-    from kvserve.bench.workloads import LengthDist
-    from kvserve.sim.workload import Workload
+    from kvserve.lab.bench.workloads import LengthDist
+    from kvserve.lab.sim.workload import Workload
 
     def run(seed: int):
         workload = Workload(

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from kvserve.sim.cost import DEFAULT_FEATURES, ChunkLoad, StepLoad, StepProfile, feature_vector
-from kvserve.sim.fit import FitBound, PoorFitError, fit_profile, judge_fit
-from kvserve.sim.noise import NoisyCost
-from kvserve.sim.study import EngineShape, Policy, evaluate
-from kvserve.sim.workload import SimRequest
+from kvserve.lab.sim.cost import DEFAULT_FEATURES, ChunkLoad, StepLoad, StepProfile, feature_vector
+from kvserve.lab.sim.fit import FitBound, PoorFitError, fit_profile, judge_fit
+from kvserve.lab.sim.noise import NoisyCost
+from kvserve.lab.sim.study import EngineShape, Policy, evaluate
+from kvserve.lab.sim.workload import SimRequest
 
 TRUTH = (2e-3, 5e-6, 1e-4, 3e-8, 1e-9)
 
@@ -172,7 +172,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_speculative_decoding_commits_the_independence_models_tokens_per_verify():
-    from kvserve.sim.speculative import SpecModel
+    from kvserve.lab.sim.speculative import SpecModel
 
     spec = SpecModel(num_speculative_tokens=4, acceptance=0.6)
     profile = StepProfile(("const", "num_tokens"), (0.01, 1e-4))

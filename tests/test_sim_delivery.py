@@ -1,4 +1,4 @@
-"""Delivery jitter (kvserve.sim.delivery, docs/simulator.md): calibrated by matching each token a
+"""Delivery jitter (kvserve.lab.sim.delivery, docs/simulator.md): calibrated by matching each token a
 client received to the step that sampled it in the server's step log, on synthetic runs with a
 known jitter and clock offset; drawn per token in the simulator, in order, seeded."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvserve.bench.records import RequestRecord, StreamEvent
-from kvserve.sim.delivery import DeliveryJitter, delivery_jitter
+from kvserve.lab.bench.records import RequestRecord, StreamEvent
+from kvserve.lab.sim.delivery import DeliveryJitter, delivery_jitter
 
 OFFSET_S = -5000.0  # client clock - server clock
 STEP_S = 5e-3
@@ -137,10 +137,10 @@ def test_the_intake_spread_is_recovered_without_the_first_tokens_delivery():
 
 
 def test_the_simulator_draws_each_requests_intake():
-    from kvserve.sim.cost import StepProfile
-    from kvserve.sim.setup import profile_deployment
-    from kvserve.sim.study import EngineShape, Policy, evaluate
-    from kvserve.sim.workload import SimRequest
+    from kvserve.lab.sim.cost import StepProfile
+    from kvserve.lab.sim.setup import profile_deployment
+    from kvserve.lab.sim.study import EngineShape, Policy, evaluate
+    from kvserve.lab.sim.workload import SimRequest
 
     fit = {"residual_ratio_quantiles": [1.0, 1.0]}
     jitter = {"quantiles": [0.0, 0.0], "lag1_correlation": 0.0}
@@ -180,10 +180,10 @@ def test_draws_follow_the_quantiles_are_seeded_and_per_request():
 
 
 def test_the_simulator_delivers_tokens_late_and_in_order():
-    from kvserve.sim.cost import StepProfile
-    from kvserve.sim.setup import profile_deployment
-    from kvserve.sim.study import EngineShape, Policy, evaluate
-    from kvserve.sim.workload import SimRequest
+    from kvserve.lab.sim.cost import StepProfile
+    from kvserve.lab.sim.setup import profile_deployment
+    from kvserve.lab.sim.study import EngineShape, Policy, evaluate
+    from kvserve.lab.sim.workload import SimRequest
 
     fit = {"residual_ratio_quantiles": [1.0, 1.0]}
     jitter = {"quantiles": list(np.linspace(0.0, 0.02, 101)), "lag1_correlation": 0.0}

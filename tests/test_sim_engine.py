@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.sim.loop import simulate_continuous
-from kvserve.sim.workload import SimRequest
+from kvserve.lab.sim.loop import simulate_continuous
+from kvserve.lab.sim.workload import SimRequest
 from tests.checkpoints import build_checkpoint
 from tests.test_sim import RecordingCost
 
@@ -81,9 +81,9 @@ def test_the_simulator_decides_what_the_engine_decides(tiny_dir, admission):
 
 
 def test_calibration_fits_a_profile_the_simulator_runs_with(tiny_dir):
-    from kvserve.calibration import calibrate
-    from kvserve.sim.setup import profile_deployment
-    from kvserve.sim.study import EngineShape, Policy, run_policy
+    from kvserve.lab.calibration import calibrate
+    from kvserve.lab.sim.setup import profile_deployment
+    from kvserve.lab.sim.study import EngineShape, Policy, run_policy
 
     engine = make_engine(tiny_dir, "on_demand")
     profile = calibrate(engine, max_len=48, budget_s=5.0)

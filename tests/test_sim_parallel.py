@@ -8,14 +8,14 @@ import json
 
 import pytest
 
-from kvserve.bench.workloads import LengthDist
 from kvserve.cli import simulate as simulate_cli
 from kvserve.config import SchedulerConfig
-from kvserve.plan import arith, get_profile, load_model, make_plan
-from kvserve.plan.parallel import INTERCONNECTS, Parallelism
-from kvserve.sim.cost import ChunkLoad, RooflineStepCost, StepLoad
-from kvserve.sim.loop import simulate_continuous
-from kvserve.sim.parallel import (
+from kvserve.lab.bench.workloads import LengthDist
+from kvserve.lab.plan import arith, get_profile, load_model, make_plan
+from kvserve.lab.plan.parallel import INTERCONNECTS, Parallelism
+from kvserve.lab.sim.cost import ChunkLoad, RooflineStepCost, StepLoad
+from kvserve.lab.sim.loop import simulate_continuous
+from kvserve.lab.sim.parallel import (
     Layout,
     SharedPrefixes,
     evaluate_data_parallel,
@@ -24,8 +24,8 @@ from kvserve.sim.parallel import (
     simulate_data_parallel,
     tensor_parallel_deployment,
 )
-from kvserve.sim.study import EngineShape, Policy, evaluate
-from kvserve.sim.workload import SimError, SimRequest, Workload
+from kvserve.lab.sim.study import EngineShape, Policy, evaluate
+from kvserve.lab.sim.workload import SimError, SimRequest, Workload
 
 BLOCK = 4
 NVLINK = INTERCONNECTS["nvlink4"]
@@ -226,9 +226,9 @@ def test_cli_text_and_errors(capsys):
 
 
 def test_capacity_search_on_one_replica_is_the_studys():
-    from kvserve.bench.slo import ObjectiveSet
-    from kvserve.sim.parallel import search_capacity_data_parallel
-    from kvserve.sim.study import search_capacity
+    from kvserve.lab.bench.slo import ObjectiveSet
+    from kvserve.lab.sim.parallel import search_capacity_data_parallel
+    from kvserve.lab.sim.study import search_capacity
 
     shape = EngineShape(num_blocks=60, max_model_len=128, block_size=BLOCK, max_num_seqs=4)
     policy = Policy.parse("on_demand-chunked")

@@ -9,9 +9,9 @@ import httpx
 import numpy as np
 import pytest
 
-from kvserve.bench.records import RequestRecord, StreamEvent
-from kvserve.sim.cost import ChunkLoad, StepLoad, feature_vector
-from kvserve.sim.server_steps import (
+from kvserve.lab.bench.records import RequestRecord, StreamEvent
+from kvserve.lab.sim.cost import ChunkLoad, StepLoad, feature_vector
+from kvserve.lab.sim.server_steps import (
     SERVER_FEATURES,
     fit_server_profile,
     loads_and_costs,
@@ -20,7 +20,7 @@ from kvserve.sim.server_steps import (
     request_overhead_s,
     timed_intake_s,
 )
-from kvserve.sim.workload import SimError
+from kvserve.lab.sim.workload import SimError
 
 # const, num_tokens, num_seqs, decode_context_tokens, prompt_attention_pairs, num_new_requests
 TRUTH = (2e-3, 1e-5, 1e-3, 1e-7, 1e-8, 5e-3)
@@ -142,7 +142,7 @@ def test_the_speed_per_kind_of_step_and_the_profile_scaled_by_it():
     1.00-1.05x, and one speed number over-priced the prompt steps (TTFT p50 +13% and +18% at that
     speed). machine_speed reports each kind's speed, and the profile scaled per kind prices both."""
     from benchmarks._simval_speed import MIN_KIND_STEPS, kind_factors
-    from kvserve.sim.cost import STEP_KINDS, StepProfile
+    from kvserve.lab.sim.cost import STEP_KINDS, StepProfile
 
     doc = synthetic_log()
     profile = fit_server_profile(doc, overhead_s=0.01)
@@ -196,9 +196,9 @@ def test_request_overhead_is_the_client_server_ttft_gap():
 
 
 def test_overhead_delays_simulated_ttft_by_exactly_itself():
-    from kvserve.sim.cost import StepProfile
-    from kvserve.sim.study import EngineShape, Policy, evaluate
-    from kvserve.sim.workload import SimRequest
+    from kvserve.lab.sim.cost import StepProfile
+    from kvserve.lab.sim.study import EngineShape, Policy, evaluate
+    from kvserve.lab.sim.workload import SimRequest
 
     shape = EngineShape(num_blocks=500, max_model_len=512, max_num_seqs=4, chunk_tokens=64)
     requests = (SimRequest(0, 0.0, 10, 5), SimRequest(1, 1.0, 10, 5))
@@ -231,10 +231,10 @@ def test_a_burst_within_the_idle_engines_pickup_shares_its_first_step():
     first arrival alone and carried decodes through one more large prompt step. With the
     measured pickup (1.2 ms at light load) the burst joins one step, and a lone request's TTFT
     grows by the pickup exactly."""
-    from kvserve.sim.cost import StepProfile
-    from kvserve.sim.loop import simulate_continuous
-    from kvserve.sim.study import EngineShape, Policy, evaluate
-    from kvserve.sim.workload import SimRequest
+    from kvserve.lab.sim.cost import StepProfile
+    from kvserve.lab.sim.loop import simulate_continuous
+    from kvserve.lab.sim.study import EngineShape, Policy, evaluate
+    from kvserve.lab.sim.workload import SimRequest
 
     shape = EngineShape(num_blocks=500, max_model_len=512, max_num_seqs=8, chunk_tokens=512)
     burst = tuple(SimRequest(i, 0.0003 * i, 40, 3) for i in range(4))

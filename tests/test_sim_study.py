@@ -7,21 +7,21 @@ import json
 import numpy as np
 import pytest
 
-from kvserve.bench.arrivals import ArrivalSpec, schedule
-from kvserve.bench.records import RequestRecord, StreamEvent, write_jsonl
-from kvserve.bench.slo import ObjectiveSet
-from kvserve.bench.tokenization import ApproxTokenizer, PromptFitter
-from kvserve.bench.workloads import LengthDist, WorkloadSpec, build_workload
-from kvserve.sim.cost import (
+from kvserve.lab.bench.arrivals import ArrivalSpec, schedule
+from kvserve.lab.bench.records import RequestRecord, StreamEvent, write_jsonl
+from kvserve.lab.bench.slo import ObjectiveSet
+from kvserve.lab.bench.tokenization import ApproxTokenizer, PromptFitter
+from kvserve.lab.bench.workloads import LengthDist, WorkloadSpec, build_workload
+from kvserve.lab.sim.cost import (
     DEFAULT_FEATURES,
     ChunkLoad,
     StepLoad,
     StepProfile,
     feature_vector,
 )
-from kvserve.sim.fit import fit_profile
-from kvserve.sim.study import EngineShape, Policy, evaluate, search_capacity
-from kvserve.sim.workload import (
+from kvserve.lab.sim.fit import fit_profile
+from kvserve.lab.sim.study import EngineShape, Policy, evaluate, search_capacity
+from kvserve.lab.sim.workload import (
     SimError,
     SimRequest,
     Workload,
@@ -224,8 +224,8 @@ def test_requests_larger_than_the_cache_fail_like_the_engine_rejects_them():
 
 
 def test_cli_sweep_json_plot_and_bench_format_records(tmp_path, capsys):
-    from kvserve.bench.compare import load_run
     from kvserve.cli import main
+    from kvserve.lab.bench.compare import load_run
 
     plot = tmp_path / "rates.png"
     code = main(

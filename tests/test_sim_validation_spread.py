@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from benchmarks._simval_speed import measured_intervals, seed_statistic, verdict
-from kvserve.bench.records import RequestRecord, StreamEvent
+from kvserve.lab.bench.records import RequestRecord, StreamEvent
 
 
 def record(i: int, ttft_s: float, gaps_s: list[float], phase: str = "measured") -> RequestRecord:

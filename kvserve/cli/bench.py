@@ -1,7 +1,7 @@
 """`kvserve bench`: `serve` (HTTP load test of any OpenAI-compatible server) and `compare` (two
 runs).
 
-`kvserve bench latency` (offline, in-process) is registered by `kvserve.bench.latency` when that
+`kvserve bench latency` (offline, in-process) is registered by `kvserve.lab.bench.latency` when that
 module exists: it defines `register(bench_subparsers)`, like the modules of kvserve.cli.
 """
 
@@ -237,11 +237,11 @@ def _default_run(args: argparse.Namespace) -> str | None:
 
 
 def _serve_config(args: argparse.Namespace):
-    from kvserve.bench.arrivals import ArrivalSpec
-    from kvserve.bench.client import ClientConfig, normalise_base_url
-    from kvserve.bench.runner import ServeConfig
-    from kvserve.bench.slo import ObjectiveSet
-    from kvserve.bench.workloads import LengthDist, WorkloadSpec
+    from kvserve.lab.bench.arrivals import ArrivalSpec
+    from kvserve.lab.bench.client import ClientConfig, normalise_base_url
+    from kvserve.lab.bench.runner import ServeConfig
+    from kvserve.lab.bench.slo import ObjectiveSet
+    from kvserve.lab.bench.workloads import LengthDist, WorkloadSpec
 
     client = ClientConfig(
         base_url=normalise_base_url(args.base_url),
@@ -307,8 +307,8 @@ def _serve_config(args: argparse.Namespace):
 
 
 def _serve_main(args: argparse.Namespace) -> int:
-    from kvserve.bench.records import BenchError
-    from kvserve.bench.session import run_serve
+    from kvserve.lab.bench.records import BenchError
+    from kvserve.lab.bench.session import run_serve
 
     try:
         if (said := _default_run(args)) is not None:
@@ -335,9 +335,9 @@ def _add_compare(sub) -> None:
 def _compare_main(args: argparse.Namespace) -> int:
     import json
 
-    from kvserve.bench.compare import compare_runs, format_comparison
-    from kvserve.bench.records import BenchError
-    from kvserve.bench.summary import json_safe
+    from kvserve.lab.bench.compare import compare_runs, format_comparison
+    from kvserve.lab.bench.records import BenchError
+    from kvserve.lab.bench.summary import json_safe
 
     try:
         doc = compare_runs(args.run_a, args.run_b)
@@ -357,9 +357,9 @@ def register(subparsers) -> None:
     _add_serve(sub)
     _add_compare(sub)
     try:  # `bench latency` lives in its own module, written separately
-        latency = importlib.import_module("kvserve.bench.latency")
+        latency = importlib.import_module("kvserve.lab.bench.latency")
     except ModuleNotFoundError as exc:
-        if exc.name != "kvserve.bench.latency":
+        if exc.name != "kvserve.lab.bench.latency":
             raise
     else:
         latency.register(sub)

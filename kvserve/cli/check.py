@@ -115,9 +115,9 @@ def resolve_model(name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.check.report import build_report, render_summary
-    from kvserve.check.shapes import CheckConfig
     from kvserve.core.errors import KVServeError
+    from kvserve.lab.check.report import build_report, render_summary
+    from kvserve.lab.check.shapes import CheckConfig
 
     log = sys.stderr if args.json else sys.stdout
     try:
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         )
         prompts = read_prompts(args.prompts)
         if args.endpoint:
-            from kvserve.check.endpoint import EndpointCheck
+            from kvserve.lab.check.endpoint import EndpointCheck
 
             if args.quantization:
                 raise ValueError(
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _offline(args: argparse.Namespace, cfg, prompts):
     from kvserve import LLM
-    from kvserve.check.shapes import OfflineCheck
+    from kvserve.lab.check.shapes import OfflineCheck
 
     model = resolve_model(args.model)
     options = {"dtype": args.dtype, "device": args.device, "seed": args.seed}

@@ -152,7 +152,7 @@ def register(subparsers: Any) -> None:
 
 
 def _hardware(args: argparse.Namespace, measured: Any = None) -> Any:
-    from kvserve.plan.hardware import get_profile, manual_profile
+    from kvserve.lab.plan.hardware import get_profile, manual_profile
 
     manual = (args.memory, args.bandwidth, args.peak)
     if measured is not None:
@@ -173,7 +173,7 @@ def link_from_args(args: argparse.Namespace) -> Any:
     simulate share these flags)."""
     from dataclasses import replace
 
-    from kvserve.plan.parallel import get_interconnect
+    from kvserve.lab.plan.parallel import get_interconnect
 
     link = get_interconnect(args.interconnect)
     if args.link_bandwidth is None and args.link_latency_us is None:
@@ -202,7 +202,7 @@ def add_link_arguments(g: Any) -> None:
 
 
 def _parallel(args: argparse.Namespace) -> Any:
-    from kvserve.plan.parallel import Parallelism
+    from kvserve.lab.plan.parallel import Parallelism
 
     flags = (args.tensor_parallel, args.data_parallel, args.link_bandwidth, args.link_latency_us)
     if flags == (1, 1, None, None) and args.interconnect == "nvlink4":
@@ -211,7 +211,7 @@ def _parallel(args: argparse.Namespace) -> Any:
 
 
 def _compare_profiles(spec: str) -> list[Any]:
-    from kvserve.plan.hardware import BUILTIN, THIS_MACHINE, default_profile_path, get_profile
+    from kvserve.lab.plan.hardware import BUILTIN, THIS_MACHINE, default_profile_path, get_profile
 
     if spec != "all":
         return [get_profile(name) for name in spec.split(",") if name.strip()]
@@ -224,9 +224,9 @@ def _compare_profiles(spec: str) -> list[Any]:
 def _measure(args: argparse.Namespace) -> Any:
     from dataclasses import replace
 
-    from kvserve.measure import default_config, measure_roofline
-    from kvserve.plan.hardware import save_profile
-    from kvserve.plan.report import fmt_bw, fmt_flops, fmt_s
+    from kvserve.lab.measure import default_config, measure_roofline
+    from kvserve.lab.plan.hardware import save_profile
+    from kvserve.lab.plan.report import fmt_bw, fmt_flops, fmt_s
 
     cfg = default_config(args.device, args.dtype)
     if args.budget_s is not None:
@@ -235,7 +235,7 @@ def _measure(args: argparse.Namespace) -> Any:
         contexts = tuple(int(c) for c in args.measure_contexts.split(",") if c.strip())
         cfg = replace(cfg, attention_contexts=contexts)
     except ValueError as exc:
-        from kvserve.plan import PlanError
+        from kvserve.lab.plan import PlanError
 
         raise PlanError(f"--measure-contexts {args.measure_contexts!r}: {exc}") from exc
     out = sys.stderr if args.json else sys.stdout
@@ -281,24 +281,24 @@ def _measure(args: argparse.Namespace) -> Any:
         # the engine's own kernels and host cost (docs/planning.md, a measured engine profile)
         formats = tuple(f for f in args.measure_formats.split(",") if f)
         if args.measure_model:  # the team step's host cost on the model's own layer shapes
-            from kvserve.measure_team import measure_engine_on_model
-            from kvserve.plan import load_model
+            from kvserve.lab.measure_team import measure_engine_on_model
+            from kvserve.lab.plan import load_model
 
             spec = load_model(_builtin_to_dir(args.measure_model))
             points = measure_engine_on_model(cfg, formats, spec, progress=show)
         else:
-            from kvserve.measure_engine import measure_engine
+            from kvserve.lab.measure_engine import measure_engine
 
             spec = None
             points = measure_engine(cfg, formats, progress=show)
         if args.measure_model:  # the engine outside the forward, on the real engine
-            from kvserve.measure_overhead import measure_overhead
+            from kvserve.lab.measure_overhead import measure_overhead
 
             points += measure_overhead(_builtin_to_dir(args.measure_model), progress=show)
         fused = [p.num_columns for p in points if p.kind == "fused-dispatch"]
         import torch
 
-        from kvserve.measure_engine import fused_profile_fields
+        from kvserve.lab.measure_engine import fused_profile_fields
 
         profile = replace(
             profile,
@@ -314,7 +314,7 @@ def _measure(args: argparse.Namespace) -> Any:
             + ", host cost per layer of the per-op path"
             + (f" and of the fused step (<= {max(fused)} rows)" if fused else "")
             + (", the engine outside the forward" if args.measure_model else "")
-            + " (kvserve.measure_engine)",
+            + " (kvserve.lab.measure_engine)",
         )
     path = save_profile(profile, args.save)
     print(
@@ -335,7 +335,7 @@ def _builtin_to_dir(model: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.plan import (
+    from kvserve.lab.plan import (
         Assumptions,
         PlanError,
         Prices,
@@ -344,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         make_plan,
         parse_weight_format,
     )
-    from kvserve.plan.report import compare_row, render_compare, render_text
+    from kvserve.lab.plan.report import compare_row, render_compare, render_text
 
     try:
         measured = _measure(args) if args.measure else None
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
             args.model = DEFAULT_MODEL
         if not args.model:
             if args.plot:
-                from kvserve.plan.plot import plot_roofline
+                from kvserve.lab.plan.plot import plot_roofline
 
                 print(f"roofline written to {plot_roofline(args.plot, measured)}")
             if args.json:
@@ -393,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
                 for hw in _compare_profiles(args.compare)
             ]
         if args.plot:
-            from kvserve.plan.plot import plot_roofline
+            from kvserve.lab.plan.plot import plot_roofline
 
             plot_path = plot_roofline(args.plot, hardware, plan)
     except PlanError as exc:
@@ -403,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
         data = plan.to_dict()
         if others:
             data["compare"] = [compare_row(p) for p in others]
-        from kvserve.bench.summary import json_safe
+        from kvserve.lab.bench.summary import json_safe
 
         print(json.dumps(json_safe(data), indent=2, allow_nan=False))
     else:

@@ -182,9 +182,9 @@ def register(subparsers: Any) -> None:
 
 
 def _deployment(args: argparse.Namespace, profile_path: str | None):
-    from kvserve.plan import Assumptions, load_model
-    from kvserve.sim.cost import StepProfile
-    from kvserve.sim.setup import profile_deployment, roofline_deployment
+    from kvserve.lab.plan import Assumptions, load_model
+    from kvserve.lab.sim.cost import StepProfile
+    from kvserve.lab.sim.setup import profile_deployment, roofline_deployment
 
     if profile_path:
         profile = StepProfile.load(profile_path)
@@ -223,8 +223,8 @@ def _deployment(args: argparse.Namespace, profile_path: str | None):
 
 
 def _write_records(root: Path, result: dict, run) -> None:
-    from kvserve.bench.records import write_jsonl
-    from kvserve.bench.summary import json_safe
+    from kvserve.lab.bench.records import write_jsonl
+    from kvserve.lab.bench.summary import json_safe
 
     rate = result["nominal_rate_rps"]
     out = root / f"{result['policy']}_rate_{'trace' if rate is None else f'{rate:g}'}"
@@ -236,11 +236,11 @@ def _write_records(root: Path, result: dict, run) -> None:
 
 def _simulate(args: argparse.Namespace, profile_path: str | None) -> int:
     from kvserve import __version__
-    from kvserve.bench.slo import ObjectiveSet
-    from kvserve.bench.summary import json_safe
-    from kvserve.plan import Prices
-    from kvserve.sim.report import plot_rates, render_capacity, render_rejections, render_runs
-    from kvserve.sim.study import Policy, evaluate, search_capacity
+    from kvserve.lab.bench.slo import ObjectiveSet
+    from kvserve.lab.bench.summary import json_safe
+    from kvserve.lab.plan import Prices
+    from kvserve.lab.sim.report import plot_rates, render_capacity, render_rejections, render_runs
+    from kvserve.lab.sim.study import Policy, evaluate, search_capacity
 
     deployment = _deployment(args, profile_path)
     source, rates, workload_desc, sample = workload_source_from_args(args)
@@ -325,9 +325,9 @@ def _header(doc: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.bench.records import BenchError
-    from kvserve.plan import PlanError
-    from kvserve.sim.workload import SimError
+    from kvserve.lab.bench.records import BenchError
+    from kvserve.lab.plan import PlanError
+    from kvserve.lab.sim.workload import SimError
 
     try:
         profile_path = args.profile
@@ -337,13 +337,13 @@ def run(args: argparse.Namespace) -> int:
                 "format; the roofline takes --weights)"
             )
         if args.calibrate_server:
-            from kvserve.sim.server_steps import calibrate_server_main
+            from kvserve.lab.sim.server_steps import calibrate_server_main
 
             profile_path = calibrate_server_main(args)
             if not (args.trace or args.request_rate or args.find_capacity):
                 return 0
         elif args.calibrate:
-            from kvserve.calibration import calibrate_main
+            from kvserve.lab.calibration import calibrate_main
 
             profile_path = calibrate_main(args)
             if not (args.trace or args.request_rate or args.find_capacity):

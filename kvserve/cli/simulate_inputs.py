@@ -10,7 +10,7 @@ from kvserve.config import SchedulerConfig
 
 
 def hardware_from_args(args: argparse.Namespace):
-    from kvserve.plan.hardware import get_profile, manual_profile
+    from kvserve.lab.plan.hardware import get_profile, manual_profile
 
     manual = (args.memory, args.bandwidth, args.peak)
     base = get_profile(args.hardware) if args.hardware else None
@@ -20,8 +20,8 @@ def hardware_from_args(args: argparse.Namespace):
 
 
 def engine_shape_from_args(args: argparse.Namespace, deployment, max_len_needed: int):
-    from kvserve.bench.slo import parse_duration_s
-    from kvserve.sim.study import EngineShape
+    from kvserve.lab.bench.slo import parse_duration_s
+    from kvserve.lab.sim.study import EngineShape
 
     d = deployment.defaults
 
@@ -34,7 +34,7 @@ def engine_shape_from_args(args: argparse.Namespace, deployment, max_len_needed:
     num_blocks = args.num_blocks or d.get("num_blocks") or deployment.num_blocks(block_size, layout)
     speculative = None
     if args.speculative_k:
-        from kvserve.sim.speculative import SpecModel
+        from kvserve.lab.sim.speculative import SpecModel
 
         speculative = SpecModel(
             args.speculative_k, args.acceptance, args.draft_step_ms / 1e3, args.draft_token_ms / 1e3
@@ -56,8 +56,8 @@ def engine_shape_from_args(args: argparse.Namespace, deployment, max_len_needed:
 
 def workload_source_from_args(args: argparse.Namespace):
     """(rate -> requests, the rates to run, workload description)."""
-    from kvserve.bench.workloads import LengthDist
-    from kvserve.sim.workload import (
+    from kvserve.lab.bench.workloads import LengthDist
+    from kvserve.lab.sim.workload import (
         Workload,
         nominal_rate,
         requests_from_trace,

@@ -23,7 +23,7 @@ EXAMPLE = """\
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvserve.cli.plan import add_link_arguments
-    from kvserve.sim.parallel import ROUTERS
+    from kvserve.lab.sim.parallel import ROUTERS
 
     g = p.add_argument_group("more than one device (docs/parallel.md)")
     g.add_argument(
@@ -45,21 +45,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_layouts(args: argparse.Namespace) -> int:
     """Every layout x rate x policy, one table; `--find-capacity` per layout and policy."""
     from kvserve import __version__
-    from kvserve.bench.slo import ObjectiveSet
-    from kvserve.bench.summary import json_safe
     from kvserve.cli.plan import link_from_args
-    from kvserve.plan import Assumptions, Prices, load_model
-    from kvserve.plan.parallel import Parallelism
-    from kvserve.sim.parallel import (
+    from kvserve.lab.bench.slo import ObjectiveSet
+    from kvserve.lab.bench.summary import json_safe
+    from kvserve.lab.plan import Assumptions, Prices, load_model
+    from kvserve.lab.plan.parallel import Parallelism
+    from kvserve.lab.sim.parallel import (
         Layout,
         SharedPrefixes,
         evaluate_data_parallel,
         search_capacity_data_parallel,
         tensor_parallel_deployment,
     )
-    from kvserve.sim.report import render_capacity, render_runs
-    from kvserve.sim.study import Policy
-    from kvserve.sim.workload import SimError
+    from kvserve.lab.sim.report import render_capacity, render_runs
+    from kvserve.lab.sim.study import Policy
+    from kvserve.lab.sim.workload import SimError
 
     if args.profile or args.calibrate:
         raise SimError("--parallel uses the roofline cost model: drop --profile / --calibrate")

@@ -19,7 +19,7 @@ Only what a kernel can run parses: 4- or 8-bit integers, groups a multiple of 32
 
 The format strings themselves are read here once, for the planner too: `split_weight_format` splits a
 scheme into its classes (expanding `mixed`), `lex_tensor_format` reads one class's format into its
-parts. `parse_weight_scheme` keeps what kvserve's kernels run; `kvserve.plan.formats` prices any
+parts. `parse_weight_scheme` keeps what kvserve's kernels run; `kvserve.lab.plan.formats` prices any
 integer width and group size.
 """
 
