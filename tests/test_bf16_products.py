@@ -241,11 +241,13 @@ def test_quantize_refuses_bf16_products_and_the_warning_knows_them(llama_dir, ca
 
 def test_the_manifest_names_what_runs_the_bf16_products(llama_dir):
     from kvserve.model.kernel_choice import served_kernels
+    from kvserve.quant.scheme import parse_weight_scheme
     from kvserve.server.manifest import build_manifest
 
     manifest = build_manifest(
         llama_dir, served_model_name="m", dtype="float32", chat_template=None,
-        engine_options={"quantization": BF16}, **served_kernels(llama_dir, BF16),
+        engine_options={"quantization": BF16},
+        **served_kernels(llama_dir, parse_weight_scheme(BF16)),
     )  # fmt: skip
     quant = manifest["quantization"]
     assert quant["scheme"] == BF16

@@ -157,7 +157,7 @@ def test_the_planners_path_rule_matches_the_kernels_choice(threads):
     fused step or not (the decoder's step count), one OpenMP region or not (team_steps())."""
     import torch
 
-    from kvserve.lab.measure_engine import tiny_decoder, fused_profile_fields, fused_rows
+    from kvserve.lab.measure_engine import fused_profile_fields, fused_rows, tiny_decoder
     from kvserve.model import fused_decode
 
     if not fused_rows():

@@ -15,6 +15,7 @@ from kvserve.model.kernel_choice import served_kernels
 from kvserve.quant.compare import first_difference, window_stats
 from kvserve.quant.pipeline import quantize_checkpoint
 from kvserve.quant.provenance import EVALUATION_NAME, artifact_sha256
+from kvserve.quant.scheme import parse_weight_scheme
 from kvserve.server.manifest import build_manifest
 
 TEXT = "def area(radius):\n    return 3.14159 * radius ** 2\n" * 20
@@ -71,7 +72,7 @@ def test_compare_cli_self_is_identity_and_quantised_differs(gpt2_model_dir, tmp_
     assert quant["evaluation"] == {"sha256": recorded["sha256"], "passed": False, "current": True}
     at_load = build_manifest(
         gpt2_model_dir, served_model_name="m", dtype="float32", chat_template=None,
-        engine_options={"quantization": "int8"}, **served_kernels(gpt2_model_dir, "int8"),
+        engine_options={"quantization": "int8"}, **served_kernels(gpt2_model_dir, parse_weight_scheme("int8")),
     )  # fmt: skip
     assert at_load["quantization"]["scheme"] == "int8"
     assert at_load["quantization"]["kernel_isa"] in ("avx512", "avx2", "scalar", "unavailable")

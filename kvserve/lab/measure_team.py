@@ -28,12 +28,12 @@ import torch
 
 from kvserve.lab.measure import MeasureConfig, stream_copies
 from kvserve.lab.measure_engine import (
-    tiny_decoder,
     fused_rows,
     interleaved_medians_s,
     linear_shapes,
     measure_engine,
     step_weight_bytes,
+    tiny_decoder,
 )
 from kvserve.lab.plan.engine_points import _interp_log2
 from kvserve.lab.plan.hardware import MeasuredPoint
