@@ -41,7 +41,10 @@ def register(subparsers) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port")
     parser.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # tests only
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (refused peers are warnings)",
     )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
