@@ -28,6 +28,7 @@ COMMANDS = (
     "check",
     "quantize",
     "tp_node",
+    "engine_core",
 )
 
 

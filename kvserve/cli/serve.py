@@ -182,10 +182,20 @@ def add_core_arguments(parser) -> None:
     parser.add_argument(
         "--data-parallel-size",
         type=int,
-        default=1,
+        default=None,
         metavar="N",
         help="start N engine-core processes behind one API server; a request goes to the core that "
-        "holds its prompt's first block, else to the least loaded one",
+        "holds its prompt's first block, else to the least loaded one (default: 1, or 0 with "
+        "--remote-engine-core)",
+    )
+    parser.add_argument(
+        "--remote-engine-core",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="also route to the engine core a `kvserve engine-core` serves at HOST:PORT on another "
+        "host, over TCP after proving the shared secret ($KVSERVE_DIST_SECRET or "
+        '--dist-secret-file); repeatable (docs/parallel.md, "Engine cores on other hosts")',
     )
 
 
@@ -244,12 +254,7 @@ def run(args: argparse.Namespace) -> int:
     )
     url = f"http://{args.host}:{args.port}"
     faults = FaultInjection.parse(args.inject_fault)
-    if args.data_parallel_size < 1:
-        raise InvalidRequestError("--data-parallel-size must be >= 1", "data_parallel_size")
-    if args.data_parallel_size > 1 and args.engine_core == "in-process":
-        raise InvalidRequestError(
-            "--data-parallel-size > 1 needs --engine-core process", "data_parallel_size"
-        )
+    num_local = _check_cores(args)
 
     def load():
         print(f"kvserve: loading {serving.served_model_name!r} from {model_dir} ...", flush=True)
@@ -261,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             from kvserve.engine.mp_client import MPClient
 
-            client = MPClient(config, num_cores=args.data_parallel_size, faults=faults)
+            client = MPClient(config, num_cores=num_local, faults=faults,
+                              remote_cores=args.remote_engine_core)  # fmt: skip
         print(startup_summary(client.info, serving.served_model_name, url, client.num_cores),
               flush=True)  # fmt: skip
         return client
@@ -302,6 +308,32 @@ def run(args: argparse.Namespace) -> int:
     if state.dead_reason is not None:
         return 1  # a supervisor should restart us
     return 0
+
+
+def _check_cores(args: argparse.Namespace) -> int:
+    """The number of local engine cores; the layout's errors, before anything starts."""
+    from kvserve.engine.remote import SECRET_NEEDED_BY, parse_address
+    from kvserve.runner.multinode import load_secret
+
+    remote = args.remote_engine_core
+    num_local = args.data_parallel_size
+    if num_local is None:
+        num_local = 0 if remote else 1
+    if num_local < (0 if remote else 1):
+        raise InvalidRequestError(
+            "--data-parallel-size must be >= 1 (>= 0 with --remote-engine-core)",
+            "data_parallel_size",
+        )
+    if (num_local > 1 or remote) and args.engine_core == "in-process":
+        raise InvalidRequestError(
+            "--data-parallel-size > 1 and --remote-engine-core need --engine-core process",
+            "data_parallel_size",
+        )
+    for address in remote:
+        parse_address(address)
+    if remote:  # a missing secret is a start-up error, not a failed load after binding
+        load_secret(args.dist_secret_file, SECRET_NEEDED_BY)
+    return num_local
 
 
 def _read_chat_template(path: str) -> str:

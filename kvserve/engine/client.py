@@ -66,6 +66,7 @@ class CoreHandle:
         self.requests: set[str] = set()
         self.num_routed = 0  # requests sent to this core (cumulative)
         self.pid: int | None = None  # its process, once known
+        self.address: str | None = None  # HOST:PORT of a core on another host (engine/remote.py)
 
 
 class EngineClient:
@@ -107,10 +108,12 @@ class EngineClient:
 
     @property
     def core_status(self) -> list[dict]:
-        """Per core: index, alive, pid, requests routed to it so far, running now, why it died."""
+        """Per core: index, alive, pid, address (another host's core), requests routed to it so
+        far, running now, why it died."""
         return [
-            {"index": c.index, "alive": c.alive, "pid": c.pid, "num_routed": c.num_routed,
-             "num_running": c.stats.num_running, "error": c.dead_reason}
+            {"index": c.index, "alive": c.alive, "pid": c.pid, "address": c.address,
+             "num_routed": c.num_routed, "num_running": c.stats.num_running,
+             "error": c.dead_reason}
             for c in self._cores
         ]  # fmt: skip
 

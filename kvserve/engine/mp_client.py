@@ -9,6 +9,10 @@ dies the client is dead and `on_dead` is called (the server then exits non-zero)
 
 With `num_cores` > 1 (data parallel) each request goes to the core that saw its first prompt block
 before (its prefix is likely cached there), else to the least loaded core.
+
+`remote_cores` adds engine cores on other hosts (`kvserve engine-core`, kvserve.engine.remote): each is
+one authenticated TCP link, read by a thread of its own, and is otherwise a core like the local ones
+(indices after them): the same messages, routing, heartbeats and death.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvserve.engine.client import CoreHandle, EngineClient
+from kvserve.engine.remote import RemoteCore, RemoteCoreError, check_same_model, connect_all
 from kvserve.engine.wire import (
     CoreOutputs,
     EngineDeadError,
@@ -46,6 +51,7 @@ class MPClient(EngineClient):
         config,
         *,
         num_cores: int = 1,
+        remote_cores: Sequence[str] = (),
         faults=None,
         on_dead: Callable[[str], None] | None = None,
         heartbeat_timeout_s: float | None = None,
@@ -53,8 +59,10 @@ class MPClient(EngineClient):
     ) -> None:
         import zmq
 
-        if num_cores < 1:
+        if num_cores < 0 or num_cores + len(remote_cores) < 1:
             raise ValueError(f"the number of engine cores must be >= 1, got {num_cores}")
+        # first: a core that cannot be reached fails the start before any local core loads
+        links = connect_all(list(remote_cores), config.dist.secret_file, config.dist.timeout_s)
         env_timeout = os.environ.get("KVSERVE_HEARTBEAT_TIMEOUT_S")
         self.heartbeat_timeout_s = heartbeat_timeout_s or float(
             env_timeout or DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -99,11 +107,20 @@ class MPClient(EngineClient):
             )
             proc.start()
             self._procs.append(proc)
+        self._remotes: dict[int, RemoteCore] = {}
+        for index, link in enumerate(links, start=num_cores):
+            self._remotes[index] = link
+            self._last_seen.append(time.monotonic())
+            cores.append(CoreHandle(index, lambda cmd, link=link: link.send(self._enc.encode(cmd))))
+            cores[-1].address = link.address
         super().__init__(None, load_tokenizer(config.model_dir), cores, on_dead=on_dead)
         self._receiver = threading.Thread(
             target=self._receive, name="kvserve-client-recv", daemon=True
         )
         self._receiver.start()
+        for index, link in self._remotes.items():
+            threading.Thread(target=self._receive_remote, args=(index, link),
+                             name=f"kvserve-client-recv{index}", daemon=True).start()  # fmt: skip
         threading.Thread(target=self._monitor, name="kvserve-client-monitor", daemon=True).start()
         if not self._started.wait(startup_timeout_s):
             self.shutdown()
@@ -111,6 +128,11 @@ class MPClient(EngineClient):
         if self._startup_error is not None:
             self.shutdown()
             raise RuntimeError(f"engine core failed to start: {self._startup_error}")
+        try:
+            check_same_model([(self._name(c), self._ready[c.index].info) for c in self._cores])
+        except RemoteCoreError:
+            self.shutdown()
+            raise
         self.info = self._ready[0].info
 
     @property
@@ -133,42 +155,61 @@ class MPClient(EngineClient):
                 tag, data = self._pull.recv_multipart()
             except zmq.ZMQError:
                 return  # closed at shutdown
-            index = int(tag)
-            self._last_seen[index] = time.monotonic()
-            message = dec.decode(data)
-            if isinstance(message, Heartbeat):
-                continue
-            if isinstance(message, Ready):
-                self._ready[index] = message
-                self._cores[index].pid = message.pid
-                if len(self._ready) == len(self._procs):
-                    self._started.set()
-                continue
-            assert isinstance(message, CoreOutputs)
-            if not self._started.is_set():
-                if message.dead_reason is not None:
-                    self._startup_error = message.dead_reason
-                    self._started.set()
-                continue
+            self._handle(int(tag), dec.decode(data))
+
+    def _receive_remote(self, index: int, link: RemoteCore) -> None:
+        dec = decoder(FromCore)
+        while not self._stopping:
             try:
-                self._on_core_outputs(self._cores[index], message)
-            except Exception:  # a bug here must not silence every stream
-                logger.exception("processing engine core %d's outputs failed", index)
+                message = dec.decode(link.recv())
+            except (OSError, ValueError) as exc:  # closed, refused frame, undecodable
+                if not self._stopping:
+                    link.lose(f"connection lost: {exc}")
+                return
+            self._handle(index, message)
+
+    def _handle(self, index: int, message) -> None:
+        self._last_seen[index] = time.monotonic()
+        if isinstance(message, Heartbeat):
+            return
+        if isinstance(message, Ready):
+            self._ready[index] = message
+            self._cores[index].pid = message.pid
+            if len(self._ready) == len(self._cores):
+                self._started.set()
+            return
+        assert isinstance(message, CoreOutputs)
+        if not self._started.is_set():
+            if message.dead_reason is not None:
+                self._startup_error = message.dead_reason
+                self._started.set()
+            return
+        try:
+            self._on_core_outputs(self._cores[index], message)
+        except Exception:  # a bug here must not silence every stream
+            logger.exception("processing engine core %d's outputs failed", index)
 
     def _monitor(self) -> None:
         while not self._stopping:
             time.sleep(0.1)
-            for core, proc in zip(self._cores, self._procs, strict=True):
+            for core in self._cores:
                 if not core.alive or self._stopping:
                     continue
-                if proc.exitcode is not None:
-                    reason = f"engine core {core.index} (pid {proc.pid}) exited with code {proc.exitcode}"
+                link = self._remotes.get(core.index)
+                proc = self._procs[core.index] if link is None else None
+                if proc is not None and proc.exitcode is not None:
+                    reason = f"{self._name(core)} exited with code {proc.exitcode}"
+                elif link is not None and link.lost_reason is not None:
+                    reason = f"{self._name(core)}: {link.lost_reason}"
                 elif time.monotonic() - self._last_seen[core.index] > self.heartbeat_timeout_s:
                     reason = (
-                        f"engine core {core.index} (pid {proc.pid}) missed its heartbeat for "
+                        f"{self._name(core)} missed its heartbeat for "
                         f"{self.heartbeat_timeout_s:g} s"
                     )
-                    proc.kill()
+                    if link is None:
+                        proc.kill()
+                    else:
+                        link.lose("missed its heartbeat")
                 else:
                     continue
                 logger.critical("%s", reason)
@@ -178,10 +219,19 @@ class MPClient(EngineClient):
                     continue
                 self._core_died(core, reason)
 
+    def _name(self, core: CoreHandle) -> str:
+        link = self._remotes.get(core.index)
+        if link is not None:
+            return f"remote engine core {core.index} ({link.address})"
+        return f"engine core {core.index} (pid {self._procs[core.index].pid})"
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         if self._stopping:
             return
         self._stopping = True
+        for link in self._remotes.values():  # the core stops when its API server leaves
+            link.send(self._enc.encode(ShutdownCmd()))
+            link.close()
         for index, proc in enumerate(self._procs):
             if proc.exitcode is None:
                 try:

@@ -24,6 +24,7 @@ import os
 import secrets
 import socket
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -41,16 +42,17 @@ class AuthenticationError(ConnectionError):
     """The peer did not prove the shared secret (or a frame's tag is wrong)."""
 
 
-def load_secret(secret_file: str | None) -> bytes:
+def load_secret(secret_file: str | None, needed_by: str = "--nnodes > 1") -> bytes:
     """The shared secret: the file's contents (stripped), else $KVSERVE_DIST_SECRET. Never a flag's
-    value: a command line is visible to every user of the host (`ps`)."""
+    value: a command line is visible to every user of the host (`ps`). `needed_by` names what asks
+    for it in the error (also engine cores on other hosts: kvserve.engine.remote)."""
     if secret_file is not None:
         value = Path(secret_file).read_bytes().strip()
     else:
         value = os.environ.get(SECRET_ENV, "").encode()
     if len(value) < 16:
         raise InvalidRequestError(
-            f"--nnodes > 1 needs a shared secret of at least 16 bytes on every node: set {SECRET_ENV} "
+            f"{needed_by} needs a shared secret of at least 16 bytes on every host: set {SECRET_ENV} "
             "or pass --dist-secret-file FILE (e.g. `openssl rand -hex 32`)",
             "dist_secret_file",
         )
@@ -72,13 +74,16 @@ def _recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
 
 
 class Channel:
-    """Authenticated JSON frames over one TCP connection: [length u32][payload][tag]."""
+    """Authenticated frames over one TCP connection: [length u32][payload][tag]. `send` / `recv`
+    carry JSON; `send_bytes` / `recv_bytes` any bytes (an engine core's msgpack messages). Sending
+    is thread-safe; receive from one thread."""
 
     def __init__(self, sock: socket.socket, key: bytes, is_server: bool) -> None:
         self.sock = sock
         self._key = key
         self._out, self._in = (b"S", b"C") if is_server else (b"C", b"S")
         self._sent = self._received = 0
+        self._send_lock = threading.Lock()  # the sequence number and the frame go together
 
     @property
     def peer(self) -> str:
@@ -92,13 +97,20 @@ class Channel:
         return self.sock.fileno()
 
     def send(self, message) -> None:
-        payload = json.dumps(message, separators=(",", ":")).encode()
-        tag = _mac(self._key, self._out, struct.pack("<Q", self._sent), payload)
-        self._sent += 1
-        self.sock.sendall(struct.pack("<I", len(payload)) + payload + tag)
+        self.send_bytes(json.dumps(message, separators=(",", ":")).encode())
+
+    def send_bytes(self, payload: bytes) -> None:
+        with self._send_lock:
+            tag = _mac(self._key, self._out, struct.pack("<Q", self._sent), payload)
+            self._sent += 1
+            self.sock.sendall(struct.pack("<I", len(payload)) + payload + tag)
 
     def recv(self, timeout_s: float | None = None):
         """The next message; raises ConnectionError on EOF, TimeoutError, AuthenticationError."""
+        return json.loads(self.recv_bytes(timeout_s))
+
+    def recv_bytes(self, timeout_s: float | None = None) -> bytes:
+        """The next frame's payload, authenticated; raises as `recv`."""
         self.sock.settimeout(timeout_s)
         try:
             (length,) = struct.unpack("<I", _recv_exact(self.sock, 4))
@@ -114,7 +126,7 @@ class Channel:
         if not hmac.compare_digest(tag, want):
             raise AuthenticationError(f"a frame from {self.peer} failed authentication")
         self._received += 1
-        return json.loads(payload)
+        return payload
 
     def readable(self, timeout_s: float = 0.0) -> bool:
         import select
@@ -140,13 +152,14 @@ def _keepalive(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def server_handshake(sock: socket.socket, secret: bytes) -> Channel:
-    """Node 0's side. Raises AuthenticationError (or ConnectionError / TimeoutError) on a peer
-    that does not prove the secret; it has then learned nothing but a random challenge."""
+def server_handshake(sock: socket.socket, secret: bytes, magic: bytes = MAGIC) -> Channel:
+    """Node 0's side (or an engine core's: `magic` names the protocol). Raises
+    AuthenticationError (or ConnectionError / TimeoutError) on a peer that does not prove the
+    secret; it has then learned nothing but a random challenge."""
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
         server_nonce = secrets.token_bytes(NONCE_BYTES)
-        sock.sendall(MAGIC + server_nonce)
+        sock.sendall(magic + server_nonce)
         answer = _recv_exact(sock, NONCE_BYTES + TAG_BYTES)
         client_nonce, tag = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
         if not hmac.compare_digest(tag, _mac(secret, b"client", server_nonce, client_nonce)):
@@ -159,33 +172,38 @@ def server_handshake(sock: socket.socket, secret: bytes) -> Channel:
     return Channel(sock, _mac(secret, b"session", server_nonce, client_nonce), is_server=True)
 
 
-def client_handshake(sock: socket.socket, secret: bytes) -> Channel:
-    """A node's side; raises AuthenticationError when node 0 cannot prove the secret either."""
+def client_handshake(
+    sock: socket.socket, secret: bytes, magic: bytes = MAGIC, peer: str = "node 0"
+) -> Channel:
+    """A node's side; raises AuthenticationError when node 0 (`peer`, speaking `magic`) cannot
+    prove the secret either."""
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
-        hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
-        if not hello.startswith(MAGIC):
-            raise AuthenticationError("the peer is not a kvserve tensor-parallel node 0")
-        server_nonce = hello[len(MAGIC) :]
+        hello = _recv_exact(sock, len(magic) + NONCE_BYTES)
+        if not hello.startswith(magic):
+            what = "tensor-parallel node 0" if magic == MAGIC else peer
+            raise AuthenticationError(f"the peer is not a kvserve {what}")
+        server_nonce = hello[len(magic) :]
         client_nonce = secrets.token_bytes(NONCE_BYTES)
         sock.sendall(client_nonce + _mac(secret, b"client", server_nonce, client_nonce))
         try:
             tag = _recv_exact(sock, TAG_BYTES)
         except ConnectionError:
             raise AuthenticationError(
-                "node 0 refused this node's secret (is the same secret set on every node?)"
+                f"{peer} refused this node's secret (is the same secret set on every node?)"
             ) from None
         if not hmac.compare_digest(tag, _mac(secret, b"server", server_nonce, client_nonce)):
-            raise AuthenticationError("node 0 does not hold the shared secret")
+            raise AuthenticationError(f"{peer} does not hold the shared secret")
     except TimeoutError:
-        raise TimeoutError("node 0 stalled in the handshake") from None
+        raise TimeoutError(f"{peer} stalled in the handshake") from None
     sock.settimeout(None)
     _keepalive(sock)
     return Channel(sock, _mac(secret, b"session", server_nonce, client_nonce), is_server=False)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on exactly `host` (never all interfaces unless HOST says 0.0.0.0)."""
+def listen(host: str, port: int, flag: str = "--dist-init-addr") -> socket.socket:
+    """A listening socket on exactly `host` (never all interfaces unless HOST says 0.0.0.0);
+    `flag` names the option that gave the address in the error."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -194,9 +212,9 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise InvalidRequestError(
-            f"cannot listen on --dist-init-addr {host}:{port}: {exc.strerror} (node 0 binds the "
+            f"cannot listen on {flag} {host}:{port}: {exc.strerror} (kvserve binds the "
             "address it is given: use one of this host's addresses and a free port)",
-            "dist_init_addr",
+            flag.lstrip("-").replace("-", "_"),
         ) from None
     sock.listen(64)
     return sock
