@@ -121,6 +121,9 @@ def auto_kv_cache_bytes(
             need_bytes, f"{text}, capped at {max_num_seqs} sequences x {max_model_len} tokens"
         )
     if share_bytes < seq_bytes:
-        return KVCacheSize(seq_bytes, f"{text} is less than one {max_model_len}-token sequence: "
-                                      "one sequence (pass --kv-cache-memory to choose)")  # fmt: skip
+        return KVCacheSize(
+            seq_bytes,
+            f"{text} is less than one {max_model_len}-token sequence: "
+            "one sequence (pass --kv-cache-memory to choose)",
+        )
     return KVCacheSize(share_bytes, text)

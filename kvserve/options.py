@@ -87,8 +87,13 @@ class _Foreign(argparse.Action):
 
     def __init__(self, option_strings, dest, what: str, instead: str | None, **kwargs) -> None:
         self.what, self.instead = what, instead
-        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?", help=argparse.SUPPRESS,
-                         default=argparse.SUPPRESS)  # fmt: skip
+        super().__init__(
+            option_strings,
+            dest=argparse.SUPPRESS,
+            nargs="?",
+            help=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+        )
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         hint = f" Did you mean {self.instead}?" if self.instead else ""

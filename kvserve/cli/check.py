@@ -184,6 +184,11 @@ def _offline(args: argparse.Namespace, cfg, prompts):
     def make_llm(**extra):
         return LLM(model, **(options | extra))
 
-    target = {"kind": "offline", "model": args.model, "model_dir": model, "dtype": args.dtype,
-              "quantization": args.quantization}  # fmt: skip
+    target = {
+        "kind": "offline",
+        "model": args.model,
+        "model_dir": model,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+    }
     return OfflineCheck(make_llm, prompts, cfg), target

@@ -17,7 +17,9 @@ def register(subparsers) -> None:
         formatter_class=HelpFormatter,
         epilog="example:\n  kvserve generate --prompt 'def fibonacci(n):' --max-tokens 32",
     )
-    parser.add_argument("--model", default=None, help=MODEL_HELP + " (default: smollm2-135m-instruct)")
+    parser.add_argument(
+        "--model", default=None, help=MODEL_HELP + " (default: smollm2-135m-instruct)"
+    )
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")

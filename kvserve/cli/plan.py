@@ -243,26 +243,33 @@ def _measure(args: argparse.Namespace) -> Any:
 
     def show(p: Any) -> None:
         if p.kind == "attention":
-            print(f"  {'decode attention':<24} {p.num_columns:>3} rows {fmt_bw(p.bytes_per_s):>12}",
-                  file=out)  # fmt: skip
+            print(
+                f"  {'decode attention':<24} {p.num_columns:>3} rows {fmt_bw(p.bytes_per_s):>12}",
+                file=out,
+            )
             return
         if p.kind == "attention-time":
             what = f"attention at {p.context_tokens}"
-            print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer",
-                  file=out)  # fmt: skip
+            print(
+                f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer", file=out
+            )
             return
         if p.kind.startswith("team-layer:"):
             what = f"{p.kind} at {p.context_tokens}"
-            print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer "
-                  f"{fmt_bw(p.bytes_per_s):>12}", file=out)  # fmt: skip
+            print(
+                f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer "
+                f"{fmt_bw(p.bytes_per_s):>12}",
+                file=out,
+            )
             return
         if p.kind.startswith("engine-"):
             what = f"{p.kind} per step"
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
             return
         if "dispatch" in p.kind or p.kind.endswith("-fixed"):
-            path = {"fused": "team step", "fork": "fused, forking"}.get(p.kind.split("-")[0],
-                                                                         "per-op")  # fmt: skip
+            path = {"fused": "team step", "fork": "fused, forking"}.get(
+                p.kind.split("-")[0], "per-op"
+            )
             what = "per layer" if p.kind.endswith("dispatch") else "per step"
             what = f"host {what} ({path})"
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)

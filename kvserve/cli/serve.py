@@ -266,10 +266,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             from kvserve.engine.mp_client import MPClient
 
-            client = MPClient(config, num_cores=num_local, faults=faults,
-                              remote_cores=args.remote_engine_core)  # fmt: skip
-        print(startup_summary(client.info, serving.served_model_name, url, client.num_cores),
-              flush=True)  # fmt: skip
+            client = MPClient(
+                config, num_cores=num_local, faults=faults, remote_cores=args.remote_engine_core
+            )
+        print(
+            startup_summary(client.info, serving.served_model_name, url, client.num_cores),
+            flush=True,
+        )
         return client
 
     holder: dict = {}

@@ -107,18 +107,34 @@ def run_layouts(args: argparse.Namespace) -> int:
             requests = source(rate)
             for policy in policies:
                 result, _ = evaluate_data_parallel(
-                    policy, shape, deployment.cost_model, requests, rate, *common,
-                    objective_sets, usd,
-                )  # fmt: skip
+                    policy,
+                    shape,
+                    deployment.cost_model,
+                    requests,
+                    rate,
+                    *common,
+                    objective_sets,
+                    usd,
+                )
                 runs.append(result | {"policy": f"{policy.name} {layout.name}"})
         if args.find_capacity:
             for policy in policies:
                 found = search_capacity_data_parallel(
-                    policy, source, shape, deployment.cost_model, layout.data_parallel,
-                    objective_sets, args.router, shared, args.min_attainment,
-                    args.capacity_start, args.capacity_max, args.capacity_tol,
-                    args.capacity_max_trials, usd,
-                )  # fmt: skip
+                    policy,
+                    source,
+                    shape,
+                    deployment.cost_model,
+                    layout.data_parallel,
+                    objective_sets,
+                    args.router,
+                    shared,
+                    args.min_attainment,
+                    args.capacity_start,
+                    args.capacity_max,
+                    args.capacity_tol,
+                    args.capacity_max_trials,
+                    usd,
+                )
                 capacity.append(found | {"policy": f"{policy.name} {layout.name}"})
     doc = {
         "kvserve_version": __version__,

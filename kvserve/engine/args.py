@@ -72,8 +72,17 @@ def _option(
 ):
     """A field of `EngineArgs` with what its command-line flag needs. `type` is the value's type
     (`optional`: None is allowed too); `parse` turns the flag's text into it (default: `type`)."""
-    meta = dict(help=help, type=type, optional=optional, choices=choices, flag=flag, parse=parse,
-                metavar=metavar, group=group, cli=cli)  # fmt: skip
+    meta = dict(
+        help=help,
+        type=type,
+        optional=optional,
+        choices=choices,
+        flag=flag,
+        parse=parse,
+        metavar=metavar,
+        group=group,
+        cli=cli,
+    )
     return field(default=default, metadata=meta)
 
 
@@ -82,8 +91,13 @@ class EngineArgs:
     """The engine's options, validated on construction (types and choices here; ranges in the config
     dataclasses that `create_engine_config` builds)."""
 
-    model: str | None = _option(None, MODEL_HELP + " (default: smollm2-135m-instruct)", optional=True,
-                                metavar="MODEL", cli=False)  # fmt: skip
+    model: str | None = _option(
+        None,
+        MODEL_HELP + " (default: smollm2-135m-instruct)",
+        optional=True,
+        metavar="MODEL",
+        cli=False,
+    )
     dtype: str = _option(
         "auto",
         "compute dtype; auto: fp32 on CPU, the checkpoint's bf16/fp16 on CUDA",
@@ -125,13 +139,17 @@ class EngineArgs:
         metavar="SIZE",
     )
     enable_prefix_caching: bool = _option(
-        True, "reuse cached prompt prefixes", type=bool,
+        True,
+        "reuse cached prompt prefixes",
+        type=bool,
         flag="--prefix-caching",
-    )  # fmt: skip
+    )
     hybrid_kv_cache: bool = _option(
-        True, "a model with sliding-window and global layers (Gemma 3) returns the blocks its "
-        "window layers no longer see (docs/scheduling.md)", type=bool,
-    )  # fmt: skip
+        True,
+        "a model with sliding-window and global layers (Gemma 3) returns the blocks its "
+        "window layers no longer see (docs/scheduling.md)",
+        type=bool,
+    )
     admission: str = _option(
         _default(SchedulerConfig, "admission"),
         "on_demand: charge blocks as used, preempt when full; reserve: prompt + max_tokens "
@@ -202,9 +220,11 @@ class EngineArgs:
         group="multi-host tensor parallelism",
     )
     node_rank: int = _option(
-        0, "this host's index, 0 to --nnodes - 1 (0: the engine)", type=int,
+        0,
+        "this host's index, 0 to --nnodes - 1 (0: the engine)",
+        type=int,
         group="multi-host tensor parallelism",
-    )  # fmt: skip
+    )
     dist_init_addr: str | None = _option(
         None,
         "node 0's HOST:PORT: node 0 listens there (on HOST only) for the other nodes, which must "
@@ -296,8 +316,13 @@ class EngineArgs:
             )
             flag = meta["flag"] or "--" + f.name.replace("_", "-")
             if meta["type"] is bool:
-                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                   default=f.default, help=meta["help"])  # fmt: skip
+                group.add_argument(
+                    flag,
+                    dest=f.name,
+                    action=argparse.BooleanOptionalAction,
+                    default=f.default,
+                    help=meta["help"],
+                )
                 continue
             group.add_argument(
                 flag,

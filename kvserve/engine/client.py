@@ -111,11 +111,17 @@ class EngineClient:
         """Per core: index, alive, pid, address (another host's core), requests routed to it so
         far, running now, why it died."""
         return [
-            {"index": c.index, "alive": c.alive, "pid": c.pid, "address": c.address,
-             "num_routed": c.num_routed, "num_running": c.stats.num_running,
-             "error": c.dead_reason}
+            {
+                "index": c.index,
+                "alive": c.alive,
+                "pid": c.pid,
+                "address": c.address,
+                "num_routed": c.num_routed,
+                "num_running": c.stats.num_running,
+                "error": c.dead_reason,
+            }
             for c in self._cores
-        ]  # fmt: skip
+        ]
 
     @property
     def stats(self) -> EngineStats:
@@ -123,11 +129,16 @@ class EngineClient:
         live = [c.stats for c in self._cores if c.alive] or [EngineStats()]
         if len(live) == 1:
             return live[0]
-        total = {f: sum(getattr(s, f) for s in live) for f in EngineStats.__struct_fields__
-                 if not isinstance(getattr(live[0], f), tuple)}  # fmt: skip
+        total = {
+            f: sum(getattr(s, f) for s in live)
+            for f in EngineStats.__struct_fields__
+            if not isinstance(getattr(live[0], f), tuple)
+        }
         # the cores run one model: the same KV groups, their blocks summed
         total["kv_group_kinds"] = live[0].kv_group_kinds
-        total["kv_group_blocks"] = tuple(map(sum, zip(*(s.kv_group_blocks for s in live), strict=True)))
+        total["kv_group_blocks"] = tuple(
+            map(sum, zip(*(s.kv_group_blocks for s in live), strict=True))
+        )
         blocks = total["num_blocks"]
         total["kv_usage"] = sum(s.kv_usage * s.num_blocks for s in live) / blocks if blocks else 0.0
         return EngineStats(**total)
@@ -297,12 +308,16 @@ class EngineClient:
 
     def debug_engine(self) -> dict:
         """Block-pool state (invariants checked) of every live core, summed; per core under `cores`."""
-        per_core = [self.call("debug_engine", core=c.index) | {"index": c.index}
-                    for c in self._cores if c.alive]  # fmt: skip
+        per_core = [
+            self.call("debug_engine", core=c.index) | {"index": c.index}
+            for c in self._cores
+            if c.alive
+        ]
         keys = ("num_free_blocks", "num_blocks", "num_requests")
         return {k: sum(d[k] for d in per_core) for k in keys} | {
-            "invariants": "ok", "cores": per_core,
-        }  # fmt: skip
+            "invariants": "ok",
+            "cores": per_core,
+        }
 
     def warm_up(self) -> None:
         for c in self._cores:
@@ -333,8 +348,9 @@ class EngineClient:
                 items.append((output.request_id, output))
         if out.step is not None:
             s = out.step
-            core.step_log.record(s.t_start_s, s.waited_s, s.commands_s, s.step_s, s.deliver_s,
-                                 s.chunks, s.threads)  # fmt: skip
+            core.step_log.record(
+                s.t_start_s, s.waited_s, s.commands_s, s.step_s, s.deliver_s, s.chunks, s.threads
+            )
         if self._on_grammar_compile is not None:
             for seconds in out.grammar_compile_s:
                 self._on_grammar_compile(seconds)

@@ -213,9 +213,14 @@ class EngineCore:
             self._fault_armed = True
         try:
             self.engine.add_request(
-                cmd.request_id, cmd.prompt_token_ids, cmd.params, prompt=cmd.prompt,
-                cache_salt=cmd.cache_salt, arrival_time=cmd.arrival_time, group=cmd.group,
-            )  # fmt: skip
+                cmd.request_id,
+                cmd.prompt_token_ids,
+                cmd.params,
+                prompt=cmd.prompt,
+                cache_salt=cmd.cache_salt,
+                arrival_time=cmd.arrival_time,
+                group=cmd.group,
+            )
             self._unscheduled[cmd.request_id] = cmd
             self._live.add(cmd.request_id)
             if count:  # a re-admission from quarantine was accepted the first time
@@ -354,8 +359,11 @@ class EngineCore:
             self._fail(culprit, RequestFailedError(f"internal error: {exc!r}"))
             innocent = [s for s in suspects if s != culprit]
         else:
-            logger.warning("a step failed with %d new requests; retrying them one by one: %r",
-                           len(suspects), exc)  # fmt: skip
+            logger.warning(
+                "a step failed with %d new requests; retrying them one by one: %r",
+                len(suspects),
+                exc,
+            )
             innocent = suspects
         self._probation = None
         for (
@@ -386,7 +394,9 @@ class EngineCore:
                         return
                 t0 = clock()
                 self._apply_commands()
-                if self._accepted or self._failures:  # the callers waiting on their checks go on now
+                if (
+                    self._accepted or self._failures
+                ):  # the callers waiting on their checks go on now
                     self._publish_admissions()
                 t1 = clock()
                 deltas = self._step()
@@ -445,7 +455,7 @@ class EngineCore:
                     time.perf_counter() - t2,
                     chunks,
                     self.engine.runner.last_step_threads,
-                ),  # fmt: skip
+                ),
                 grammar_compile_s=compiles,
                 grammar_mask_s=masks,
             )

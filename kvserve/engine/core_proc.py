@@ -30,8 +30,15 @@ from kvserve.engine.wire import (
 logger = logging.getLogger("kvserve.engine.core")
 
 
-def run_core(config, faults, in_address: str, out_address: str, index: int, parent_pid: int,
-             log_level: str = "WARNING") -> None:  # fmt: skip
+def run_core(
+    config,
+    faults,
+    in_address: str,
+    out_address: str,
+    index: int,
+    parent_pid: int,
+    log_level: str = "WARNING",
+) -> None:
     import zmq
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -61,7 +61,7 @@ class CoreServer:
                 0,
                 os.getpid(),
                 logging.getLevelName(logging.getLogger().level),
-            ),  # fmt: skip
+            ),
             name="kvserve-core-0",
             daemon=True,
         )
@@ -145,8 +145,9 @@ class CoreServer:
                 self._early.clear()
                 self._session = channel
             logger.info("API server %s:%d connected", peer[0], peer[1])
-            threading.Thread(target=self._relay_commands, args=(channel,),
-                             name="kvserve-commands", daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._relay_commands, args=(channel,), name="kvserve-commands", daemon=True
+            ).start()
 
     def _relay_commands(self, channel: Channel) -> None:
         try:

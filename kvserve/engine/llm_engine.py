@@ -91,9 +91,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = stop_token_ids(config.model_dir, config.model, tokenizer)
         self.kv_manager = KVCacheManager(
-            config.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+            config.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
             config.kv_layout,
-        )  # fmt: skip
+        )
         # blocks requests can hold: the runner's tensors have one more under a hybrid layout, its
         # null block (kv/groups.py)
         self.num_blocks = self.kv_manager.num_blocks
@@ -407,7 +409,7 @@ class LLMEngine:
                         sample.finished_time,
                         sample.num_preemptions,
                         sample.new_token_times,
-                    ),  # fmt: skip
+                    ),
                 )
             )
             c.delta_text, c.delta_token_ids, c.delta_logprobs = "", [], None  # reported once
@@ -445,7 +447,12 @@ class LLMEngine:
             parts = []
             for start in range(0, len(token_ids), step):
                 chunk = ScheduledChunk(
-                    request.request_id, token_ids[start : start + step], start, block_ids, False, 0,
+                    request.request_id,
+                    token_ids[start : start + step],
+                    start,
+                    block_ids,
+                    False,
+                    0,
                     group_block_ids=tuple(group_ids),
                 )
                 parts.append(self.runner.score((chunk,)))

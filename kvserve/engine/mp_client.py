@@ -101,7 +101,7 @@ class MPClient(EngineClient):
                     index,
                     os.getpid(),
                     logging.getLevelName(logging.getLogger().level),
-                ),  # fmt: skip
+                ),
                 name=f"kvserve-core-{index}",
                 daemon=True,
             )
@@ -119,8 +119,12 @@ class MPClient(EngineClient):
         )
         self._receiver.start()
         for index, link in self._remotes.items():
-            threading.Thread(target=self._receive_remote, args=(index, link),
-                             name=f"kvserve-client-recv{index}", daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._receive_remote,
+                args=(index, link),
+                name=f"kvserve-client-recv{index}",
+                daemon=True,
+            ).start()
         threading.Thread(target=self._monitor, name="kvserve-client-monitor", daemon=True).start()
         if not self._started.wait(startup_timeout_s):
             self.shutdown()

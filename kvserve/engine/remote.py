@@ -36,9 +36,15 @@ TCP_USER_TIMEOUT_S = 20.0
 SEND_TIMEOUT_S = 5.0  # a send blocked this long (the peer's window full) fails and drops the link
 # What every core behind one API server must share: the server tokenises and routes for all of them.
 SAME_MODEL_FIELDS = (
-    "model_type", "vocab_size", "num_layers", "max_model_len", "block_size", "dtype",
-    "quantization", "eos_token_ids",
-)  # fmt: skip
+    "model_type",
+    "vocab_size",
+    "num_layers",
+    "max_model_len",
+    "block_size",
+    "dtype",
+    "quantization",
+    "eos_token_ids",
+)
 
 
 class RemoteCoreError(RuntimeError):

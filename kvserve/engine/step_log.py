@@ -51,15 +51,31 @@ class StepLog:
     ) -> None:
         with self._lock:
             self._rows.append(
-                (self.num_recorded, t_start_s, waited_s, commands_s, step_s, deliver_s, chunks,
-                 threads)
-            )  # fmt: skip
+                (
+                    self.num_recorded,
+                    t_start_s,
+                    waited_s,
+                    commands_s,
+                    step_s,
+                    deliver_s,
+                    chunks,
+                    threads,
+                )
+            )
             self.num_recorded += 1
 
     def since(self, index: int) -> list[dict]:
         """Rows with sequence number >= index (those still in the ring)."""
         with self._lock:
             rows = [r for r in self._rows if r[0] >= index]
-        keys = ("index", "t_start_s", "waited_s", "commands_s", "step_s", "deliver_s", "chunks",
-                "threads")  # fmt: skip
+        keys = (
+            "index",
+            "t_start_s",
+            "waited_s",
+            "commands_s",
+            "step_s",
+            "deliver_s",
+            "chunks",
+            "threads",
+        )
         return [dict(zip(keys, r, strict=True)) for r in rows]

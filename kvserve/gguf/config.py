@@ -90,8 +90,9 @@ def _required(gguf: GGUFFile, key: str) -> object:
 
 def _positive_int(gguf: GGUFFile, key: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelLoadError(f"{gguf.path}: {gguf.architecture}.{key} must be a positive integer, "
-                             f"got {value!r}")  # fmt: skip
+        raise ModelLoadError(
+            f"{gguf.path}: {gguf.architecture}.{key} must be a positive integer, got {value!r}"
+        )
     return value
 
 
@@ -145,7 +146,9 @@ def hf_config(gguf: GGUFFile) -> dict:
 def _gemma3_config(gguf: GGUFFile, config: dict) -> dict:
     """Gemma 3's extra facts. The file carries the window; the rest are Gemma 3's defaults, as
     llama.cpp (which hard-codes them for this architecture) and transformers' GGUF loader assume."""
-    window = _positive_int(gguf, "attention.sliding_window", _required(gguf, "attention.sliding_window"))
+    window = _positive_int(
+        gguf, "attention.sliding_window", _required(gguf, "attention.sliding_window")
+    )
     pattern = 6  # every sixth layer attends globally (llama.cpp: hparams.set_swa_pattern(6))
     return {
         "sliding_window": window,

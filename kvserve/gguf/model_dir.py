@@ -69,9 +69,15 @@ def gguf_model_dir(path: str | Path) -> Path:
         for info in gguf.tensors.values():
             if len(info.dims) > 1:
                 types[info.ggml_type.name] = types.get(info.ggml_type.name, 0) + 1
-        source = {"file": str(path), "architecture": gguf.architecture, "version": gguf.version,
-                  "matrix_types": types}  # fmt: skip
-        (work / POINTER).write_text(json.dumps(source))  # last: its presence marks a whole directory
+        source = {
+            "file": str(path),
+            "architecture": gguf.architecture,
+            "version": gguf.version,
+            "matrix_types": types,
+        }
+        (work / POINTER).write_text(
+            json.dumps(source)
+        )  # last: its presence marks a whole directory
         if target.exists():  # a directory for the same header, written for a file now elsewhere
             for old in target.iterdir():
                 old.unlink()
@@ -103,9 +109,13 @@ def check_chat_template(template: str, path: Path) -> None:
     ]
     try:
         compiled = _compile_jinja_template(template)
-        compiled.render(messages=conversation, add_generation_prompt=True, bos_token="", eos_token="")
+        compiled.render(
+            messages=conversation, add_generation_prompt=True, bos_token="", eos_token=""
+        )
     except jinja2.TemplateSyntaxError as exc:
-        raise ModelLoadError(f"{path}: tokenizer.chat_template line {exc.lineno}: {exc.message}") from None
+        raise ModelLoadError(
+            f"{path}: tokenizer.chat_template line {exc.lineno}: {exc.message}"
+        ) from None
     except SecurityError as exc:
         raise ModelLoadError(
             f"{path}: tokenizer.chat_template tries to leave its sandbox: {exc}"

@@ -32,7 +32,19 @@ MAX_ARRAY_DEPTH = 2  # an array of arrays at most (no real file nests deeper)
 DEFAULT_ALIGNMENT = 32
 
 # value type -> struct format of a scalar (GGUFValueType); 8 string, 9 array
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -97,8 +109,9 @@ class _Cursor:
         # every string or array item takes at least 8 bytes: a count the file cannot hold is
         # refused before the loop runs it
         if count * 8 > len(self.data) - self.pos:
-            raise self.fail(f"{what} claims {count:,} items; {len(self.data) - self.pos:,} bytes "
-                            "remain")  # fmt: skip
+            raise self.fail(
+                f"{what} claims {count:,} items; {len(self.data) - self.pos:,} bytes remain"
+            )
         return [self.value(item_type, what, depth + 1) for _ in range(count)]
 
 
@@ -119,8 +132,10 @@ def read_header(path: Path, header: bytes | memoryview, file_bytes: int) -> GGUF
     # the smallest key-value pair is 13 bytes and the smallest tensor description 25: counts the file
     # cannot hold are refused before anything is read for them
     if num_kv * 13 + num_tensors * 25 > file_bytes:
-        raise cur.fail(f"{num_kv:,} metadata entries and {num_tensors:,} tensors cannot fit in "
-                       f"{file_bytes:,} bytes")  # fmt: skip
+        raise cur.fail(
+            f"{num_kv:,} metadata entries and {num_tensors:,} tensors cannot fit in "
+            f"{file_bytes:,} bytes"
+        )
     metadata: dict[str, object] = {}
     for i in range(num_kv):
         key = cur.string(f"metadata key {i}")
@@ -143,13 +158,18 @@ def read_header(path: Path, header: bytes | memoryview, file_bytes: int) -> GGUF
         except (ValueError, KeyError):
             raise cur.fail(f"tensor {name!r} has an unknown ggml type {type_id}") from None
         if any(d == 0 for d in dims) or dims[0] % block_len:
-            raise cur.fail(f"tensor {name!r} has dimensions {list(dims)}: the first must be a "
-                           f"positive multiple of its type's block of {block_len}")  # fmt: skip
+            raise cur.fail(
+                f"tensor {name!r} has dimensions {list(dims)}: the first must be a "
+                f"positive multiple of its type's block of {block_len}"
+            )
         num_elements = math.prod(dims)
         if num_elements // block_len * block_bytes > file_bytes:
-            raise cur.fail(f"tensor {name!r} has dimensions {list(dims)}: more data than the "
-                           "file holds")  # fmt: skip
-        infos.append(TensorInfo(name, dims, ggml_type, offset, num_elements // block_len * block_bytes))
+            raise cur.fail(
+                f"tensor {name!r} has dimensions {list(dims)}: more data than the file holds"
+            )
+        infos.append(
+            TensorInfo(name, dims, ggml_type, offset, num_elements // block_len * block_bytes)
+        )
     data_start = -(-cur.pos // alignment) * alignment
     data_bytes = file_bytes - data_start
     tensors: dict[str, TensorInfo] = {}
@@ -188,8 +208,13 @@ class GGUFFile:
         """The tensor's bytes, memory-mapped (uint8 [rows, row_bytes]; rows = all dims but the first)."""
         info = self.tensors[name]
         rows = math.prod(info.dims[1:])
-        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=info.offset,
-                         shape=(rows, info.num_bytes // rows))  # fmt: skip
+        return np.memmap(
+            self.path,
+            dtype=np.uint8,
+            mode="r",
+            offset=info.offset,
+            shape=(rows, info.num_bytes // rows),
+        )
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -201,8 +226,9 @@ def open_gguf(path: str | Path) -> GGUFFile:
         with path.open("rb") as f:
             file_bytes = path.stat().st_size
             if file_bytes < 24:
-                raise ModelLoadError(f"{path}: not a valid GGUF file: {file_bytes} bytes is too "
-                                     "short for a header")  # fmt: skip
+                raise ModelLoadError(
+                    f"{path}: not a valid GGUF file: {file_bytes} bytes is too short for a header"
+                )
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
                 view = memoryview(mapped)
                 try:

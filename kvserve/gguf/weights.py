@@ -38,8 +38,10 @@ def read_gguf_weights(
         if type_name in FLOAT_TYPES:
             tensor: torch.Tensor | BlockWeight = float_tensor(gguf.raw(name), type_name, shape)
         elif len(shape) != 2:
-            raise ModelLoadError(f"{gguf.path}: tensor {name!r} is {type_name} with {len(shape)} "
-                                 "dimensions; quantised tensors must be matrices")  # fmt: skip
+            raise ModelLoadError(
+                f"{gguf.path}: tensor {name!r} is {type_name} with {len(shape)} "
+                "dimensions; quantised tensors must be matrices"
+            )
         else:
             try:
                 tensor = repack(gguf.raw(name), type_name, shape)
@@ -52,14 +54,18 @@ def read_gguf_weights(
 
 
 def _undo_converter(
-    tensor: torch.Tensor | BlockWeight, hf_name: str, arch: GGUFArch, num_heads: int, num_kv_heads: int
+    tensor: torch.Tensor | BlockWeight,
+    hf_name: str,
+    arch: GGUFArch,
+    num_heads: int,
+    num_kv_heads: int,
 ) -> torch.Tensor | BlockWeight:
-    if arch.permuted_qk and hf_name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight",
-                                              "k_proj.bias")):  # fmt: skip
+    if arch.permuted_qk and hf_name.endswith(
+        ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+    ):
         heads = num_heads if ".q_proj." in hf_name else num_kv_heads
         order = torch.from_numpy(unpermute_rows(tensor.shape[0], heads))
         return tensor.select_rows(order) if isinstance(tensor, BlockWeight) else tensor[order]
     if arch.norm_shift and hf_name.endswith("norm.weight"):
         return tensor - arch.norm_shift
     return tensor
-

@@ -22,9 +22,7 @@ class Block:
 class BlockPool:
     """Owns every block's bookkeeping; the tensors live in the model runner."""
 
-    def __init__(
-        self, num_blocks: int, enable_caching: bool = True, num_reserved: int = 0
-    ) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_reserved: int = 0) -> None:
         """`num_reserved`: blocks 0 .. num_reserved - 1 are never handed out (a hybrid cache's null
         block, kv/groups.py); `num_blocks` counts the others."""
         if num_blocks < 1:

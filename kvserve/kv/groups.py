@@ -101,7 +101,9 @@ def single_layout(num_layers: int) -> KVLayout:
     return KVLayout((KVGroup(None, tuple(range(num_layers))),), num_layers)
 
 
-def plan_layout(layer_windows: tuple[int | None, ...], max_model_len: int | None = None) -> KVLayout:
+def plan_layout(
+    layer_windows: tuple[int | None, ...], max_model_len: int | None = None
+) -> KVLayout:
     """Groups for these per-layer windows. Hybrid only where it can save memory: some layers attend to
     everything and the others share one window shorter than the longest context; otherwise (every layer
     full, several windows, every layer windowed) one group as before, which keeps every block."""
@@ -116,5 +118,7 @@ def plan_layout(layer_windows: tuple[int | None, ...], max_model_len: int | None
         return single_layout(num_layers)
     size = min(len(full), len(windowed))
     groups = [KVGroup(None, tuple(full[i : i + size])) for i in range(0, len(full), size)]
-    groups += [KVGroup(window, tuple(windowed[i : i + size])) for i in range(0, len(windowed), size)]
+    groups += [
+        KVGroup(window, tuple(windowed[i : i + size])) for i in range(0, len(windowed), size)
+    ]
     return KVLayout(tuple(groups), size)

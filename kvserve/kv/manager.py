@@ -188,10 +188,16 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_hit * self.block_size
         self._release_outside_windows(held, num_computed)
         num_required = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
-        num_to_allocate = [num_required - len(h) - len(c) for h, c in zip(held, computed, strict=True)]
+        num_to_allocate = [
+            num_required - len(h) - len(c) for h, c in zip(held, computed, strict=True)
+        ]
         num_to_allocate = [max(0, n) for n in num_to_allocate]
-        touched = [b for group, ids in zip(self.groups, computed, strict=True) for b in ids
-                   if group.window is None or b != NULL_BLOCK]  # fmt: skip
+        touched = [
+            b
+            for group, ids in zip(self.groups, computed, strict=True)
+            for b in ids
+            if group.window is None or b != NULL_BLOCK
+        ]
         # Cache hits sitting in the free queue stop being allocatable once we reference them.
         num_revived = sum(1 for b in touched if self.pool.is_free(b))
         if sum(num_to_allocate) + num_revived > self.pool.num_free_blocks:

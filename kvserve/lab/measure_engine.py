@@ -38,8 +38,11 @@ FUSED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the fused step's host cost, at those it
 # at least this many threads run (team_step); a test checks the planner's path rule against the
 # kernel's choice (tests/test_plan_engine_overhead.py)
 TEAM_MIN_THREADS = 2
-FIXED_KIND = {"dispatch": "dispatch-fixed", "fused-dispatch": "fused-fixed",
-              "fork-dispatch": "fork-fixed"}  # fmt: skip
+FIXED_KIND = {
+    "dispatch": "dispatch-fixed",
+    "fused-dispatch": "fused-fixed",
+    "fork-dispatch": "fork-fixed",
+}
 
 
 def linear_shapes(cfg: MeasureConfig, model=None) -> list[tuple[int, int]]:
@@ -118,8 +121,9 @@ def measure_linear(
             kinds.append(("linear-fused:fp32", panel(modules), panel(tiny), panel_rows))
     points = []
     for kind, mods, tiny_mods, kind_rows in kinds:
-        points += _linear_points(kind, mods, tiny_mods, kind_rows, cfg, deadline, num_bytes,
-                                 flops_per_row, copies)  # fmt: skip
+        points += _linear_points(
+            kind, mods, tiny_mods, kind_rows, cfg, deadline, num_bytes, flops_per_row, copies
+        )
     return points
 
 
@@ -162,7 +166,7 @@ def _linear_points(
                 num_bytes / median_s,
                 flops / num_bytes,
                 median_s,
-            )  # fmt: skip
+            )
         )
     return points
 
@@ -216,9 +220,15 @@ def measure_attention(
         per_layer = n * per_seq * block_size * token_bytes
         num_layers = int(min(64, max(1, cfg.attention_cache_bytes // per_layer)))
         _, caches = allocate_layers(
-            num_layers, n * per_seq + 1, block_size, num_kv_heads, head_dim, torch.float32,
-            "auto", cpu,
-        )  # fmt: skip
+            num_layers,
+            n * per_seq + 1,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            torch.float32,
+            "auto",
+            cpu,
+        )
         for c in caches:
             c.k.normal_()
             c.v.normal_()
@@ -275,10 +285,15 @@ def tiny_decoder(
     if shape is not None:
         widths = {k: getattr(shape, k) for k in widths}
     config = ModelConfig(
-        model_type="llama", vocab_size=256, num_layers=num_layers, rms_norm_eps=1e-5,
-        rope_theta=10000.0, max_position_embeddings=max(256, 2 * context),
-        tie_word_embeddings=True, **widths,
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=256,
+        num_layers=num_layers,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=max(256, 2 * context),
+        tie_word_embeddings=True,
+        **widths,
+    )
     model = DecoderLM(config, get_arch("llama"), config.max_position_embeddings).eval()
     if scheme is not None:  # as the loader applies `--quantization linear=FMT`
         from kvserve.model.linear import apply_weight_scheme
@@ -290,9 +305,15 @@ def tiny_decoder(
     block_size = 16
     num_blocks = (cache_rows or max_batch) * (context // block_size + 1) + 1
     _, caches = allocate_layers(
-        num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32,
-        "auto", torch.device("cpu"),
-    )  # fmt: skip
+        num_layers,
+        num_blocks,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        "auto",
+        torch.device("cpu"),
+    )
     for c in caches:  # values, as a served cache holds (not the zero pages of a fresh tensor)
         c.k.normal_()
         c.v.normal_()
@@ -303,8 +324,9 @@ def tiny_decoder(
         per_seq = at // block_size + 1
         if batch * per_seq > num_blocks - 1:
             raise ValueError(f"{batch} rows of {at} tokens do not fit the {num_blocks - 1} blocks")
-        chunks = [(at, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
-                  for i in range(batch)]  # fmt: skip
+        chunks = [
+            (at, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))) for i in range(batch)
+        ]
         ids = torch.zeros(batch, dtype=torch.long)
         positions = torch.full((batch,), at, dtype=torch.long)
 
@@ -338,8 +360,11 @@ def fused_profile_fields(points: list[MeasuredPoint], num_threads: int) -> dict[
 
     fused = [p.num_columns for p in points if p.kind == "fused-dispatch"]
     if not fused:
-        return {"decode_fused_rows": 0, "decode_fused_f32_rows": 0,
-                "decode_team_any_context": False}  # fmt: skip
+        return {
+            "decode_fused_rows": 0,
+            "decode_fused_f32_rows": 0,
+            "decode_team_any_context": False,
+        }
     fixed = [p.num_columns for p in points if p.kind == "fused-fixed"]
     return {
         "decode_fused_rows": min(fused_decode.max_rows(), max(fused)),
@@ -374,8 +399,9 @@ def measure_dispatch(
     points = []
     for kind, fused, shape_rows in shapes:
         (one, m_one), (many, m_many) = (
-            tiny_decoder(1, fused), tiny_decoder(1 + dispatch_layers, fused)
-        )  # fmt: skip
+            tiny_decoder(1, fused),
+            tiny_decoder(1 + dispatch_layers, fused),
+        )
         for n in shape_rows:
             steps_before = m_many.fused.num_steps if fused and m_many.fused else 0
             ones, slopes = [], []
@@ -413,8 +439,9 @@ def measure_engine(
     with torch.inference_mode():
         heads = {}
         if model is not None:  # the model's own attention shape
-            heads = dict(num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                         num_heads=model.num_heads)  # fmt: skip
+            heads = dict(
+                num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, num_heads=model.num_heads
+            )
         for p in measure_dispatch(cfg) + measure_attention(cfg, **heads):
             points.append(p)
             if progress:

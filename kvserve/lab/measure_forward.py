@@ -37,9 +37,15 @@ def time_model_forwards(
         for batch, context in shapes:
             per_seq = context // block_size + 1
             _, caches = allocate_layers(
-                config.num_layers, batch * per_seq + 1, block_size, config.num_kv_heads,
-                config.head_dim, torch.float32, "auto", cpu,
-            )  # fmt: skip
+                config.num_layers,
+                batch * per_seq + 1,
+                block_size,
+                config.num_kv_heads,
+                config.head_dim,
+                torch.float32,
+                "auto",
+                cpu,
+            )
             chunks = [
                 (context, 1, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
                 for i in range(batch)

@@ -102,17 +102,28 @@ def measure_overhead(
     per_token = arith.kv_bytes_per_token(load_model(model_dir), 4)
     cache = max(512 << 20, int(2 * max(rows) * (prompt_len + new_tokens + 16) * per_token))
     llm = LLM(
-        model_dir, dtype="float32", max_num_seqs=max(rows), quantization=quantization,
+        model_dir,
+        dtype="float32",
+        max_num_seqs=max(rows),
+        quantization=quantization,
         kv_cache_memory_bytes=cache,
-    )  # fmt: skip
+    )
     runner = llm.engine.runner
-    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, ignore_eos=True,
-                            temperature=0.0, detokenize=False)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=new_tokens,
+        min_tokens=new_tokens,
+        ignore_eos=True,
+        temperature=0.0,
+        detokenize=False,
+    )
     vocab = llm.config.model.vocab_size
     by_rows: dict[int, list[dict]] = {}
     step: dict = defaultdict(float)
-    targets = [(runner, "execute", "execute"), (runner, "_sample", "sample"),
-               (runner_mod, "forward_chunks", "forward")]  # fmt: skip
+    targets = [
+        (runner, "execute", "execute"),
+        (runner, "_sample", "sample"),
+        (runner_mod, "forward_chunks", "forward"),
+    ]
     try:
         with _timers(targets, step):
             for n in rows:
@@ -134,12 +145,14 @@ def measure_overhead(
                         decoding = len(changed) == n and seen >= set(changed)
                         seen |= set(changed)
                         if it and decoding and step["forward"] > 0:
-                            found.append(split_step(
-                                step_s, step["execute"], step["forward"], step["sample"]))  # fmt: skip
+                            found.append(
+                                split_step(step_s, step["execute"], step["forward"], step["sample"])
+                            )
                 by_rows[n] = found
                 if not found:  # said, not silently held at the last row count's values
-                    warnings.warn(f"no decode step ran all {n} rows: no engine-* points at {n}",
-                                  stacklevel=2)  # fmt: skip
+                    warnings.warn(
+                        f"no decode step ran all {n} rows: no engine-* points at {n}", stacklevel=2
+                    )
                 for p in overhead_points({n: found}):
                     if progress:
                         progress(p)

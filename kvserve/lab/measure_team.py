@@ -85,9 +85,13 @@ def measure_team_host(
     projections = [
         m
         for layer in decoder.layers
-        for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                  layer.mlp.down_proj)
-    ]  # fmt: skip
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
     tiny = [make_linear(torch.randn(64, 64) / 8, None, None, cfg.device) for _ in projections]
     points = []
     with torch.inference_mode():
@@ -171,8 +175,9 @@ def measure_team_layers(
     longest = max(contexts)
     per_seq = longest // 16 + 1  # blocks of one sequence at the longest context
     # LONG_CONTEXT_ROWS rows at the longest context, and every row count at SHORT_CONTEXT
-    cache_rows = max(min(max(rows), LONG_CONTEXT_ROWS),
-                     -(-max(rows) * (SHORT_CONTEXT // 16 + 1) // per_seq))  # fmt: skip
+    cache_rows = max(
+        min(max(rows), LONG_CONTEXT_ROWS), -(-max(rows) * (SHORT_CONTEXT // 16 + 1) // per_seq)
+    )
     make_step, decoder = tiny_decoder(layers, True, longest, max(rows), model, scheme, cache_rows)
     cache_blocks = cache_rows * per_seq
     points = []
@@ -187,9 +192,18 @@ def measure_team_layers(
             fixed_s = _interp_log2(tuple(fused_fixed), n)
             for c in at:
                 per_layer = max(med[c] - fixed_s, 1e-9) / layers
-                points.append(MeasuredPoint(TEAM_LAYER_KIND + fmt, n, 0.0,
-                                            layer_bytes / per_layer, 0.0, per_layer, c,
-                                            kv_token_bytes))  # fmt: skip
+                points.append(
+                    MeasuredPoint(
+                        TEAM_LAYER_KIND + fmt,
+                        n,
+                        0.0,
+                        layer_bytes / per_layer,
+                        0.0,
+                        per_layer,
+                        c,
+                        kv_token_bytes,
+                    )
+                )
     return points
 
 
@@ -215,8 +229,9 @@ def measure_head(
     # copies called in turn, so that a quantised head (tens of MB) streams from memory as in
     # the model's step, not from the last-level cache
     copies = stream_copies(num_bytes, step_weight_bytes(model, fmt), cfg.device)
-    heads = [make_linear(torch.randn(v, d) * d**-0.5, None, scheme, cfg.device)
-             for _ in range(copies)]  # fmt: skip  # [vocab, hidden] each
+    heads = [
+        make_linear(torch.randn(v, d) * d**-0.5, None, scheme, cfg.device) for _ in range(copies)
+    ]  # [vocab, hidden] each
     tiny = make_linear(torch.randn(64, 64) / 8, None, scheme, cfg.device)
     points = []
     with torch.inference_mode():
@@ -226,8 +241,16 @@ def measure_head(
             calls = {0: lambda x=x, t=turn: next(t)(x), 1: lambda x=x_tiny: tiny(x)}
             med = interleaved_medians_s(calls, cfg, cfg.dispatch_rounds)
             stream_s = max(med[0] - med[1], 0.05 * med[0])
-            points.append(MeasuredPoint(HEAD_KIND + fmt, n, 2 * v * d * n / stream_s,
-                                        num_bytes / stream_s, 0.0, stream_s))  # fmt: skip
+            points.append(
+                MeasuredPoint(
+                    HEAD_KIND + fmt,
+                    n,
+                    2 * v * d * n / stream_s,
+                    num_bytes / stream_s,
+                    0.0,
+                    stream_s,
+                )
+            )
     return points
 
 

@@ -355,9 +355,18 @@ def _single_cpu(
         q = q.contiguous()
     out = q.new_empty(q.shape)  # [B, num_heads, head_dim]
     paged_decode(
-        q, cache.k, cache.v, cache.k_scale, cache.v_scale, cache.kind,
-        group.block_table, group.context_lens, scale, out, window or 0,
-    )  # fmt: skip
+        q,
+        cache.k,
+        cache.v,
+        cache.k_scale,
+        cache.v_scale,
+        cache.kind,
+        group.block_table,
+        group.context_lens,
+        scale,
+        out,
+        window or 0,
+    )
     return out
 
 

@@ -64,12 +64,22 @@ def linear_into(
     if x.stride(1) != 1 or y.stride(1) != 1 or x.dtype != torch.float32 or y.dtype != torch.float32:
         raise ValueError("block_linear needs fp32 x and y with unit column stride")
     status = _library().block_linear(
-        x.data_ptr(), x.stride(0), num_rows, num_cols, weight.codes.data_ptr(), int(weight.nibble),
-        weight.code_offset, weight.scales.data_ptr(),
-        None if weight.biases is None else weight.biases.data_ptr(), weight.group_len,
-        weight.num_rows, None if out_bias is None else out_bias.data_ptr(), y.data_ptr(),
-        y.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.stride(0),
+        num_rows,
+        num_cols,
+        weight.codes.data_ptr(),
+        int(weight.nibble),
+        weight.code_offset,
+        weight.scales.data_ptr(),
+        None if weight.biases is None else weight.biases.data_ptr(),
+        weight.group_len,
+        weight.num_rows,
+        None if out_bias is None else out_bias.data_ptr(),
+        y.data_ptr(),
+        y.stride(0),
+        torch.get_num_threads(),
+    )
     _check_status(status, "block_linear")
 
 
@@ -81,11 +91,20 @@ def dequantize_rows_native(
     out = torch.empty(num_rows, weight.num_cols)
     ids = None if row_ids is None else row_ids.to(torch.int64).contiguous()
     status = _library().block_dequant_rows(
-        weight.codes.data_ptr(), int(weight.nibble), weight.code_offset, weight.scales.data_ptr(),
-        None if weight.biases is None else weight.biases.data_ptr(), weight.group_len,
-        weight.num_cols, None if ids is None else ids.data_ptr(), row0, num_rows, out.data_ptr(),
-        out.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
+        weight.codes.data_ptr(),
+        int(weight.nibble),
+        weight.code_offset,
+        weight.scales.data_ptr(),
+        None if weight.biases is None else weight.biases.data_ptr(),
+        weight.group_len,
+        weight.num_cols,
+        None if ids is None else ids.data_ptr(),
+        row0,
+        num_rows,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
     _check_status(status, "block_dequant_rows")
     return out
 

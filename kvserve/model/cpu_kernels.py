@@ -205,14 +205,25 @@ def paged_decode(
     block_table, context_lens = table_args(block_table, context_lens)
     lut = None if kind == "float" else code_table(kind)
     args = (
-        q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
         None if k_scale is None else k_scale.data_ptr(),
         None if v_scale is None else v_scale.data_ptr(),
         None if lut is None else lut.data_ptr(),
-        block_table.data_ptr(), context_lens.data_ptr(), out.data_ptr(), q.stride(0),
-        batch, num_heads, num_kv_heads, head_dim, block_size, block_table.shape[1],
-        scale, torch.get_num_threads(),
-    )  # fmt: skip
+        block_table.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        q.stride(0),
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_table.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
     kernel = load_kernel()
     if window > 0:
         status = kernel.paged_decode_attention_window(*args, window)
@@ -240,9 +251,16 @@ def add_rms_norm(
     out = torch.empty_like(x)
     residual_out = x if residual is None else torch.empty_like(x)
     load_kernel().add_rms_norm(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-        out.data_ptr(), residual_out.data_ptr(), num_rows, dim, eps, torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        residual_out.data_ptr(),
+        num_rows,
+        dim,
+        eps,
+        torch.get_num_threads(),
+    )
     return out, residual_out
 
 
@@ -256,9 +274,15 @@ def rotary_(
     if qkv.stride(1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError("rotary_ needs rows of contiguous values and contiguous cos/sin")
     load_kernel().rotary(
-        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), qkv.shape[0],
-        num_rotated_heads, head_dim, torch.get_num_threads(),
-    )  # fmt: skip
+        qkv.data_ptr(),
+        qkv.stride(0),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        qkv.shape[0],
+        num_rotated_heads,
+        head_dim,
+        torch.get_num_threads(),
+    )
 
 
 def write_kv(
@@ -270,9 +294,16 @@ def write_kv(
 ) -> None:
     num_rows, num_kv_heads, head_dim = k.shape
     load_kernel().write_kv(
-        k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), num_rows, num_kv_heads * head_dim, torch.get_num_threads(),
-    )  # fmt: skip
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        num_rows,
+        num_kv_heads * head_dim,
+        torch.get_num_threads(),
+    )
 
 
 KV_KINDS = {"float": 0, "int8": 1, "fp8": 2}  # cache kinds as the C kernels number them
@@ -289,10 +320,20 @@ def write_kv_q(
         raise ValueError("write_kv_q needs fp32 rows of contiguous heads")
     num_rows, num_kv_heads, head_dim = k.shape
     load_kernel().write_kv_q(
-        k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), cache.k.data_ptr(),
-        cache.v.data_ptr(), cache.k_scale.data_ptr(), cache.v_scale.data_ptr(), num_rows,
-        num_kv_heads, head_dim, KV_KINDS[cache.kind], torch.get_num_threads(),
-    )  # fmt: skip
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        slots.data_ptr(),
+        cache.k.data_ptr(),
+        cache.v.data_ptr(),
+        cache.k_scale.data_ptr(),
+        cache.v_scale.data_ptr(),
+        num_rows,
+        num_kv_heads,
+        head_dim,
+        KV_KINDS[cache.kind],
+        torch.get_num_threads(),
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -276,9 +276,13 @@ class DecoderLM(nn.Module):
             # the whole step in one native call (decode rows only), the lookups included
             single = meta.single
             return fused(
-                input_ids, positions, self.embed_tokens, meta.slot_mapping, single.block_table,
+                input_ids,
+                positions,
+                self.embed_tokens,
+                meta.slot_mapping,
+                single.block_table,
                 single.context_lens,
-            )  # fmt: skip
+            )
         hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
         if self.arch.embed_scale:
             # as transformers: sqrt(hidden) rounded to fp32, then to the model's dtype

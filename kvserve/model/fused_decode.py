@@ -33,26 +33,52 @@ ISA_NAMES = {3: "avx512", 2: "avx2", 0: "scalar"}  # 3: AVX-512 F/BW/VL with VNN
 
 class _Linear(ctypes.Structure):
     _fields_ = [
-        ("kind", _INT), ("n", _INT), ("k", _INT), ("kp", _INT), ("groups", _INT), ("bpg", _INT),
-        ("act_mode", _INT), ("w_min", _INT), ("w", _PTR), ("scales", _PTR), ("zeros", _PTR),
+        ("kind", _INT),
+        ("n", _INT),
+        ("k", _INT),
+        ("kp", _INT),
+        ("groups", _INT),
+        ("bpg", _INT),
+        ("act_mode", _INT),
+        ("w_min", _INT),
+        ("w", _PTR),
+        ("scales", _PTR),
+        ("zeros", _PTR),
         ("bias", _PTR),
-    ]  # fmt: skip
+    ]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        ("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _Linear), ("o", _Linear),
-        ("gate_up", _Linear), ("down", _Linear), ("k_cache", _PTR), ("v_cache", _PTR),
-        ("k_scale", _PTR), ("v_scale", _PTR),
-    ]  # fmt: skip
+        ("input_norm", _PTR),
+        ("post_norm", _PTR),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", _PTR),
+        ("v_cache", _PTR),
+        ("k_scale", _PTR),
+        ("v_scale", _PTR),
+    ]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [
-        ("num_layers", _INT), ("hidden", _INT), ("num_heads", _INT), ("num_kv_heads", _INT),
-        ("head_dim", _INT), ("inter", _INT), ("block_size", _INT), ("eps", _F32), ("scale", _F32),
-        ("layers", ctypes.POINTER(_Layer)), ("final_norm", _PTR), ("kv_kind", _INT), ("kv_lut", _PTR),
-    ]  # fmt: skip
+        ("num_layers", _INT),
+        ("hidden", _INT),
+        ("num_heads", _INT),
+        ("num_kv_heads", _INT),
+        ("head_dim", _INT),
+        ("inter", _INT),
+        ("block_size", _INT),
+        ("eps", _F32),
+        ("scale", _F32),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("final_norm", _PTR),
+        ("kv_kind", _INT),
+        ("kv_lut", _PTR),
+    ]
 
 
 @functools.cache
@@ -144,8 +170,20 @@ def panel_descriptor(
     keep += [panels, bias]
     n, k = out_features, in_features
     if panels.dim() == 4:
-        return _Linear(_LIN_BF16DOT, n, k, 2 * panels.shape[1], 1, 1, 0, 0, panels.data_ptr(), None,
-                       None, _ptr(bias))  # fmt: skip
+        return _Linear(
+            _LIN_BF16DOT,
+            n,
+            k,
+            2 * panels.shape[1],
+            1,
+            1,
+            0,
+            0,
+            panels.data_ptr(),
+            None,
+            None,
+            _ptr(bias),
+        )
     kind = _LIN_BF16 if panels.dtype == torch.bfloat16 else _LIN_F32
     return _Linear(kind, n, k, k, 1, 1, 0, 0, panels.data_ptr(), None, None, _ptr(bias))
 
@@ -167,10 +205,19 @@ def quant_panel_descriptor(
     [P, nb, 4, 8, 4] uint8, scales [P, G, 8]."""
     keep += [w, scales, zeros, bias]
     return _Linear(
-        _LIN_Q8 if bits == 8 else _LIN_Q4, out_features, in_features, w.shape[1] * 32,
-        scales.shape[1], int(bpg), act_mode, int(w_min), w.data_ptr(), scales.data_ptr(),
-        _ptr(zeros), _ptr(bias),
-    )  # fmt: skip
+        _LIN_Q8 if bits == 8 else _LIN_Q4,
+        out_features,
+        in_features,
+        w.shape[1] * 32,
+        scales.shape[1],
+        int(bpg),
+        act_mode,
+        int(w_min),
+        w.data_ptr(),
+        scales.data_ptr(),
+        _ptr(zeros),
+        _ptr(bias),
+    )
 
 
 def f32_panels(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -279,17 +326,31 @@ class FusedDecoder:
             scales = [cache.k_scale, cache.v_scale] if cache.quantised else []
             keep += norms + [cache.k, cache.v] + scales
             layers[i] = _Layer(
-                norms[0].data_ptr(), norms[1].data_ptr(), *descs, cache.k.data_ptr(),
-                cache.v.data_ptr(), *(t.data_ptr() for t in scales),
-            )  # fmt: skip
+                norms[0].data_ptr(),
+                norms[1].data_ptr(),
+                *descs,
+                cache.k.data_ptr(),
+                cache.v.data_ptr(),
+                *(t.data_ptr() for t in scales),
+            )
         final_norm = model.norm.weight.detach().contiguous()
         block_size = kv_caches[0].k.shape[1]
         lut = None if kind == "float" else cpu_kernels.code_table(kind)
         struct = _Model(
-            cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, block_size, cfg.rms_norm_eps, cfg.head_dim**-0.5, layers,
-            final_norm.data_ptr(), cpu_kernels.KV_KINDS[kind], None if lut is None else lut.data_ptr(),
-        )  # fmt: skip
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            block_size,
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+            layers,
+            final_norm.data_ptr(),
+            cpu_kernels.KV_KINDS[kind],
+            None if lut is None else lut.data_ptr(),
+        )
         keep += [layers, final_norm, lut]
         return cls(model, kv_caches, struct, keep)
 
@@ -330,22 +391,43 @@ class FusedDecoder:
         if step is None:  # a build of sources older than decode_step_tokens (ab_switch.py)
             out.copy_(embed(ids))
             cos, sin = self.cos[positions].contiguous(), self.sin[positions].contiguous()
-            vocab, status = 0, lib.decode_layers(
-                ctypes.byref(self.model_struct), out.data_ptr(), out.shape[0], cos.data_ptr(),
-                sin.data_ptr(), slot_mapping.data_ptr(), block_table.data_ptr(),
-                block_table.shape[1], context_lens.data_ptr(), torch.get_num_threads(),
-            )  # fmt: skip
+            vocab, status = (
+                0,
+                lib.decode_layers(
+                    ctypes.byref(self.model_struct),
+                    out.data_ptr(),
+                    out.shape[0],
+                    cos.data_ptr(),
+                    sin.data_ptr(),
+                    slot_mapping.data_ptr(),
+                    block_table.data_ptr(),
+                    block_table.shape[1],
+                    context_lens.data_ptr(),
+                    torch.get_num_threads(),
+                ),
+            )
         else:
             kind, table, vocab = embedding_table(embed)
             if kind == 0:
                 out.copy_(embed(ids))
             status = step(
-                ctypes.byref(self.model_struct), ids.data_ptr(), positions.data_ptr(), out.shape[0],
-                kind, 0 if table is None else table.data_ptr(), vocab, self.cos.data_ptr(),
-                self.sin.data_ptr(), self.cos.shape[0], out.data_ptr(), slot_mapping.data_ptr(),
-                block_table.data_ptr(), block_table.shape[1], context_lens.data_ptr(),
+                ctypes.byref(self.model_struct),
+                ids.data_ptr(),
+                positions.data_ptr(),
+                out.shape[0],
+                kind,
+                0 if table is None else table.data_ptr(),
+                vocab,
+                self.cos.data_ptr(),
+                self.sin.data_ptr(),
+                self.cos.shape[0],
+                out.data_ptr(),
+                slot_mapping.data_ptr(),
+                block_table.data_ptr(),
+                block_table.shape[1],
+                context_lens.data_ptr(),
                 torch.get_num_threads(),
-            )  # fmt: skip
+            )
         if status == -3:
             raise cpu_kernels.context_error(context_lens, block_table, self.model_struct.block_size)
         if status == -4:

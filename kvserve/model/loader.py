@@ -126,8 +126,9 @@ def load_model(
     if gguf_file is None:
         checkpoint, blocks = read_checkpoint(model_dir), {}
     else:  # the file's blocks run as they are unless --quantization asks to requantise them
-        checkpoint, blocks = read_gguf_checkpoint(gguf_file, config, dtype, quantization,
-                                                  quantization_method)  # fmt: skip
+        checkpoint, blocks = read_gguf_checkpoint(
+            gguf_file, config, dtype, quantization, quantization_method
+        )
     artifact = artifact_tensors(model_dir, checkpoint)  # a quantised checkpoint's codes, apart
     if artifact is not None and quantization is not None:
         raise QuantizationError(

@@ -256,7 +256,12 @@ def compare(
     ref = reference.load(num_prompts)
     cand = candidate.load(num_prompts)
     run = reference_run(
-        ref, data, window=window, max_tokens=max_tokens, num_prompts=num_prompts,
-        prompt_len=prompt_len, greedy_tokens=greedy_tokens,
-    )  # fmt: skip
+        ref,
+        data,
+        window=window,
+        max_tokens=max_tokens,
+        num_prompts=num_prompts,
+        prompt_len=prompt_len,
+        greedy_tokens=greedy_tokens,
+    )
     return signed_report(reference, candidate, candidate_stats(run, cand, thresholds))

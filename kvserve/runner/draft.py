@@ -43,9 +43,13 @@ class DraftModel:
         if config.attention_backend == "torch":
             self.model.use_cpu_kernels(False)
         self.kv_tensors, self.kv_caches = allocate_kv_cache(
-            self.model, num_blocks, self.block_size, TORCH_DTYPES[config.dtype], self.device,
+            self.model,
+            num_blocks,
+            self.block_size,
+            TORCH_DTYPES[config.dtype],
+            self.device,
             config.cache.kv_cache_dtype,
-        )  # fmt: skip
+        )
 
     def _forward(
         self, chunks: list[tuple[int, list[int], list[int]]], rows: list[int]

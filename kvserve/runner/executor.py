@@ -291,9 +291,14 @@ def _tcp_store(host: str, world_size: int, timeout_s: float):
     sock = listen(host, 0)
     port = sock.getsockname()[1]
     store = dist.TCPStore(
-        host, port, world_size, True, timedelta(seconds=timeout_s),
-        wait_for_workers=False, master_listen_fd=sock.detach(),
-    )  # fmt: skip
+        host,
+        port,
+        world_size,
+        True,
+        timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
     return store, f"tcp://{host}:{port}"
 
 

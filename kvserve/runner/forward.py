@@ -106,9 +106,15 @@ def allocate_kv_cache(
     config = model.config
     slots = config.num_layers if layout is None or not layout.hybrid else layout.group_size
     tensors, views = allocate_layers(
-        slots, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-        dtype, kv_cache_dtype, device,
-    )  # fmt: skip
+        slots,
+        num_blocks,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        kv_cache_dtype,
+        device,
+    )
     if slots == config.num_layers:
         return tensors, views
     return tensors, [views[slot] for slot in layout.layer_slot]

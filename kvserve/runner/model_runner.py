@@ -70,9 +70,14 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         self.layout = config.kv_layout  # kv/groups.py: one block table, or one per group
         self.kv_tensors, self.kv_caches = allocate_kv_cache(
-            self.model, num_blocks, self.block_size, dtype, self.device,
-            config.cache.kv_cache_dtype, self.layout,
-        )  # fmt: skip
+            self.model,
+            num_blocks,
+            self.block_size,
+            dtype,
+            self.device,
+            config.cache.kv_cache_dtype,
+            self.layout,
+        )
         self.sampler = Sampler(config.seed, self.device)
         self.states: dict[str, RequestState] = {}
         spec = config.speculative
@@ -144,9 +149,15 @@ class ModelRunner:
         [len(rows), V] (rows None: every row). A tensor-parallel runner sends the same input to
         its other ranks first."""
         return forward_chunks(
-            self.model, self.kv_caches, self.attention, chunks, self.block_size, self.device, rows,
+            self.model,
+            self.kv_caches,
+            self.attention,
+            chunks,
+            self.block_size,
+            self.device,
+            rows,
             self.layout,
-        )  # fmt: skip
+        )
 
     def _span(self, chunk: ScheduledChunk) -> tuple:
         """What `forward_chunks` takes of a chunk: its block table, or every group's (hybrid)."""
@@ -245,8 +256,10 @@ class ModelRunner:
             else:  # one gather, not a Python-list index (~150 us at batch 1)
                 plain_rows_t = torch.tensor(plain_rows, device=logits.device)
                 plain_logits = logits.index_select(0, plain_rows_t)
-            if all(self.states[chunks[i].request_id].plain_greedy(chunks[i].num_output_tokens)
-                   for i in plain):  # fmt: skip
+            if all(
+                self.states[chunks[i].request_id].plain_greedy(chunks[i].num_output_tokens)
+                for i in plain
+            ):
                 # Every row is the argmax of its raw logits: no sampling tensors to build, and
                 # the same tokens the sampler's greedy path gives (nothing would process them).
                 token_ids = greedy_argmax(plain_logits).tolist()
@@ -298,9 +311,11 @@ class ModelRunner:
             drawn = invert_cdf(probs, peek_uniforms(state.generator, num_spec + 1))
             num_accepted, final = verify_greedy(drawn[None], proposals[None])
             torch.rand(  # the stream advances by the emitted tokens only, as without speculation
-                int(num_accepted[0]) + 1, generator=state.generator, dtype=torch.float64,
+                int(num_accepted[0]) + 1,
+                generator=state.generator,
+                dtype=torch.float64,
                 device=self.device,
-            )  # fmt: skip
+            )
         else:
             if state.draft_probs is not None:
                 q = state.draft_probs[:num_spec]
@@ -407,9 +422,15 @@ class ModelRunner:
         """rows: (request id, position offset, output tokens before that row's token) per logits row.
         `lookahead`: the proposals that rows at offset j > 0 follow (their grammar state accepts them)."""
         return build_sampling_batch(
-            [(self.states[request_id], offset, num_output) for request_id, offset, num_output in rows],
-            lookahead, self.vocab_size, self.device, self._apply_grammar,
-        )  # fmt: skip
+            [
+                (self.states[request_id], offset, num_output)
+                for request_id, offset, num_output in rows
+            ],
+            lookahead,
+            self.vocab_size,
+            self.device,
+            self._apply_grammar,
+        )
 
     def _apply_grammar(self, logits: torch.Tensor, mask_rows: list[MaskRow]) -> None:
         self.grammar_mask_times_s.append(apply_grammar_masks(self.grammars, logits, mask_rows))

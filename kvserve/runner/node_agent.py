@@ -76,9 +76,14 @@ def run_node(config: EngineConfig) -> None:
     try:
         for index, rank in enumerate(ranks):
             spec = RankSpec(
-                rank, world, f"tcp://{store_host}:{store_port}", "nccl" if cuda else "gloo",
-                _rank_device(config.device, index), threads, dist.timeout_s,
-            )  # fmt: skip
+                rank,
+                world,
+                f"tcp://{store_host}:{store_port}",
+                "nccl" if cuda else "gloo",
+                _rank_device(config.device, index),
+                threads,
+                dist.timeout_s,
+            )
             parent, child = context.Pipe()
             process = context.Process(
                 target=worker_main,

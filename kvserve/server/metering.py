@@ -83,21 +83,29 @@ class Metering:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.requests = Counter(
-            "kvserve_key_requests", "Requests per API key id, by outcome", ["key_id", "outcome"],
+            "kvserve_key_requests",
+            "Requests per API key id, by outcome",
+            ["key_id", "outcome"],
             registry=r,
-        )  # fmt: skip
+        )
         self.prompt_tokens = Counter(
-            "kvserve_key_prompt_tokens", "Prompt tokens submitted, per API key id", ["key_id"],
+            "kvserve_key_prompt_tokens",
+            "Prompt tokens submitted, per API key id",
+            ["key_id"],
             registry=r,
-        )  # fmt: skip
+        )
         self.cached_tokens = Counter(
-            "kvserve_key_cached_tokens", "Prompt tokens served from the prefix cache, per key id",
-            ["key_id"], registry=r,
-        )  # fmt: skip
-        self.generation_tokens = Counter(
-            "kvserve_key_generation_tokens", "Tokens generated, per API key id", ["key_id"],
+            "kvserve_key_cached_tokens",
+            "Prompt tokens served from the prefix cache, per key id",
+            ["key_id"],
             registry=r,
-        )  # fmt: skip
+        )
+        self.generation_tokens = Counter(
+            "kvserve_key_generation_tokens",
+            "Tokens generated, per API key id",
+            ["key_id"],
+            registry=r,
+        )
         self._lock = threading.Lock()
         self._totals: dict[str, dict] = {}
 

@@ -45,22 +45,52 @@ _FAST_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 
 
 # Per engine core (data parallel), labelled engine="0", "1", ...: (name, help, EngineStats field, kind)
 _PER_CORE = (
-    ("kvserve_engine_num_requests_running", "Requests running on this engine core", "num_running",
-     GaugeMetricFamily),
-    ("kvserve_engine_num_requests_waiting", "Requests waiting on this engine core", "num_waiting",
-     GaugeMetricFamily),
-    ("kvserve_engine_kv_cache_usage_ratio", "Fraction of this core's KV blocks held", "kv_usage",
-     GaugeMetricFamily),
+    (
+        "kvserve_engine_num_requests_running",
+        "Requests running on this engine core",
+        "num_running",
+        GaugeMetricFamily,
+    ),
+    (
+        "kvserve_engine_num_requests_waiting",
+        "Requests waiting on this engine core",
+        "num_waiting",
+        GaugeMetricFamily,
+    ),
+    (
+        "kvserve_engine_kv_cache_usage_ratio",
+        "Fraction of this core's KV blocks held",
+        "kv_usage",
+        GaugeMetricFamily,
+    ),
     ("kvserve_engine_num_steps", "Steps this engine core ran", "num_steps", CounterMetricFamily),
-    ("kvserve_engine_prefix_cache_hits", "Prompt tokens served from this core's prefix cache",
-     "prefix_cache_hits", CounterMetricFamily),
-    ("kvserve_engine_threads", "Threads this core's next step uses (the adaptive thread policy "
-     "drops one while a neighbour takes CPU time)", "num_threads", GaugeMetricFamily),
-    ("kvserve_engine_thread_changes", "Times this core's step thread count changed",
-     "num_thread_changes", CounterMetricFamily),
-    ("kvserve_engine_cpu_lost_ratio", "Share of this core's step thread-time spent runnable but "
-     "not running (taken by other processes), over the last window", "cpu_lost", GaugeMetricFamily),
-)  # fmt: skip
+    (
+        "kvserve_engine_prefix_cache_hits",
+        "Prompt tokens served from this core's prefix cache",
+        "prefix_cache_hits",
+        CounterMetricFamily,
+    ),
+    (
+        "kvserve_engine_threads",
+        "Threads this core's next step uses (the adaptive thread policy "
+        "drops one while a neighbour takes CPU time)",
+        "num_threads",
+        GaugeMetricFamily,
+    ),
+    (
+        "kvserve_engine_thread_changes",
+        "Times this core's step thread count changed",
+        "num_thread_changes",
+        CounterMetricFamily,
+    ),
+    (
+        "kvserve_engine_cpu_lost_ratio",
+        "Share of this core's step thread-time spent runnable but "
+        "not running (taken by other processes), over the last window",
+        "cpu_lost",
+        GaugeMetricFamily,
+    ),
+)
 
 
 class _EngineCollector(Collector):
@@ -199,13 +229,17 @@ class ServerMetrics:
             registry=r,
         )
         self.grammar_compile = Histogram(
-            "kvserve_grammar_compile_seconds", "Compiling one structured-output constraint",
-            buckets=_FAST_BUCKETS, registry=r,
-        )  # fmt: skip
+            "kvserve_grammar_compile_seconds",
+            "Compiling one structured-output constraint",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
         self.grammar_mask = Histogram(
-            "kvserve_grammar_mask_seconds", "Filling and applying grammar bitmasks, per batch",
-            buckets=_FAST_BUCKETS, registry=r,
-        )  # fmt: skip
+            "kvserve_grammar_mask_seconds",
+            "Filling and applying grammar bitmasks, per batch",
+            buckets=_FAST_BUCKETS,
+            registry=r,
+        )
         self.grammar_waiting = Gauge(
             "kvserve_grammar_requests_waiting",
             "Structured-output requests waiting for their grammar's turn to compile",

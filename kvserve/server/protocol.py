@@ -103,8 +103,12 @@ class _SamplingRequest(_Request):
             if constraint is not None:
                 found.append(constraint)
         so = dict(self.structured_outputs or {})
-        legacy = {"json": self.guided_json, "regex": self.guided_regex,
-                  "choice": self.guided_choice, "grammar": self.guided_grammar}  # fmt: skip
+        legacy = {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
         for key, value in legacy.items():
             if value is not None:
                 so.setdefault(key, value)

@@ -137,8 +137,12 @@ class OpenAIServing(JobAccounting):
                 "messages",
             )
         extra = request.chat_template_kwargs or {}
-        own = {"chat_template": template, "add_generation_prompt": request.add_generation_prompt,
-               "tokenize": False, **tools.template_kwargs(request.tool_plan(), template)}  # fmt: skip
+        own = {
+            "chat_template": template,
+            "add_generation_prompt": request.add_generation_prompt,
+            "tokenize": False,
+            **tools.template_kwargs(request.tool_plan(), template),
+        }
         # names the template call itself passes: a clear 400, not a TypeError from apply_chat_template
         reserved = sorted(set(extra) & (own.keys() | {"conversation", "tools"}))
         if reserved:

@@ -174,9 +174,18 @@ class ToolParser(ABC):
         tags = []
         for tool in tools:
             begin, end = self._call_tag(tool)
-            tags.append({"type": "tag", "begin": begin, "end": end,
-                         "content": {"type": "json_schema", "json_schema": tool["parameters"],
-                                     "max_whitespace_cnt": 1}})  # fmt: skip
+            tags.append(
+                {
+                    "type": "tag",
+                    "begin": begin,
+                    "end": end,
+                    "content": {
+                        "type": "json_schema",
+                        "json_schema": tool["parameters"],
+                        "max_whitespace_cnt": 1,
+                    },
+                }
+            )
         return tags
 
     separator = ""
@@ -188,8 +197,13 @@ class ToolParser(ABC):
         `max_calls` calls. The bound makes the grammar end: unbounded, a model that never
         chooses EOS after a call (the demo model) emitted calls until the context was full, and the
         response had none (issue 46; docs/tools.md)."""
-        one = {"type": "tags_with_separator", "tags": self._tags(tools), "separator": "",
-               "at_least_one": True, "stop_after_first": True}  # fmt: skip
+        one = {
+            "type": "tags_with_separator",
+            "tags": self._tags(tools),
+            "separator": "",
+            "at_least_one": True,
+            "stop_after_first": True,
+        }
         if not parallel:
             return one
         calls = one
@@ -197,8 +211,10 @@ class ToolParser(ABC):
             more = calls
             if self.separator:
                 more = {"type": "sequence", "elements": [_const(self.separator), calls]}
-            calls = {"type": "sequence", "elements": [
-                one, {"type": "or", "elements": [_const(""), more]}]}  # fmt: skip
+            calls = {
+                "type": "sequence",
+                "elements": [one, {"type": "or", "elements": [_const(""), more]}],
+            }
         return calls
 
     def _add_segment(self, scan: Scan, segment: str, final: bool) -> None:
@@ -265,8 +281,9 @@ class HermesToolParser(ToolParser):
 class _JSONSequenceParser(ToolParser):
     """Calls as JSON objects after a start (a marker, or the object itself), joined by a separator."""
 
-    def _objects(self, scan: Scan, text: str, pos: int, final: bool, started: int,
-                 sep: str, close: str = "") -> int:  # fmt: skip
+    def _objects(
+        self, scan: Scan, text: str, pos: int, final: bool, started: int, sep: str, close: str = ""
+    ) -> int:
         """Scan objects from `pos`; returns where the sequence ended (len(text) if still open)."""
         while True:
             ws = len(text) - len(text[pos:].lstrip())
@@ -335,9 +352,14 @@ class MistralToolParser(_JSONSequenceParser):
         self, tools: list[dict], parallel: bool, max_calls: int = DEFAULT_MAX_PARALLEL_CALLS
     ) -> dict:
         calls = super().forced_format(tools, parallel, max_calls)
-        return {"type": "sequence", "elements": [
-            {"type": "const_string", "value": self.marker + "["}, calls,
-            {"type": "const_string", "value": "]"}]}  # fmt: skip
+        return {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": self.marker + "["},
+                calls,
+                {"type": "const_string", "value": "]"},
+            ],
+        }
 
     def scan(self, text: str, final: bool, started: int = 0) -> Scan:
         scan = Scan()

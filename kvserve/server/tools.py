@@ -157,8 +157,9 @@ def template_message(message, content: str, index: int) -> dict:
     if message.tool_calls:
         if role != "assistant":
             raise InvalidRequestError("only assistant messages carry `tool_calls`", param)
-        entry["tool_calls"] = [_template_call(c, f"{param}.tool_calls[{i}]")
-                               for i, c in enumerate(message.tool_calls)]  # fmt: skip
+        entry["tool_calls"] = [
+            _template_call(c, f"{param}.tool_calls[{i}]") for i, c in enumerate(message.tool_calls)
+        ]
     return entry
 
 
@@ -178,8 +179,11 @@ def _template_call(call: Any, param: str) -> dict:
         raise InvalidRequestError(
             "tool call arguments must be a JSON object", f"{param}.function.arguments"
         )
-    return {"id": call.get("id"), "type": "function",
-            "function": {"name": function["name"], "arguments": arguments}}  # fmt: skip
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
 
 
 def template_kwargs(plan: ToolPlan | None, template: str) -> dict:
@@ -261,10 +265,13 @@ def message(plan: ToolPlan, parser: ToolParser, text: str, reason: str | None) -
     body: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         body["tool_calls"] = [
-            {"id": call_id(), "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}}
+            {
+                "id": call_id(),
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
             for c in calls
-        ]  # fmt: skip
+        ]
     return body, finish_reason(plan, bool(calls), reason)
 
 
@@ -291,8 +298,14 @@ class ToolStream:
                 if call.name is None or (call.done and not call.valid):
                     break
                 self.calls_sent.append([call_id(), ""])
-                deltas.append({"index": index, "id": self.calls_sent[index][0], "type": "function",
-                               "function": {"name": call.name, "arguments": ""}})  # fmt: skip
+                deltas.append(
+                    {
+                        "index": index,
+                        "id": self.calls_sent[index][0],
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
             sent = self.calls_sent[index]
             if not call.valid or not call.arguments.startswith(sent[1]):
                 continue  # announced, then malformed: what was sent stands

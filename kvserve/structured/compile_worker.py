@@ -207,8 +207,10 @@ class IsolatedCompiler:
     def _abandon(self, worker: _Worker, elapsed_s: float) -> None:
         logger.warning(
             "grammar compile abandoned after %.1f s (limit %g s): killing worker %d",
-            elapsed_s, self.timeout_s, worker.pid,
-        )  # fmt: skip
+            elapsed_s,
+            self.timeout_s,
+            worker.pid,
+        )
         worker.kill()
         with self._cond:
             self.num_killed += 1
@@ -226,9 +228,11 @@ class IsolatedCompiler:
         try:
             parent_conn, child_conn = self._ctx.Pipe()
             process = self._ctx.Process(
-                target=_worker_main, args=(child_conn, self._info_json), daemon=True,
+                target=_worker_main,
+                args=(child_conn, self._info_json),
+                daemon=True,
                 name="kvserve-grammar-worker",
-            )  # fmt: skip
+            )
             with children_allowed():  # an engine core is a daemonic process
                 process.start()
             child_conn.close()

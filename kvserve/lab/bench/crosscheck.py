@@ -98,9 +98,11 @@ def mapped_metrics(timings: list[Timing]) -> dict:
     decode = [d for t in timings if (d := t.decode_s_per_token) is not None]
     whole = [d for t in timings if (d := t.latency_s_per_output_token) is not None]
     weighted = [
-        d for t in timings if (d := t.decode_s_per_token) is not None
+        d
+        for t in timings
+        if (d := t.decode_s_per_token) is not None
         for _ in range(t.num_output_tokens - 1)
-    ]  # fmt: skip
+    ]
     window = max(t.end_s for t in timings) - min(t.start_s for t in timings) if timings else 0
     return {
         "num_requests": len(timings),

@@ -337,16 +337,30 @@ def register(bench_subparsers) -> None:
     p.add_argument("--output-lens", type=_ints, default=(32,), help="generated tokens, e.g. 32")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per grid point")
     p.add_argument("--warmup-iters", type=int, default=1, help="discarded iterations per point")
-    p.add_argument("--check-prompts", type=int, default=4,
-                   help="prompts of each batch checked against themselves alone (greedy)")  # fmt: skip
-    p.add_argument("--require-identical", action="store_true",
-                   help="exit 1 when a batched output differs from the same prompt alone")  # fmt: skip
-    p.add_argument("--hardware", default="auto",
-                   help="roofline profile: auto (the measured this-machine one, if it exists and "
-                   "matches --device), none, a built-in name (h100-sxm, ...) or a profile JSON")  # fmt: skip
+    p.add_argument(
+        "--check-prompts",
+        type=int,
+        default=4,
+        help="prompts of each batch checked against themselves alone (greedy)",
+    )
+    p.add_argument(
+        "--require-identical",
+        action="store_true",
+        help="exit 1 when a batched output differs from the same prompt alone",
+    )
+    p.add_argument(
+        "--hardware",
+        default="auto",
+        help="roofline profile: auto (the measured this-machine one, if it exists and "
+        "matches --device), none, a built-in name (h100-sxm, ...) or a profile JSON",
+    )
     p.add_argument("--out", default=None, help="output directory (default runs/latency-<time>)")
-    p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
-                   help="write latency plots next to the results")  # fmt: skip
+    p.add_argument(
+        "--plot",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write latency plots next to the results",
+    )
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=_main)
 

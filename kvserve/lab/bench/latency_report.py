@@ -123,10 +123,19 @@ def plot(doc: dict) -> bytes:
     for b in doc["grid"]["batch_sizes"]:
         pts = sorted((p for p in points if p["batch_size"] == b), key=lambda p: p["prompt_len"])
         xs = [p["batch_size"] * p["prompt_len"] for p in pts]
-        ax_pre.plot(xs, [_ms_f(p["prefill"]["batch_prefill_s"]["p50"]) for p in pts], "o-",
-                    label=f"batch {b}")  # fmt: skip
-    ax_pre.set(xscale="log", yscale="log", xlabel="prompt tokens in the batch (B x P)",
-               ylabel="ms", title="prefill of the batch (TTFT proxy)")  # fmt: skip
+        ax_pre.plot(
+            xs,
+            [_ms_f(p["prefill"]["batch_prefill_s"]["p50"]) for p in pts],
+            "o-",
+            label=f"batch {b}",
+        )
+    ax_pre.set(
+        xscale="log",
+        yscale="log",
+        xlabel="prompt tokens in the batch (B x P)",
+        ylabel="ms",
+        title="prefill of the batch (TTFT proxy)",
+    )
     for p_len in doc["grid"]["prompt_lens"]:
         for o_len in doc["grid"]["output_lens"]:
             pts = sorted(
@@ -139,19 +148,35 @@ def plot(doc: dict) -> bytes:
             p50 = [_ms_f(p["decode"]["step_s"]["p50"]) for p in pts]
             p99 = [_ms_f(p["decode"]["step_s"]["p99"]) for p in pts]
             lo = [_ms_f(p["decode"]["step_s"]["min"]) for p in pts]
-            err = [[a - b for a, b in zip(p50, lo, strict=True)],
-                   [b - a for a, b in zip(p50, p99, strict=True)]]  # fmt: skip
-            line = ax_step.errorbar(bs, p50, yerr=err, fmt="o-", capsize=3,
-                                    label=f"P={p_len} O={o_len}")  # fmt: skip
+            err = [
+                [a - b for a, b in zip(p50, lo, strict=True)],
+                [b - a for a, b in zip(p50, p99, strict=True)],
+            ]
+            line = ax_step.errorbar(
+                bs, p50, yerr=err, fmt="o-", capsize=3, label=f"P={p_len} O={o_len}"
+            )
             if all(p.get("roofline") for p in pts):
                 roof = [p["roofline"]["decode_step"]["roofline_s"] * 1e3 for p in pts]
                 ax_step.plot(bs, roof, "--", color=line[0].get_color(), alpha=0.6)
-            ax_tput.plot(bs, [p["decode"]["aggregate_tokens_per_s"] for p in pts], "o-",
-                         label=f"P={p_len} O={o_len}")  # fmt: skip
-    ax_step.set(xscale="log", yscale="log", xlabel="batch size", ylabel="ms",
-                title="decode step time (p50, min..p99; dashed: roofline)")  # fmt: skip
-    ax_tput.set(xscale="log", xlabel="batch size", ylabel="output tokens/s (all sequences)",
-                title="decode throughput (B / p50 step)")  # fmt: skip
+            ax_tput.plot(
+                bs,
+                [p["decode"]["aggregate_tokens_per_s"] for p in pts],
+                "o-",
+                label=f"P={p_len} O={o_len}",
+            )
+    ax_step.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch size",
+        ylabel="ms",
+        title="decode step time (p50, min..p99; dashed: roofline)",
+    )
+    ax_tput.set(
+        xscale="log",
+        xlabel="batch size",
+        ylabel="output tokens/s (all sequences)",
+        title="decode throughput (B / p50 step)",
+    )
     labels = [f"{p['batch_size']}/{p['prompt_len']}/{p['output_len']}" for p in points]
     pre = [_ms_f(p["wall"]["prefill_s"]) for p in points]
     dec = [_ms_f(p["wall"]["decode_s"]) for p in points]
@@ -169,8 +194,9 @@ def plot(doc: dict) -> bytes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.suptitle(f"kvserve bench latency: {doc['model']['dir']} ({doc['engine']['device']})",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"kvserve bench latency: {doc['model']['dir']} ({doc['engine']['device']})", fontsize=9
+    )
     fig.tight_layout()
     return _png(fig)
 

@@ -148,7 +148,9 @@ def free_cache_bytes(memory_bytes: float, weight_bytes: float, overhead_bytes: f
 
 
 def max_concurrent_sequences(
-    free_bytes: float, kv_bytes_per_token: float, tokens_per_sequence: float,
+    free_bytes: float,
+    kv_bytes_per_token: float,
+    tokens_per_sequence: float,
     bytes_per_sequence: float | None = None,
 ) -> int:
     """floor(free / (k x (prompt + output))), or free / `bytes_per_sequence` where a hybrid model's

@@ -331,8 +331,12 @@ class EngineCost:
         if floored and t["compute"] >= streaming + t["dispatch"] + t["engine"]:
             return "compute"
         memory = min(t["bandwidth"], streaming)
-        parts = {"memory": memory, "kernel": streaming - memory, "dispatch": t["dispatch"],
-                 "engine": t["engine"]}  # fmt: skip
+        parts = {
+            "memory": memory,
+            "kernel": streaming - memory,
+            "dispatch": t["dispatch"],
+            "engine": t["engine"],
+        }
         return max(parts, key=parts.__getitem__)
 
     def sources(self) -> dict[str, str]:

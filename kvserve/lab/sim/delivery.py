@@ -146,8 +146,10 @@ def delivery_jitter(records: list[RequestRecord], steps: list[dict]) -> dict | N
     }
     if len(intake) >= MIN_REQUESTS:
         spread = np.asarray(intake) - np.median(intake)
-        out |= {"intake_quantiles": [float(q) for q in np.percentile(spread, levels)],
-                "num_requests": len(intake)}  # fmt: skip
+        out |= {
+            "intake_quantiles": [float(q) for q in np.percentile(spread, levels)],
+            "num_requests": len(intake),
+        }
     return out
 
 

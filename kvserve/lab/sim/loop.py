@@ -109,7 +109,11 @@ def simulate_continuous(
             sim = timeline.request
             if timeline.reject(
                 validation_error(
-                    sim, scheduler_config.max_model_len, num_blocks, block_size, layout,
+                    sim,
+                    scheduler_config.max_model_len,
+                    num_blocks,
+                    block_size,
+                    layout,
                     scheduler_config.max_num_batched_tokens,
                 )
             ):

@@ -274,9 +274,13 @@ def simulate_data_parallel(
         for replica in replicas:
             replica.advance_to(sim.arrival_s)
         timeline.error = validation_error(
-            sim, scheduler_config.max_model_len, num_blocks, block_size, layout,
+            sim,
+            scheduler_config.max_model_len,
+            num_blocks,
+            block_size,
+            layout,
             scheduler_config.max_num_batched_tokens,
-        )  # fmt: skip
+        )
         if timeline.error is not None:
             continue
         request = make_request(sim)

@@ -148,9 +148,11 @@ def profile_deployment(
         delivery = None
         if noise != "pooled" and (jitter := profile.meta.get("delivery_jitter")):
             delivery = DeliveryJitter(
-                jitter["quantiles"], jitter["lag1_correlation"], seed,
+                jitter["quantiles"],
+                jitter["lag1_correlation"],
+                seed,
                 jitter.get("intake_quantiles"),
-            )  # fmt: skip
+            )
         cost = NoisyCost(profile, tuple(quantiles), seed, by_class, rho, delivery)
     description = {"cost_model": "profile"} | cost.describe()
     defaults = {k: engine[k] for k in PROFILE_ENGINE_KEYS if engine.get(k) is not None}

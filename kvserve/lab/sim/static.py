@@ -141,9 +141,7 @@ def simulate_static(
         while pending and pending[0].request.arrival_s <= now:
             timeline = pending.popleft()
             if timeline.reject(
-                validation_error(
-                    timeline.request, max_model_len, num_blocks, block_size, layout
-                )
+                validation_error(timeline.request, max_model_len, num_blocks, block_size, layout)
             ):
                 queue.append(timeline)
         if not queue:

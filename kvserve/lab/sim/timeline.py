@@ -154,8 +154,12 @@ REJECTION_KINDS = {
 
 
 def validation_error(
-    sim: SimRequest, max_model_len: int, num_blocks: int, block_size: int,
-    layout: KVLayout | None = None, max_chunk: int | None = None,
+    sim: SimRequest,
+    max_model_len: int,
+    num_blocks: int,
+    block_size: int,
+    layout: KVLayout | None = None,
+    max_chunk: int | None = None,
 ) -> tuple[str, str] | None:
     """The engine's admission checks (LLMEngine.validate): too long for the context, or more KV
     blocks than the whole cache holds (with a hybrid `layout`, its peak over the groups when
