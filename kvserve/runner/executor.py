@@ -302,14 +302,9 @@ def _tcp_store(host: str, world_size: int, timeout_s: float):
     return store, f"tcp://{host}:{port}"
 
 
-def _stop_workers(
-    workers: list, conns: list, num_threads: int, rendezvous_dir: str | None, node_group=None
-) -> None:
-    """Stop the workers (ask, then terminate, then kill) and the other nodes (asked: each stops its
-    own ranks), destroy rank 0's process group, remove the rendezvous directory, restore the engine
-    process's thread count."""
-    if node_group is not None:
-        node_group.close()
+def stop_ranks(workers: list, conns: list) -> None:
+    """Stop local rank processes: ask each live one, then terminate, then kill; close their pipes
+    (rank 0's executor and a `kvserve tp-node` agent alike)."""
     for process, conn in zip(workers, conns, strict=False):
         if process.exitcode is None:
             try:
@@ -326,6 +321,17 @@ def _stop_workers(
             process.join()
     for conn in conns:
         conn.close()
+
+
+def _stop_workers(
+    workers: list, conns: list, num_threads: int, rendezvous_dir: str | None, node_group=None
+) -> None:
+    """Stop the workers (ask, then terminate, then kill) and the other nodes (asked: each stops its
+    own ranks), destroy rank 0's process group, remove the rendezvous directory, restore the engine
+    process's thread count."""
+    if node_group is not None:
+        node_group.close()
+    stop_ranks(workers, conns)
     if dist.is_initialized():
         dist.destroy_process_group()
     if rendezvous_dir is not None:

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
 from kvserve.mp_children import children_allowed
-from kvserve.runner.executor import JOIN_TIMEOUT_S, _rank_device, threads_per_rank
+from kvserve.runner.executor import _rank_device, stop_ranks, threads_per_rank
 from kvserve.runner.multinode import (
     Channel,
     client_handshake,
@@ -99,7 +99,7 @@ def run_node(config: EngineConfig) -> None:
         logger.info("%s: ranks %d-%d started", where, ranks.start, ranks.stop - 1)
         _relay(channel, workers, conns, ranks, where)
     finally:
-        _stop(workers, conns)
+        stop_ranks(workers, conns)
         channel.close()
 
 
@@ -145,22 +145,3 @@ def _report(channel: Channel, text: str) -> None:
     except OSError:
         pass
     raise NodeError(text)
-
-
-def _stop(workers: list, conns: list) -> None:
-    for process, conn in zip(workers, conns, strict=False):
-        if process.exitcode is None:
-            try:
-                conn.send((STOP,))
-            except OSError:
-                pass
-    for process in workers:
-        process.join(JOIN_TIMEOUT_S)
-        if process.exitcode is None:
-            process.terminate()
-            process.join(JOIN_TIMEOUT_S)
-        if process.exitcode is None:
-            process.kill()
-            process.join()
-    for conn in conns:
-        conn.close()
