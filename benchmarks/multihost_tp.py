@@ -57,7 +57,7 @@ def collective_rank(rank: int, address: str, store: str, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from kvserve.runner.multinode import gloo_environment, listen
+    from kvserve.links import gloo_environment, listen
 
     os.environ.update(gloo_environment(address))
     torch.set_num_threads(1)

@@ -24,6 +24,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "sched": {"core", "kv", "config"},
     "plan": {"core", "kv", "config", "paths", "quant"},
     "evaluation": {"core"},
+    "links": {"core"},  # authenticated links between hosts (TP nodes, remote engine cores)
     "gguf": {"core", "paths", "model"},  # model.block_weights only: below
     "models": {"core", "gguf"},
     "tokenizer": {"core", "config"},
@@ -31,10 +32,13 @@ MAY_IMPORT: dict[str, set[str]] = {
     "structured": {"core", "mp_children"},
     "quant": {"core", "gguf", "paths", "progress", "evaluation", "tokenizer"},
     "model": {"core", "config", "gguf", "quant", "paths", "progress"},
-    "runner": {"core", "config", "model", "quant", "structured", "threads", "mp_children", "paths"},
+    "runner": {
+        *("core", "config", "model", "quant", "structured", "threads", "mp_children", "paths"),
+        "links",
+    },
     "engine": set(
         "core config kv sched model runner quant structured tokenizer memory models options threads "
-        "mp_children paths progress gguf".split()
+        "mp_children paths progress gguf links".split()
     ),
     "server": {"core", "engine", "quant", "paths", "kvserve", "_version"},
     "bench": {"core", "plan", "options", "models", "_version", "paths", "progress"},
@@ -84,7 +88,7 @@ ONLY = {
 }
 # Layers that never import torch or transformers, not even inside a function.
 TORCH_FREE = {
-    *"core kv sched plan config sim check server evaluation models tokenizer".split(),
+    *"core kv sched plan config sim check server evaluation models tokenizer links".split(),
     *LEAVES,
 }
 # Single torch-free modules inside a torch layer, which torch-free code imports.

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.runner.multinode import (
+from kvserve.links import (
     SECRET_ENV,
     AuthenticationError,
     client_handshake,

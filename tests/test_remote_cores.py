@@ -26,7 +26,7 @@ import pytest
 
 from kvserve.engine.remote import CORE_MAGIC
 from kvserve.engine.wire import CoreOutputs, FromCore
-from kvserve.runner.multinode import (
+from kvserve.links import (
     SECRET_ENV,
     AuthenticationError,
     client_handshake,

@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.engine.core_server import CoreServer
     from kvserve.engine.faults import FaultInjection
     from kvserve.engine.remote import SECRET_NEEDED_BY
+    from kvserve.links import load_secret
     from kvserve.models import resolve_model
-    from kvserve.runner.multinode import load_secret
 
     logging.basicConfig(
         level=args.log_level.upper(),

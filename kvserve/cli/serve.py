@@ -316,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
 def _check_cores(args: argparse.Namespace) -> int:
     """The number of local engine cores; the layout's errors, before anything starts."""
     from kvserve.engine.remote import SECRET_NEEDED_BY, parse_address
-    from kvserve.runner.multinode import load_secret
+    from kvserve.links import load_secret
 
     remote = args.remote_engine_core
     num_local = args.data_parallel_size

@@ -4,7 +4,7 @@
 This process is a relay. It starts the engine core exactly as a local API server does
 (kvserve.engine.core_proc.run_core in a spawned child, over two ZMQ ipc sockets), listens on
 `--host:--port` (that address only), and admits one API server that proves the shared secret
-(kvserve.runner.multinode's HMAC challenge/response; a peer that does not is dropped having read only a
+(kvserve.links's HMAC challenge/response; a peer that does not is dropped having read only a
 random challenge). It then passes the core's messages through unchanged, each in an authenticated
 frame: the API server's commands to the core, the core's Ready, outputs and heartbeats back (a Ready
 sent before the API server arrived is kept for it). The relay decodes nothing on the way once a
@@ -30,7 +30,7 @@ import threading
 from kvserve.engine.core_proc import run_core
 from kvserve.engine.remote import CORE_MAGIC, tune_link
 from kvserve.engine.wire import CoreOutputs, FromCore, Heartbeat, ShutdownCmd, decoder, encoder
-from kvserve.runner.multinode import Channel, listen, server_handshake
+from kvserve.links import Channel, listen, server_handshake
 
 logger = logging.getLogger(__name__)
 

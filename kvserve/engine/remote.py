@@ -3,7 +3,7 @@
 `kvserve engine-core` (kvserve.engine.core_server) runs one engine core on its own host and listens on
 `--host:--port`. The API server (`kvserve serve --remote-engine-core HOST:PORT`) connects to it, and
 both prove the shared secret with the tensor-parallel nodes' HMAC challenge/response
-(kvserve.runner.multinode; this protocol greets with its own magic, so neither side mistakes the other
+(kvserve.links; this protocol greets with its own magic, so neither side mistakes the other
 kind of port). Every later frame is the same msgpack message (kvserve.engine.wire) a local core
 exchanges over ZMQ, carried in an HMAC-tagged frame (direction, sequence number, payload): a frame
 injected, replayed or reordered by anyone without the secret is refused. Nothing is encrypted.
@@ -20,7 +20,7 @@ import time
 
 from kvserve.core.errors import InvalidRequestError
 from kvserve.engine.wire import EngineInfo
-from kvserve.runner.multinode import (
+from kvserve.links import (
     AuthenticationError,
     Channel,
     client_handshake,

@@ -27,10 +27,10 @@ import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
 from kvserve.core.errors import InvalidRequestError
+from kvserve.links import gloo_environment, listen, load_secret
 from kvserve.model.parallel import TensorParallelLayout, check_tensor_parallel_arch
 from kvserve.mp_children import children_allowed
 from kvserve.runner.model_runner import ModelRunner
-from kvserve.runner.multinode import gloo_environment, listen, load_secret
 from kvserve.runner.nodes import NodeGroup, NodeJoinError, RemoteNode
 from kvserve.runner.worker import (
     ERROR,

@@ -1,7 +1,7 @@
 """A node other than node 0 (`kvserve tp-node`, docs/parallel.md "Across hosts"): it runs only
 tensor-parallel ranks, no engine and no API server.
 
-It connects to node 0's `--dist-init-addr`, proves the shared secret (kvserve.runner.multinode),
+It connects to node 0's `--dist-init-addr`, proves the shared secret (kvserve.links),
 sends its options' fingerprint, and learns the store address and the KV block count. It then starts
 its ranks as worker processes (`kvserve.runner.worker.worker_main`, the same loop as a local rank's)
 and relays: node 0's forward commands to every rank's pipe, each rank's READY and error reports back.
@@ -20,15 +20,15 @@ import torch
 import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
-from kvserve.mp_children import children_allowed
-from kvserve.runner.executor import _rank_device, stop_ranks, threads_per_rank
-from kvserve.runner.multinode import (
+from kvserve.links import (
     Channel,
     client_handshake,
     connect,
     gloo_environment,
     load_secret,
 )
+from kvserve.mp_children import children_allowed
+from kvserve.runner.executor import _rank_device, stop_ranks, threads_per_rank
 from kvserve.runner.nodes import fingerprint
 from kvserve.runner.worker import ERROR, FORWARD, READY, STOP, RankSpec, worker_main
 from kvserve.threads import spawn_environment

@@ -1,7 +1,7 @@
 """Node 0's side of multi-host tensor parallelism (docs/parallel.md, "Across hosts").
 
 `NodeGroup` listens on `--dist-init-addr`, admits each other node once it has proved the shared
-secret (kvserve.runner.multinode) and sent the same engine options, and then tells it where the
+secret (kvserve.links) and sent the same engine options, and then tells it where the
 torch.distributed store is and how many KV blocks to allocate. Afterwards each node is a
 `RemoteNode`: rank 0 sends it every forward's input, and it reports its ranks' READY, their errors,
 and its own end (the connection closing).
@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
-from kvserve.runner.multinode import Channel, listen, server_handshake
+from kvserve.links import Channel, listen, server_handshake
 
 logger = logging.getLogger(__name__)
 

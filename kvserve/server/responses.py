@@ -37,6 +37,7 @@ class Job:
     num_reserved: int = 0  # waiting-queue places held for it and not yet used
     # no grammar, or one the engine compiled before; a new one waits its turn in the grammar queue
     grammar_known: bool = False
+    max_tokens_field: str = "max_tokens"  # the name the client sent (max_completion_tokens in chat)
     streams: list = field(default_factory=list)  # the engine's request streams, once started
     # a stream's newest output per prompt: that step's deltas with the running counts (continuous usage)
     latest: dict[int, RequestOutput] = field(default_factory=dict)

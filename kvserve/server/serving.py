@@ -56,6 +56,17 @@ class ServingOptions:
     )
 
 
+def _as_sent(exc: InvalidRequestError, field: str) -> InvalidRequestError:
+    """`exc` naming `field` where it names max_tokens (a chat request may send
+    max_completion_tokens); the same error class (a context-length error stays one)."""
+    if exc.param != "max_tokens" or field == "max_tokens":
+        return exc
+    renamed = copy.copy(exc)
+    renamed.message = exc.message.replace("max_tokens", field)
+    renamed.args, renamed.param = (renamed.message,), field
+    return renamed
+
+
 async def _unless_gone(
     work: Awaitable, disconnected: Callable[[], Awaitable[bool]] | None, poll_s: float = 0.25
 ):
@@ -259,7 +270,8 @@ class OpenAIServing(JobAccounting):
             )
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
-        """Run in the worker pool: template, tokenisation, validation (grammar compilation)."""
+        """Run in the worker pool: template, tokenisation, the server's limits (the engine checks the
+        rest when it adds the request: `prepare`)."""
         self.check_model(request.model)
         check_fields(request, "chat")
         plan = request.tool_plan()
@@ -272,18 +284,18 @@ class OpenAIServing(JobAccounting):
             text = self.render_chat(request)
             ids = self.encode_prompt(text, False, params, "messages")
             job = self._job("chat", request, params, [ids], [text])
-        except InvalidRequestError as exc:  # name the field the client sent
-            if exc.param != "max_tokens" or request.max_completion_tokens is None:
+        except InvalidRequestError as exc:
+            if request.max_completion_tokens is None:
                 raise
-            renamed = copy.copy(exc)  # keeps its class (a context-length error stays one)
-            renamed.message = exc.message.replace("max_tokens", "max_completion_tokens")
-            renamed.args, renamed.param = (renamed.message,), "max_completion_tokens"
-            raise renamed from None
+            raise _as_sent(exc, "max_completion_tokens") from None
         job.tool_plan, job.tool_parser = plan, parser
+        if request.max_completion_tokens is not None:
+            job.max_tokens_field = "max_completion_tokens"
         return job
 
     def completion_job(self, request: CompletionRequest) -> Job:
-        """Run in the worker pool: tokenisation, validation (grammar compilation)."""
+        """Run in the worker pool: tokenisation, the server's limits (the engine checks the rest when it
+        adds the request: `prepare`)."""
         self.check_model(request.model)
         check_fields(request, "completion")
         params = request.to_sampling_params()
@@ -387,6 +399,8 @@ class OpenAIServing(JobAccounting):
         for stream in job.streams:
             try:
                 await stream.accepted(wait_s)
+            except InvalidRequestError as exc:  # name the field the client sent
+                raise _as_sent(exc, job.max_tokens_field) from None
             except TimeoutError:
                 structured = job.params.structured
                 raise InvalidRequestError(

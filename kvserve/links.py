@@ -1,5 +1,7 @@
-"""Tensor parallelism over several hosts (docs/parallel.md, "Across hosts"): the kvserve-owned
-handshake that admits a node, and the authenticated channel that then carries its commands.
+"""Authenticated links between hosts (docs/parallel.md, "Across hosts"): the kvserve-owned handshake
+that admits a peer, and the channel that then carries its messages. Tensor-parallel nodes
+(kvserve/runner/nodes.py) and remote engine cores (kvserve/engine/remote.py) use it; it needs
+nothing of kvserve but its errors, so the API process can use it without loading the engine.
 
 Node 0 (the engine) listens on `--dist-init-addr HOST:PORT`, bound to HOST only. A node that connects
 must prove it holds the shared secret before it learns anything: node 0 sends a random challenge,
