@@ -57,6 +57,7 @@ def _label(text: str) -> tuple[str, str]:
 
 
 def _add_serve(sub) -> None:
+    """Long: the `bench serve` flags, one declaration each, in help order."""
     p = sub.add_parser(
         "serve",
         help="load-test an OpenAI-compatible server over HTTP",

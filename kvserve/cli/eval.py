@@ -28,6 +28,7 @@ def _at_least(low: int):
 
 
 def register(subparsers) -> None:
+    """Long: the `eval` sub-commands' flags, one declaration each."""
     parser = subparsers.add_parser("eval", help="evaluate a model (perplexity, compare)")
     sub = parser.add_subparsers(dest="eval_command", metavar="EVAL")
     ppl = sub.add_parser(

@@ -25,6 +25,7 @@ interconnects: nvlink4 nvlink3 pcie5 pcie4 ethernet-100g ethernet-10g (docs/para
 
 
 def register(subparsers: Any) -> None:
+    """Long: the `plan` flags, one declaration each, in help order."""
     p = subparsers.add_parser(
         "plan",
         help="capacity, latency and cost arithmetic for a model on hardware",
@@ -222,6 +223,8 @@ def _compare_profiles(spec: str) -> list[Any]:
 
 
 def _measure(args: argparse.Namespace) -> Any:
+    """Long: one measurement session in the order it prints (roofline, engine kernels, host cost);
+    split, its many shared locals would travel as arguments."""
     from dataclasses import replace
 
     from kvserve.lab.measure import default_config, measure_roofline

@@ -27,6 +27,7 @@ then open http://127.0.0.1:8000/ for the chat playground and the live dashboard.
 
 
 def register(subparsers) -> None:
+    """Long: the `serve` flags beyond the generated engine options, one declaration each."""
     parser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
@@ -200,6 +201,8 @@ def add_core_arguments(parser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Long: the server's start-up in the order it happens (options, limits, engine client, app,
+    signals, uvicorn), each step a few lines."""
     import logging
 
     import uvicorn

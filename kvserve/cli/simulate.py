@@ -43,6 +43,7 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def register(subparsers: Any) -> None:
+    """Long: the `simulate` flags, one declaration each, in help order."""
     p = subparsers.add_parser(
         "simulate",
         help="simulate serving policies on the engine's scheduler with a cost model",

@@ -43,7 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_layouts(args: argparse.Namespace) -> int:
-    """Every layout x rate x policy, one table; `--find-capacity` per layout and policy."""
+    """Every layout x rate x policy, one table; `--find-capacity` per layout and policy.
+
+    Long: one table's rows built in place, layout by layout; the columns share the loop's locals."""
     from kvserve import __version__
     from kvserve.cli.plan import link_from_args
     from kvserve.lab.bench.slo import ObjectiveSet

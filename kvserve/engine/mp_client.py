@@ -57,6 +57,8 @@ class MPClient(EngineClient):
         heartbeat_timeout_s: float | None = None,
         startup_timeout_s: float = 900.0,
     ) -> None:
+        """Long: starting N core processes and their sockets is one transaction: every failure path
+        closes what was opened before it."""
         import zmq
 
         if num_cores < 0 or num_cores + len(remote_cores) < 1:

@@ -65,7 +65,10 @@ def build_kernel(source_dir: Path) -> ctypes.CDLL | None:
     with the same file names and the same structs: benchmarks/ab_switch.py loads two builds side by
     side to compare a change in one process), cached by the sources' hash; None when it cannot be
     built here (reason logged). A library is loaded with RTLD_LOCAL, so two builds' functions do not
-    interpose each other."""
+    interpose each other.
+
+    Long: compiler probing, the build and its cache in one transaction (a lock, a temporary
+    directory, an atomic rename)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning(

@@ -106,7 +106,10 @@ def load_model(
     quantises its weights at load and runs them on the integer kernels: rounded to nearest, or the
     block linears by a calibrated `quantization_method` (gptq, awq, smoothquant) on the text in
     `calib`, as `kvserve quantize` would write them, short scale groups allowed. `gguf_activations`
-    "int8" runs a GGUF file's blocks on the panel kernel with int8 activations (install_block_weights)."""
+    "int8" runs a GGUF file's blocks on the panel kernel with int8 activations (install_block_weights).
+
+    Long: the load stages in order (read, check, calibrate, install, convert), which share the state
+    dict being consumed."""
     model_dir = Path(model_dir)
     scheme = parse_weight_scheme(quantization) if isinstance(quantization, str) else quantization
     quantization = None if scheme is None else scheme.name

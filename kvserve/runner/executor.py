@@ -93,6 +93,8 @@ class TensorParallelRunner(ModelRunner):
     """Rank 0 of `config.tensor_parallel_size`, in the engine process; see the module doc."""
 
     def __init__(self, config: EngineConfig, num_blocks: int) -> None:
+        """Long: starting the ranks (local and on other nodes) is one transaction: every failure path
+        stops what was started before it."""
         world = config.tensor_parallel_size
         layout = TensorParallelLayout(0, world, config.model)  # bad splits fail before any spawn
         if config.weight_scheme is not None:

@@ -110,6 +110,8 @@ class Scheduler:
     # --- one step ---------------------------------------------------------------------------------------
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        """Long: one scheduling pass read top to bottom (running requests, preemption, admission), as
+        vLLM's and nano-vllm's are."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []

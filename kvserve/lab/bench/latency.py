@@ -212,7 +212,9 @@ def _metadata(cfg: LatencyConfig, llm, hw, hw_reason: str) -> dict:
 
 
 def run_latency(cfg: LatencyConfig) -> dict:
-    """Run the grid; write latency.json (and latency.png); returns the document."""
+    """Run the grid; write latency.json (and latency.png); returns the document.
+
+    Long: the grid's loops, with the warm-up and the record of each cell beside the cell."""
     from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine.llm import LLM
     from kvserve.lab.bench import latency_report

@@ -113,7 +113,9 @@ def table(doc: dict) -> str:
 def plot(doc: dict) -> bytes:
     """Four panels: batch prefill time vs prompt tokens; decode step time (p50, whiskers to p99,
     roofline dashed) and aggregate decode tokens/s vs batch size; the wall clock of one iteration
-    split into prefill, decode and the rest."""
+    split into prefill, decode and the rest.
+
+    Long: four panels drawn one after another on shared axes."""
     plt = _pyplot()
     from matplotlib.ticker import NullLocator
 

@@ -87,6 +87,8 @@ class _Progress:
 
 
 async def run_load(plan: LoadPlan, send: SendFn, progress: bool = False) -> LoadResult:
+    """Long: the load loop with its arrival schedule, cancellation and clean-up in one place, so a stop
+    signal is handled once."""
     loop = asyncio.get_running_loop()
     clock = time.perf_counter
     origin, epoch, cpu0 = clock(), time.time(), time.process_time()

@@ -108,6 +108,7 @@ class OfflineCheck:
         return [trace_of(o) for o in llm.generate(prompts, self.cfg.params)]
 
     def run(self) -> tuple[list[Trace], list[ShapeResult]]:
+        """Long: the checks run in sequence against one server, each a few lines."""
         cfg = self.cfg
         base = self.make_llm(enable_prefix_caching=False)
         prompts = self.prompts = token_ids_without_tokenizer(base, self.prompts)

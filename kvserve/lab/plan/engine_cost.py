@@ -119,7 +119,9 @@ class EngineCost:
     ) -> EngineCost | None:
         """None when the profile has no dispatch points (a datasheet or an older measurement).
         `fused_eligible`: whether the engine can run this plan's decode steps fused (it needs an
-        fp32 or 8-bit KV cache; docs/planning.md)."""
+        fp32 or 8-bit KV cache; docs/planning.md).
+
+        Long: each fitted term read from the profile next to its fallback."""
         rates: dict[str, list[tuple[int, float]]] = {}
         fused_rates: dict[str, list[tuple[int, float]]] = {}
         by_kind: dict[str, list[tuple[int, float]]] = {}

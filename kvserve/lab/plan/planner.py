@@ -356,7 +356,9 @@ def make_plan(
 
     With `parallel`, weights, KV, latency and capacity are per device / per replica: one
     tensor-parallel rank is `shard_model(model, N)` and every step pays its all-reduces
-    (docs/parallel.md); `PlanResult.parallel` holds the totals."""
+    (docs/parallel.md); `PlanResult.parallel` holds the totals.
+
+    Long: the plan's numbers in the order docs/planning.md derives them."""
     fmt = parse_weight_format(weight_format) if isinstance(weight_format, str) else weight_format
     w = workload or Workload()
     a = (assumptions or Assumptions()).resolved(hardware)

@@ -36,7 +36,9 @@ def phase_points(plan: PlanResult) -> list[tuple[str, float, float]]:
 def plot_roofline(
     path: str | Path, hardware: HardwareProfile, plan: PlanResult | None = None
 ) -> Path:
-    """Write a log-log roofline (FLOP/s against FLOP/byte) to `path` (suffix picks the format)."""
+    """Write a log-log roofline (FLOP/s against FLOP/byte) to `path` (suffix picks the format).
+
+    Long: one figure's roofs, points and labels."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

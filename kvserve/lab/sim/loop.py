@@ -76,7 +76,9 @@ def simulate_continuous(
     acceptance: Acceptance | None = None,
     layout: KVLayout | None = None,
 ) -> SimRun:
-    """`layout`: a hybrid model's KV groups, as the engine keeps them (kv/groups.py)."""
+    """`layout`: a hybrid model's KV groups, as the engine keeps them (kv/groups.py).
+
+    Long: the simulated engine loop mirrors the engine's step loop one to one."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout)
     scheduler = Scheduler(scheduler_config, kv)
     timelines = [RequestTimeline(r) for r in requests]
