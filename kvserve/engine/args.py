@@ -213,14 +213,14 @@ class EngineArgs:
         type=int,
     )
     nnodes: int = _option(
-        1,
+        _default(DistConfig, "nnodes"),
         "hosts the tensor-parallel ranks span; node 0 runs the engine, the others `kvserve tp-node` "
         "(SGLang's spelling; docs/parallel.md)",
         type=int,
         group="multi-host tensor parallelism",
     )
     node_rank: int = _option(
-        0,
+        _default(DistConfig, "node_rank"),
         "this host's index, 0 to --nnodes - 1 (0: the engine)",
         type=int,
         group="multi-host tensor parallelism",
@@ -234,7 +234,7 @@ class EngineArgs:
         group="multi-host tensor parallelism",
     )
     dist_timeout: float = _option(
-        60.0,
+        _default(DistConfig, "timeout_s"),
         "seconds every node has to join, and that a collective across hosts waits for a rank",
         type=float,
         group="multi-host tensor parallelism",

@@ -88,7 +88,7 @@ class TensorScheme:
 
 
 _ALIASES = {"int8-pc": "int8", "int8-per-channel": "int8", "w8": "int8", "int4-tensor": "int4-pt"}
-_FLOAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8}
+FLOAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8}  # every float format a string may name
 _INT_RE = re.compile(r"^int(\d+)(?:-g(\d+))?(-zp)?$")
 
 
@@ -109,8 +109,8 @@ class FormatParts:
 def lex_tensor_format(text: str) -> FormatParts | None:
     """The parts of one tensor format string (aliases resolved), or None if it is not one."""
     name = _ALIASES.get(text.strip().lower(), text.strip().lower())
-    if name in _FLOAT_BITS:
-        return FormatParts(name, float_bits=_FLOAT_BITS[name])
+    if name in FLOAT_BITS:
+        return FormatParts(name, float_bits=FLOAT_BITS[name])
     if name in ("w8a8", "w8a8-pt"):
         return FormatParts(name, bits=8, variant=name[2:])  # "a8" or "a8-pt"
     if name == "int4-pt":

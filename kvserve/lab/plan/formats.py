@@ -21,10 +21,15 @@ import math
 from dataclasses import dataclass
 
 from kvserve.lab.plan.model import ModelSpec, PlanError, TensorShape
-from kvserve.quant.scheme import FORMAT_CLASSES, SCALE_BITS, lex_tensor_format, split_weight_format
+from kvserve.quant.scheme import (
+    FLOAT_BITS,
+    FORMAT_CLASSES,
+    SCALE_BITS,
+    lex_tensor_format,
+    split_weight_format,
+)
 
 CATEGORIES = FORMAT_CLASSES
-_FLOAT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "fp8": 8}
 
 
 @dataclass(frozen=True)
@@ -162,4 +167,4 @@ class KVFormat:
         """b in docs/planning.md's k = 2 L n_kv d_h b."""
         if self.name == "int8":
             return 1 + SCALE_BITS / 8 / head_dim
-        return _FLOAT_BITS[self.name] / 8
+        return FLOAT_BITS[self.name] / 8
