@@ -3,7 +3,7 @@
     LLAMA_CPP_LIB_PATH=BIN PYTHONPATH=SDIST python benchmarks/gguf_llamacpp_agreement.py
 
 llama.cpp is read through llama-cpp-python's ctypes bindings (the sdist's `llama_cpp` package, its
-dependency `diskcache`) over the libllama.so that ../shared/peers/build_llamacpp.sh builds. The
+dependency `diskcache`) over the libllama.so that benchmarks/peers/build_llamacpp.sh builds. The
 prompts are the 20 chat prompts of tests/fixtures/gguf/smollm2_reference.json (the transformers
 reference's own), fed as token ids to both engines (no tokenizer in the comparison).
 

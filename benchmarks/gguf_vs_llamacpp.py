@@ -9,7 +9,8 @@ panel kernel with activations rounded to int8 as llama.cpp rounds them): decode 
 batch x 64 / (time of 65 tokens - time of 1 token) for 64-token prompts (prefill excluded, as
 llama-batched-bench's S_TG excludes it), prefill a 512-token prompt's tokens / time to its first
 token. Rounds alternate A B A B; the JSON keeps every round. The llama.cpp build is
-../shared/peers/build_llamacpp.sh (GGML_NATIVE off, its AMX kernels compiled out, CPU repack on).
+benchmarks/peers/build_llamacpp.sh's (GGML_NATIVE off, its AMX kernels compiled out, CPU repack on);
+the JSON's "llama_cpp_build" is the line that script wrote beside the binaries.
 """
 
 from __future__ import annotations
@@ -90,7 +91,11 @@ def main() -> None:
                        "kvserve int8 activations": kvserve_round(args.model, "int8")})  # fmt: skip
         print(json.dumps(rounds[-1]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "rounds": rounds}, indent=1))
+    build = args.bin_dir / "kvserve-build.txt"
+    build_line = build.read_text().strip() if build.is_file() else "unknown (not built by benchmarks/peers)"
+    args.out.write_text(
+        json.dumps({"model": args.model, "llama_cpp_build": build_line, "rounds": rounds}, indent=1)
+    )
 
 
 if __name__ == "__main__":
