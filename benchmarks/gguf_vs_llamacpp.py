@@ -92,7 +92,9 @@ def main() -> None:
         print(json.dumps(rounds[-1]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     build = args.bin_dir / "kvserve-build.txt"
-    build_line = build.read_text().strip() if build.is_file() else "unknown (not built by benchmarks/peers)"
+    build_line = (
+        build.read_text().strip() if build.is_file() else "unknown (not built by benchmarks/peers)"
+    )
     args.out.write_text(
         json.dumps({"model": args.model, "llama_cpp_build": build_line, "rounds": rounds}, indent=1)
     )
