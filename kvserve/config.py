@@ -11,8 +11,9 @@ from functools import cached_property
 from pathlib import Path
 
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
+from kvserve.core.options import check_options, option
 from kvserve.kv.groups import KVLayout, plan_layout, single_layout
-from kvserve.quant.methods import DEFAULT_METHOD, check_method
+from kvserve.quant.methods import DEFAULT_METHOD, METHODS, check_method
 from kvserve.quant.scheme import QuantizationError, WeightScheme, parse_weight_scheme
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -230,30 +231,26 @@ def _layer_types(raw: dict) -> tuple[str, ...]:
 class CacheConfig:
     """Paged KV cache: `num_blocks` blocks of `block_size` tokens each."""
 
-    block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 1024**2
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
-    hybrid: bool = True  # a hybrid model's window layers return blocks (kv/groups.py)
+    block_size: int = option(16, "tokens per KV-cache block", ge=1)
+    num_blocks: int | None = option(
+        None, "KV-cache blocks (default: as many as --kv-cache-memory holds)", ge=1
+    )
+    kv_cache_memory_bytes: int = option(512 * 1024**2, "memory for the KV cache", ge=1)
+    enable_prefix_caching: bool = option(True, "reuse cached prompt prefixes")
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache storage: the model's dtype, or 8-bit codes + fp16 scales per token and head",
+        choices=KV_CACHE_DTYPES,
+    )
+    hybrid: bool = option(
+        True,
+        "a model with sliding-window and global layers (Gemma 3) returns the blocks its "
+        "window layers no longer see (docs/scheduling.md)",
+    )
     sizing: str = ""  # how the size was chosen, for the startup banner (kvserve/memory.py)
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
-                "kv_cache_dtype",
-            )
-        if self.block_size < 1:
-            raise InvalidRequestError(
-                f"block_size must be >= 1, got {self.block_size}", "block_size"
-            )
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise InvalidRequestError(
-                f"num_blocks must be >= 1, got {self.num_blocks}", "num_blocks"
-            )
-        if self.kv_cache_memory_bytes < 1:
-            raise InvalidRequestError("kv_cache_memory_bytes must be positive", "kv_cache_memory")
+        check_options(self)
 
     def resolve_num_blocks(self, kv_bytes_per_token: int) -> int:
         if self.num_blocks is not None:
@@ -275,30 +272,23 @@ ADMISSION_POLICIES = ("on_demand", "reserve")
 class SchedulerConfig:
     """One token budget per step shared by decode tokens and prompt chunks (docs/scheduling.md)."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    admission: str = "on_demand"
+    max_num_seqs: int = option(64, "most sequences running at once", ge=1)
+    max_num_batched_tokens: int = option(
+        2048, "token budget of one step, shared by decode tokens and prompt chunks", ge=1
+    )
+    max_model_len: int = option(2048, "context length in tokens, prompt + output", ge=2)
+    admission: str = option(
+        "on_demand",
+        "on_demand: charge blocks as used, preempt when full; reserve: prompt + max_tokens "
+        "up front (docs/scheduling.md)",
+        choices=ADMISSION_POLICIES,
+    )
     # Speculative decoding: slots allocated past each chunk of a speculating request, so the proposer can
     # write its draft positions (gamma when speculating, else 0).
-    num_lookahead_tokens: int = 0
+    num_lookahead_tokens: int = option(0, ge=0)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise InvalidRequestError("max_num_seqs must be >= 1", "max_num_seqs")
-        if self.max_num_batched_tokens < 1:
-            raise InvalidRequestError(
-                "max_num_batched_tokens must be >= 1", "max_num_batched_tokens"
-            )
-        if self.max_model_len < 2:
-            raise InvalidRequestError("max_model_len must be >= 2", "max_model_len")
-        if self.num_lookahead_tokens < 0:
-            raise InvalidRequestError("num_lookahead_tokens must be >= 0", "num_lookahead_tokens")
-        if self.admission not in ADMISSION_POLICIES:
-            raise InvalidRequestError(
-                f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}",
-                "admission",
-            )
+        check_options(self)
 
 
 SPECULATIVE_METHODS = ("draft", "ngram")
@@ -308,23 +298,21 @@ SPECULATIVE_METHODS = ("draft", "ngram")
 class SpeculativeConfig:
     """Speculative decoding (docs/speculative-decoding.md): a proposer and how many tokens it proposes per step."""
 
-    method: str
-    num_speculative_tokens: int = 4
-    draft_model_dir: str | None = None
+    method: str = option(
+        help="draft model or n-gram lookup (default: draft when --speculative-model is given)",
+        choices=SPECULATIVE_METHODS,
+    )
+    num_speculative_tokens: int = option(4, "gamma: proposals per step", ge=1, le=16)
+    draft_model_dir: str | None = option(
+        None, "draft model directory or built-in name (kvserve-demo-draft); same tokenizer"
+    )
     draft_model: ModelConfig | None = None
-    ngram_min: int = 1  # n-gram lookup tries the longest suffix first, down to ngram_min tokens
-    ngram_max: int = 4
+    # n-gram lookup tries the longest suffix first, down to ngram_min tokens
+    ngram_min: int = option(1, "shortest n-gram to match", ge=1)
+    ngram_max: int = option(4, "longest n-gram to match", ge=1)
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise InvalidRequestError(
-                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
-                "speculative_method",
-            )
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise InvalidRequestError(
-                "num_speculative_tokens must be in [1, 16]", "num_speculative_tokens"
-            )
+        check_options(self)
         if self.method == "draft" and (self.draft_model_dir is None or self.draft_model is None):
             raise InvalidRequestError(
                 "the draft method needs a draft model directory", "speculative_model"
@@ -337,22 +325,32 @@ class SpeculativeConfig:
 class DistConfig:
     """Where this process sits in a multi-host tensor-parallel layout."""
 
-    nnodes: int = 1
-    node_rank: int = 0
-    init_addr: str | None = None  # HOST:PORT of node 0's handshake listener
-    timeout_s: float = 60.0  # to join, and for every collective across hosts
-    secret_file: str | None = None
+    nnodes: int = option(
+        1,
+        "hosts the tensor-parallel ranks span; node 0 runs the engine, the others `kvserve tp-node` "
+        "(SGLang's spelling; docs/parallel.md)",
+        ge=1,
+    )
+    node_rank: int = option(0, "this host's index, 0 to --nnodes - 1 (0: the engine)", ge=0)
+    init_addr: str | None = option(
+        None,
+        "node 0's HOST:PORT: node 0 listens there (on HOST only) for the other nodes, which must "
+        "prove the shared secret ($KVSERVE_DIST_SECRET or --dist-secret-file)",
+    )
+    timeout_s: float = option(
+        60.0,
+        "seconds every node has to join, and that a collective across hosts waits for a rank",
+        gt=0,
+    )
+    secret_file: str | None = option(
+        None, "file holding the nodes' shared secret (default: $KVSERVE_DIST_SECRET)"
+    )
 
     def __post_init__(self) -> None:
-        if self.nnodes < 1:
-            raise InvalidRequestError(f"--nnodes must be >= 1, got {self.nnodes}", "nnodes")
+        check_options(self)
         if not 0 <= self.node_rank < self.nnodes:
             raise InvalidRequestError(
                 f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}", "node_rank"
-            )
-        if not self.timeout_s > 0:
-            raise InvalidRequestError(
-                f"--dist-timeout must be > 0, got {self.timeout_s}", "dist_timeout"
             )
         if self.nnodes > 1:
             self.address  # noqa: B018 (validates HOST:PORT)
@@ -401,58 +399,71 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
+    dtype: str = option(
+        "float32",
+        "compute dtype",
+        choices=tuple(sorted(DTYPE_BYTES)),
+    )
+    device: str = option("cpu", "cpu, cuda or cuda:N")
+    seed: int = option(0, "engine random seed")
     speculative: SpeculativeConfig | None = None
-    # ATTENTION_BACKENDS. auto: on CPU with fp32 weights, the C kernels (in-place decode attention and the
-    # fused layer ops); torch: torch ops only (the reference path, any device and dtype).
-    attention_backend: str = "auto"
-    quantization: str | None = None  # weight scheme (docs/quantization.md), quantised at load
-    # how `quantization` quantises the block linears at load: rtn, or a calibrated method (gptq, awq,
-    # smoothquant) on the calibration text in `calib` (kvserve.quant.methods)
-    quantization_method: str = DEFAULT_METHOD
-    calib: str | None = None
-    # GGUF_ACTIVATIONS: a GGUF model's blocks times fp32 activations (the reference), or on the integer
-    # panel kernel with activations rounded to int8 per 32 inputs (kvserve.model.loader)
-    gguf_activations: str = "fp32"
-    tensor_parallel_size: int = 1  # ranks the target model is sharded over (docs/parallel.md)
-    # THREAD_POLICIES. adaptive: on CPU, a step's thread count drops while a neighbour takes CPU time
-    # from the team (kvserve.threads.TeamSizer); fixed: every step uses torch's thread count.
-    thread_policy: str = "adaptive"
-    # A grammar still compiling after this long is abandoned (its worker process killed) and its request
-    # gets a 400 (kvserve.structured.compile_worker, docs/structured-output.md).
-    grammar_compile_timeout_s: float = 60.0
+    attention_backend: str = option(
+        "auto",
+        "auto: the in-place C kernels on CPU with fp32 weights; torch: torch ops only",
+        choices=ATTENTION_BACKENDS,
+    )
+    quantization: str | None = option(
+        None,
+        "quantise weights at load: int8, int4-g128, w8a8, linear=bf16,head=bf16 (bf16 products, "
+        "fp32 sums), linear=int4-g64,head=int8, ... (docs/quantization.md)",
+    )
+    # kvserve.quant.methods
+    quantization_method: str = option(
+        DEFAULT_METHOD,
+        "how --quantization quantises the block linears: rtn (round to nearest), or gptq, awq, "
+        "smoothquant on the calibration text of --calib (the head and table: rtn)",
+        choices=tuple(METHODS),
+    )
+    calib: str | None = option(
+        None,
+        "calibration text for --quantization-method: .jsonl with a text field, or plain text",
+    )
+    # kvserve.model.loader
+    gguf_activations: str = option(
+        "fp32",
+        "a GGUF model's products: fp32 (its blocks times fp32 activations, the reference) or int8 "
+        "(Q4_0, Q4_1, Q5_0, Q8_0 blocks on the integer panel kernel, activations rounded to int8 per "
+        "32 inputs as llama.cpp does: faster; docs/gguf.md)",
+        choices=GGUF_ACTIVATIONS,
+    )
+    tensor_parallel_size: int = option(
+        1,
+        "shard the model over N ranks (worker processes; gloo on CPU, NCCL on CUDA; "
+        "docs/parallel.md)",
+        ge=1,
+    )
+    # kvserve.threads.TeamSizer
+    thread_policy: str = option(
+        "adaptive",
+        "adaptive: on CPU, steps use one thread fewer while a neighbour takes CPU time from "
+        "the engine's threads, trying the full count again now and then; fixed: always "
+        'torch\'s thread count (docs/performance.md "Threads")',
+        choices=THREAD_POLICIES,
+    )
+    # the compile's worker process is killed past it (kvserve.structured.compile_worker)
+    grammar_compile_timeout_s: float = option(
+        60.0,
+        "seconds a structured-output grammar may compile; past it the compile is stopped and its "
+        "request gets a 400 (docs/structured-output.md)",
+        gt=0,
+    )
     # the hosts the tensor-parallel ranks span (docs/parallel.md, "Across hosts"); one by default
     dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
+        check_options(self)
         if self.dist.multi_node:
             self.dist.ranks_per_node(self.tensor_parallel_size)  # raises unless K divides N
-        if not self.grammar_compile_timeout_s > 0:
-            raise InvalidRequestError(
-                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}",
-                "grammar_compile_timeout",
-            )
-        if self.tensor_parallel_size < 1:
-            raise InvalidRequestError(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
-                "tensor_parallel_size",
-            )
-        if self.dtype not in DTYPE_BYTES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPE_BYTES)}", "dtype")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise InvalidRequestError(
-                f"attention_backend must be one of {ATTENTION_BACKENDS}", "attention_backend"
-            )
-        if self.thread_policy not in THREAD_POLICIES:
-            raise InvalidRequestError(
-                f"thread_policy must be one of {THREAD_POLICIES}", "thread_policy"
-            )
-        if self.gguf_activations not in GGUF_ACTIVATIONS:
-            raise InvalidRequestError(
-                f"gguf_activations must be one of {GGUF_ACTIVATIONS}", "gguf_activations"
-            )
         _ = self.weight_scheme  # parsed once, here: a bad string raises QuantizationError naming it
         self._check_quantization_method()
 

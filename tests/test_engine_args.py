@@ -12,6 +12,7 @@ import pytest
 
 from kvserve.cli import build_parser
 from kvserve.core.errors import InvalidRequestError
+from kvserve.core.options import option_of
 from kvserve.engine.args import EngineArgs, build_engine_config
 from kvserve.options import format_bytes, parse_bytes
 
@@ -43,7 +44,7 @@ def test_every_command_takes_every_option_with_the_same_default(command):
         assert f.name in dests, f"{command} has no flag for {f.name}"
         assert dests[f.name].default == f.default
         # the CLI's one pass (kvserve.cli.show_defaults) may append the default to the help text
-        assert dests[f.name].help.removesuffix(" (default: %(default)s)") == f.metadata["help"]
+        assert dests[f.name].help.removesuffix(" (default: %(default)s)") == option_of(f).help
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

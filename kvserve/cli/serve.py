@@ -12,8 +12,7 @@ from pathlib import Path
 from kvserve.core.errors import InvalidRequestError
 from kvserve.engine.args import MODEL_HELP, EngineArgs
 from kvserve.options import HelpFormatter
-from kvserve.server.limits import RequestLimits
-from kvserve.server.tool_parsers import DEFAULT_MAX_PARALLEL_CALLS, TOOL_PARSERS
+from kvserve.server.args import add_serve_flags, serve_options_from_cli
 
 _EXIT_MARGIN_S = 2.0  # after the grace period: time for the cut streams' error events to go out
 
@@ -27,7 +26,6 @@ then open http://127.0.0.1:8000/ for the chat playground and the live dashboard.
 
 
 def register(subparsers) -> None:
-    """Long: the `serve` flags beyond the generated engine options, one declaration each."""
     parser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
@@ -44,160 +42,9 @@ def register(subparsers) -> None:
         metavar="MODEL",
         help="the same as the positional MODEL (vLLM's spelling)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
-    parser.add_argument("--port", type=int, default=8000, help="TCP port")
-    parser.add_argument(
-        "--served-model-name",
-        default=None,
-        help="name clients use (default: the built-in name, else the directory's name)",
-    )
-    parser.add_argument(
-        "--api-key",
-        action="append",
-        default=[],
-        metavar="ID:SECRET",
-        help="require `Authorization: Bearer SECRET` on every route but /health, /ready, /metrics; "
-        "usage is metered per key ID (repeatable; a bare SECRET gets the id keyN)",
-    )
-    parser.add_argument(
-        "--max-waiting",
-        type=int,
-        default=None,
-        help="reject with 429 + Retry-After when this many samples would wait for admission",
-    )
-    parser.add_argument(
-        "--max-waiting-grammars",
-        type=int,
-        default=64,
-        help="reject with 429 + Retry-After when this many requests wait for a new structured-output "
-        "grammar to compile (one compiles at a time)",
-    )
-    limits = RequestLimits()
-    parser.add_argument("--max-n", type=int, default=limits.max_n, help="largest n per request")
-    parser.add_argument(
-        "--max-samples",
-        type=int,
-        default=limits.max_samples,
-        help="most samples (prompts x n) one request may create",
-    )
-    parser.add_argument(
-        "--max-request-tokens",
-        type=int,
-        default=limits.max_request_tokens,
-        help="most output tokens one request may ask for: samples x max_tokens (the context "
-        "length for a request without max_tokens)",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=limits.max_request_bytes,
-        help="largest request body (413 above it)",
-    )
-    parser.add_argument(
-        "--max-json-depth",
-        type=int,
-        default=limits.max_json_depth,
-        help="deepest JSON nesting of a request body",
-    )
-    parser.add_argument(
-        "--max-stop-strings",
-        type=int,
-        default=limits.max_stop_strings,
-        help="stop strings per request",
-    )
-    parser.add_argument(
-        "--max-stop-chars",
-        type=int,
-        default=limits.max_stop_chars,
-        help="characters per stop string",
-    )
-    parser.add_argument(
-        "--max-grammar-bytes",
-        type=int,
-        default=limits.max_grammar_bytes,
-        help="largest structured-output constraint (JSON schema, regex, grammar, choices as JSON); "
-        "each compile is also bounded in time by --grammar-compile-timeout",
-    )
-    parser.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # tests only
-    parser.add_argument(
-        "--request-timeout",
-        type=float,
-        default=None,
-        help="abort a request after this many seconds",
-    )
-    parser.add_argument("--chat-template", default=None, help="Jinja chat template file to use")
-    parser.add_argument(
-        "--tool-call-parser",
-        choices=sorted(TOOL_PARSERS),
-        default=None,
-        help="find tool calls in the output of tool_choice auto requests (docs/tools.md)",
-    )
-    parser.add_argument(
-        "--max-parallel-tool-calls",
-        type=int,
-        default=DEFAULT_MAX_PARALLEL_CALLS,
-        metavar="N",
-        help='most calls in one response to tool_choice "required" with parallel calls: the call '
-        "grammar ends after N, so a model that never stops calling still ends (docs/tools.md)",
-    )
-    parser.add_argument(
-        "--log-content",
-        action="store_true",
-        help="log prompt and output text (off: sizes and timings)",
-    )
-    parser.add_argument(
-        "--grace-period",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds to let in-flight requests finish; then each gets an error",
-    )
-    parser.add_argument(
-        "--ready-fd",
-        type=int,
-        default=None,
-        metavar="FD",
-        help="once the server listens and its model is loaded and warmed up, write one line `ready "
-        "URL` to this inherited file descriptor (`failed: REASON` if the load failed) and close it: "
-        "a supervisor or script waits on it instead of polling /ready",
-    )
-    parser.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="server log level",
-    )
+    add_serve_flags(parser)
     EngineArgs.add_cli_args(parser)
-    add_core_arguments(parser)
     parser.set_defaults(func=run)
-
-
-def add_core_arguments(parser) -> None:
-    """Where the engine core runs (docs/engine_core.md)."""
-    parser.add_argument(
-        "--engine-core",
-        choices=["process", "in-process"],
-        default="process",
-        help="run the engine core (scheduler, KV cache, model) in its own process, talking to the "
-        "API server over ZMQ, or as a thread of the API server's process",
-    )
-    parser.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="start N engine-core processes behind one API server; a request goes to the core that "
-        "holds its prompt's first block, else to the least loaded one (default: 1, or 0 with "
-        "--remote-engine-core)",
-    )
-    parser.add_argument(
-        "--remote-engine-core",
-        action="append",
-        default=[],
-        metavar="HOST:PORT",
-        help="also route to the engine core a `kvserve engine-core` serves at HOST:PORT on another "
-        "host, over TCP after proving the shared secret ($KVSERVE_DIST_SECRET or "
-        '--dist-secret-file); repeatable (docs/parallel.md, "Engine cores on other hosts")',
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,10 +61,11 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.server.serving import ServingOptions
     from kvserve.server.startup import startup_summary
 
+    serve, serving_values, limits = serve_options_from_cli(args)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=serve.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    notice = ReadyNotice(args.ready_fd, args.host)  # a bad descriptor fails before any work
+    notice = ReadyNotice(serve.ready_fd, serve.host)  # a bad descriptor fails before any work
     if args.model and args.model_option and args.model != args.model_option:
         raise InvalidRequestError(
             f"two models given: {args.model!r} and --model {args.model_option!r}", "model"
@@ -226,42 +74,26 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args, model=str(model_dir))
     options = engine_args.options()
     config = engine_args.create_engine_config()  # fail fast on bad options, before binding
-    chat_template = _read_chat_template(args.chat_template) if args.chat_template else None
-    _check_serving_numbers(args)
-    try:  # a bad flag is a one-line error
-        limits = RequestLimits(
-            max_request_bytes=args.max_request_bytes,
-            max_json_depth=args.max_json_depth,
-            max_n=args.max_n,
-            max_samples=args.max_samples,
-            max_request_tokens=args.max_request_tokens,
-            max_stop_strings=args.max_stop_strings,
-            max_stop_chars=args.max_stop_chars,
-            max_grammar_bytes=args.max_grammar_bytes,
-        )
-        api_keys = parse_api_keys(args.api_key)
+    chat_template = _read_chat_template(serve.chat_template) if serve.chat_template else None
+    try:  # a bad key is a one-line error
+        api_keys = parse_api_keys(serve.api_key)
     except ValueError as exc:
-        raise InvalidRequestError(str(exc), "serve") from None
+        raise InvalidRequestError(str(exc), "api_key") from None
     serving = ServingOptions(
-        served_model_name=args.served_model_name
+        served_model_name=serve.served_model_name
         or builtin_name(model_dir)
         or model_dir.resolve().name,
-        max_waiting=args.max_waiting,
-        max_waiting_grammars=args.max_waiting_grammars,
-        request_timeout_s=args.request_timeout,
         chat_template=chat_template,
-        log_content=args.log_content,
         limits=limits,
-        tool_call_parser=args.tool_call_parser,
-        max_parallel_tool_calls=args.max_parallel_tool_calls,
+        **serving_values,
     )
-    url = f"http://{args.host}:{args.port}"
-    faults = FaultInjection.parse(args.inject_fault)
+    url = f"http://{serve.host}:{serve.port}"
+    faults = FaultInjection.parse(serve.inject_fault)
     num_local = _check_cores(args)
 
     def load():
         print(f"kvserve: loading {serving.served_model_name!r} from {model_dir} ...", flush=True)
-        if args.engine_core == "in-process":
+        if serve.engine_core == "in-process":
             from kvserve.engine.async_engine import AsyncEngine
             from kvserve.engine.llm_engine import LLMEngine
 
@@ -270,7 +102,10 @@ def run(args: argparse.Namespace) -> int:
             from kvserve.engine.mp_client import MPClient
 
             client = MPClient(
-                config, num_cores=num_local, faults=faults, remote_cores=args.remote_engine_core
+                config,
+                num_cores=num_local,
+                faults=faults,
+                remote_cores=list(serve.remote_engine_core),
             )
         print(
             startup_summary(client.info, serving.served_model_name, url, client.num_cores),
@@ -297,13 +132,13 @@ def run(args: argparse.Namespace) -> int:
     server = _Server(
         uvicorn.Config(
             app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=args.grace_period + _EXIT_MARGIN_S,
+            host=serve.host,
+            port=serve.port,
+            log_level=serve.log_level,
+            timeout_graceful_shutdown=serve.grace_period + _EXIT_MARGIN_S,
         ),
         state,
-        args.grace_period,
+        serve.grace_period,
         notice,
     )
     holder["server"] = server
@@ -362,22 +197,6 @@ def _read_chat_template(path: str) -> str:
             f"--chat-template {path}: line {exc.lineno}: {exc.message}", "chat_template"
         ) from None
     return text
-
-
-def _check_serving_numbers(args: argparse.Namespace) -> None:
-    """Ranges argparse's types do not express (--request-timeout 0 would answer every request 504,
-    --max-waiting 0 every request 400; --port 70000 would fail inside uvicorn)."""
-    checks = (
-        (args.request_timeout is None or args.request_timeout > 0, "--request-timeout must be > 0"),
-        (args.grace_period >= 0, "--grace-period must be >= 0"),
-        (args.max_waiting is None or args.max_waiting >= 1, "--max-waiting must be >= 1"),
-        (args.max_waiting_grammars >= 1, "--max-waiting-grammars must be >= 1"),
-        (1 <= args.max_parallel_tool_calls <= 64, "--max-parallel-tool-calls must be in [1, 64]"),
-        (0 <= args.port <= 65535, "--port must be in [0, 65535]"),
-    )
-    for ok, message in checks:
-        if not ok:
-            raise InvalidRequestError(message, "serve")
 
 
 class _Server:

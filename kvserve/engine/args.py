@@ -1,10 +1,12 @@
 """Every engine option, once (`EngineArgs`), -> `EngineConfig`; and the checkpoint's tokenizer and stop
 tokens.
 
-`EngineArgs` is the one definition of each option: its name, type, default and help. `kvserve serve`,
+`EngineArgs` names each option and the config field it sets, whose declaration (type, default, help,
+bound or choices: kvserve/config.py) it takes over (kvserve/core/options.py). `kvserve serve`,
 `kvserve generate` and `kvserve bench latency` generate their engine flags from it (`add_cli_args`,
 `from_cli_args`); `LLM(model, **options)` and `build_engine_config(model, **options)` validate their
-keyword arguments with it. A new option is one new field here.
+keyword arguments with it. A new option is a config field declared with `option()` and one field
+here that names it.
 """
 
 from __future__ import annotations
@@ -12,17 +14,11 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from kvserve.config import (
-    ADMISSION_POLICIES,
-    ATTENTION_BACKENDS,
     DTYPE_BYTES,
-    GGUF_ACTIVATIONS,
-    KV_CACHE_DTYPES,
-    SPECULATIVE_METHODS,
-    THREAD_POLICIES,
     CacheConfig,
     DistConfig,
     EngineConfig,
@@ -31,6 +27,16 @@ from kvserve.config import (
     SpeculativeConfig,
 )
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
+from kvserve.core.options import (
+    Option,
+    add_flags,
+    check_options,
+    check_types,
+    declared,
+    option,
+    value_type,
+    values_from_cli,
+)
 from kvserve.memory import (
     KV_CACHE_MEMORY_FRACTION,
     auto_kv_cache_bytes,
@@ -39,7 +45,6 @@ from kvserve.memory import (
 )
 from kvserve.models import resolve_model
 from kvserve.options import format_bytes, parse_bytes
-from kvserve.quant.methods import METHODS
 from kvserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -51,242 +56,98 @@ MODEL_HELP = (
 DTYPES = ("auto", *sorted(DTYPE_BYTES))
 
 
-def _default(config_class, name: str):
-    """The default of a config dataclass's field: an engine option that is also a config field takes
-    its default from there, so each default is written once (kvserve/config.py)."""
-    return next(f.default for f in fields(config_class) if f.name == name)
-
-
-def _option(
-    default,
-    help: str,
-    *,
-    type: type = str,
-    optional: bool = False,
-    choices: tuple | None = None,
-    flag: str | None = None,
-    parse=None,
-    metavar: str | None = None,
-    group: str = "engine",
-    cli: bool = True,
-):
-    """A field of `EngineArgs` with what its command-line flag needs. `type` is the value's type
-    (`optional`: None is allowed too); `parse` turns the flag's text into it (default: `type`)."""
-    meta = dict(
-        help=help,
-        type=type,
-        optional=optional,
-        choices=choices,
-        flag=flag,
-        parse=parse,
-        metavar=metavar,
-        group=group,
-        cli=cli,
-    )
-    return field(default=default, metadata=meta)
+_MULTI_HOST = "multi-host tensor parallelism"
+_SPECULATIVE = "speculative decoding"
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """The engine's options, validated on construction (types and choices here; ranges in the config
-    dataclasses that `create_engine_config` builds)."""
+    """The engine's options, validated on construction (types here; bounds and choices from the
+    config field each option sets, declared there once: kvserve/config.py). Each field is
+    `Option.of(ConfigClass, "field", ...)`: the config field's default, help, bound and choices,
+    with what the flag adds (its spelling, group, parser) and, where the option means something
+    else before it is resolved (None: auto), its own default and help."""
 
-    model: str | None = _option(
+    model: str | None = option(
         None,
         MODEL_HELP + " (default: smollm2-135m-instruct)",
-        optional=True,
         metavar="MODEL",
         cli=False,
+        config=(EngineConfig, "model_dir"),
+        resolved=True,
     )
-    dtype: str = _option(
-        "auto",
-        "compute dtype; auto: fp32 on CPU, the checkpoint's bf16/fp16 on CUDA",
+    dtype: str = Option.of(
+        EngineConfig,
+        "dtype",
+        default="auto",
+        help="compute dtype; auto: fp32 on CPU, the checkpoint's bf16/fp16 on CUDA",
         choices=DTYPES,
     )
-    device: str = _option("cpu", "cpu, cuda or cuda:N")
-    max_model_len: int | None = _option(
-        None,
-        "context length in tokens, prompt + output (default: the model's limit)",
-        type=int,
-        optional=True,
+    device: str = Option.of(EngineConfig, "device")
+    max_model_len: int | None = Option.of(
+        SchedulerConfig,
+        "max_model_len",
+        default=None,
+        help="context length in tokens, prompt + output (default: the model's limit)",
     )
-    max_num_seqs: int = _option(
-        _default(SchedulerConfig, "max_num_seqs"), "most sequences running at once", type=int
-    )
-    max_num_batched_tokens: int = _option(
-        _default(SchedulerConfig, "max_num_batched_tokens"),
-        "token budget of one step, shared by decode tokens and prompt chunks",
-        type=int,
-    )
-    block_size: int = _option(
-        _default(CacheConfig, "block_size"), "tokens per KV-cache block", type=int
-    )
-    num_blocks: int | None = _option(
-        None,
-        "KV-cache blocks (default: as many as --kv-cache-memory holds)",
-        type=int,
-        optional=True,
-    )
-    kv_cache_memory_bytes: int | None = _option(
-        None,
-        "memory for the KV cache, e.g. 512MiB, 2GiB, or bytes (default: auto, "
-        f"{KV_CACHE_MEMORY_FRACTION * 100:.0f}%% of the memory available after the weights, at most what "
-        "--max-num-seqs full-length sequences use; docs/operations.md)",
-        type=int,
-        optional=True,
+    max_num_seqs: int = Option.of(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int = Option.of(SchedulerConfig, "max_num_batched_tokens")
+    block_size: int = Option.of(CacheConfig, "block_size")
+    num_blocks: int | None = Option.of(CacheConfig, "num_blocks")
+    kv_cache_memory_bytes: int | None = Option.of(
+        CacheConfig,
+        "kv_cache_memory_bytes",
+        default=None,
+        help="memory for the KV cache, e.g. 512MiB, 2GiB, or bytes (default: auto, "
+        f"{KV_CACHE_MEMORY_FRACTION * 100:.0f}%% of the memory available after the weights, at most "
+        "what --max-num-seqs full-length sequences use; docs/operations.md)",
         flag="--kv-cache-memory",
         parse=parse_bytes,
         metavar="SIZE",
     )
-    enable_prefix_caching: bool = _option(
-        True,
-        "reuse cached prompt prefixes",
-        type=bool,
-        flag="--prefix-caching",
+    enable_prefix_caching: bool = Option.of(
+        CacheConfig, "enable_prefix_caching", flag="--prefix-caching"
     )
-    hybrid_kv_cache: bool = _option(
-        True,
-        "a model with sliding-window and global layers (Gemma 3) returns the blocks its "
-        "window layers no longer see (docs/scheduling.md)",
-        type=bool,
+    hybrid_kv_cache: bool = Option.of(CacheConfig, "hybrid")
+    admission: str = Option.of(SchedulerConfig, "admission")
+    seed: int = Option.of(EngineConfig, "seed")
+    quantization: str | None = Option.of(EngineConfig, "quantization")
+    quantization_method: str = Option.of(EngineConfig, "quantization_method")
+    calib: str | None = Option.of(EngineConfig, "calib", metavar="FILE")
+    gguf_activations: str = Option.of(EngineConfig, "gguf_activations")
+    kv_cache_dtype: str = Option.of(CacheConfig, "kv_cache_dtype")
+    attention_backend: str = Option.of(EngineConfig, "attention_backend")
+    thread_policy: str = Option.of(EngineConfig, "thread_policy")
+    grammar_compile_timeout: float = Option.of(EngineConfig, "grammar_compile_timeout_s")
+    tensor_parallel_size: int = Option.of(EngineConfig, "tensor_parallel_size")
+    nnodes: int = Option.of(DistConfig, "nnodes", group=_MULTI_HOST)
+    node_rank: int = Option.of(DistConfig, "node_rank", group=_MULTI_HOST)
+    dist_init_addr: str | None = Option.of(
+        DistConfig, "init_addr", metavar="HOST:PORT", group=_MULTI_HOST
     )
-    admission: str = _option(
-        _default(SchedulerConfig, "admission"),
-        "on_demand: charge blocks as used, preempt when full; reserve: prompt + max_tokens "
-        "up front (docs/scheduling.md)",
-        choices=ADMISSION_POLICIES,
+    dist_timeout: float = Option.of(DistConfig, "timeout_s", group=_MULTI_HOST)
+    dist_secret_file: str | None = Option.of(
+        DistConfig, "secret_file", metavar="FILE", group=_MULTI_HOST
     )
-    seed: int = _option(0, "engine random seed", type=int)
-    quantization: str | None = _option(
-        None,
-        "quantise weights at load: int8, int4-g128, w8a8, linear=bf16,head=bf16 (bf16 products, "
-        "fp32 sums), linear=int4-g64,head=int8, ... "
-        "(docs/quantization.md)",
-        optional=True,
+    # a name or directory, resolved into the draft's directory
+    speculative_model: str | None = Option.of(
+        SpeculativeConfig, "draft_model_dir", group=_SPECULATIVE, resolved=True
     )
-    quantization_method: str = _option(
-        _default(EngineConfig, "quantization_method"),
-        "how --quantization quantises the block linears: rtn (round to nearest), or gptq, awq, "
-        "smoothquant on the calibration text of --calib (the head and table: rtn)",
-        choices=tuple(METHODS),
+    speculative_method: str | None = Option.of(
+        SpeculativeConfig, "method", default=None, group=_SPECULATIVE
     )
-    calib: str | None = _option(
-        None,
-        "calibration text for --quantization-method: .jsonl with a text field, or plain text",
-        optional=True,
-        metavar="FILE",
+    num_speculative_tokens: int = Option.of(
+        SpeculativeConfig, "num_speculative_tokens", group=_SPECULATIVE
     )
-    gguf_activations: str = _option(
-        _default(EngineConfig, "gguf_activations"),
-        "a GGUF model's products: fp32 (its blocks times fp32 activations, the reference) or int8 "
-        "(Q4_0, Q4_1, Q5_0, Q8_0 blocks on the integer panel kernel, activations rounded to int8 per "
-        "32 inputs as llama.cpp does: faster; docs/gguf.md)",
-        choices=GGUF_ACTIVATIONS,
-    )
-    kv_cache_dtype: str = _option(
-        "auto",
-        "KV cache storage: the model's dtype, or 8-bit codes + fp16 scales per token and head",
-        choices=KV_CACHE_DTYPES,
-    )
-    attention_backend: str = _option(
-        "auto",
-        "auto: the in-place C kernels on CPU with fp32 weights; torch: torch ops only",
-        choices=ATTENTION_BACKENDS,
-    )
-    thread_policy: str = _option(
-        _default(EngineConfig, "thread_policy"),
-        "adaptive: on CPU, steps use one thread fewer while a neighbour takes CPU time from "
-        "the engine's threads, trying the full count again now and then; fixed: always "
-        'torch\'s thread count (docs/performance.md "Threads")',
-        choices=THREAD_POLICIES,
-    )
-    grammar_compile_timeout: float = _option(
-        _default(EngineConfig, "grammar_compile_timeout_s"),
-        "seconds a structured-output grammar may compile; past it the compile is stopped and its "
-        "request gets a 400 (docs/structured-output.md)",
-        type=float,
-    )
-    tensor_parallel_size: int = _option(
-        _default(EngineConfig, "tensor_parallel_size"),
-        "shard the model over N ranks (worker processes; gloo on CPU, NCCL on CUDA; "
-        "docs/parallel.md)",
-        type=int,
-    )
-    nnodes: int = _option(
-        _default(DistConfig, "nnodes"),
-        "hosts the tensor-parallel ranks span; node 0 runs the engine, the others `kvserve tp-node` "
-        "(SGLang's spelling; docs/parallel.md)",
-        type=int,
-        group="multi-host tensor parallelism",
-    )
-    node_rank: int = _option(
-        _default(DistConfig, "node_rank"),
-        "this host's index, 0 to --nnodes - 1 (0: the engine)",
-        type=int,
-        group="multi-host tensor parallelism",
-    )
-    dist_init_addr: str | None = _option(
-        None,
-        "node 0's HOST:PORT: node 0 listens there (on HOST only) for the other nodes, which must "
-        "prove the shared secret ($KVSERVE_DIST_SECRET or --dist-secret-file)",
-        optional=True,
-        metavar="HOST:PORT",
-        group="multi-host tensor parallelism",
-    )
-    dist_timeout: float = _option(
-        _default(DistConfig, "timeout_s"),
-        "seconds every node has to join, and that a collective across hosts waits for a rank",
-        type=float,
-        group="multi-host tensor parallelism",
-    )
-    dist_secret_file: str | None = _option(
-        None,
-        "file holding the nodes' shared secret (default: $KVSERVE_DIST_SECRET)",
-        optional=True,
-        metavar="FILE",
-        group="multi-host tensor parallelism",
-    )
-    speculative_model: str | None = _option(
-        None,
-        "draft model directory or built-in name (kvserve-demo-draft); same tokenizer",
-        optional=True,
-        group="speculative decoding",
-    )
-    speculative_method: str | None = _option(
-        None,
-        "draft model or n-gram lookup (default: draft when --speculative-model is given)",
-        optional=True,
-        choices=SPECULATIVE_METHODS,
-        group="speculative decoding",
-    )
-    num_speculative_tokens: int = _option(
-        4, "gamma: proposals per step", type=int, group="speculative decoding"
-    )
-    ngram_min: int = _option(1, "shortest n-gram to match", type=int, group="speculative decoding")
-    ngram_max: int = _option(4, "longest n-gram to match", type=int, group="speculative decoding")
+    ngram_min: int = Option.of(SpeculativeConfig, "ngram_min", group=_SPECULATIVE)
+    ngram_max: int = Option.of(SpeculativeConfig, "ngram_max", group=_SPECULATIVE)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value, meta = getattr(self, f.name), f.metadata
-            if isinstance(value, Path) and meta["type"] is str:
-                object.__setattr__(self, f.name, value := str(value))
-            if value is None and meta["optional"]:
-                continue
-            kind = meta["type"]
-            if kind is float and isinstance(value, int) and not isinstance(value, bool):
-                object.__setattr__(self, f.name, value := float(value))  # 2 means 2.0 s
-            # bool is an int in Python: refuse True for a count, and 1 for a switch
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise InvalidRequestError(
-                    f"engine option {f.name} must be {kind.__name__}"
-                    f"{' or None' if meta['optional'] else ''}, got {value!r}",
-                    f.name,
-                )
-            if meta["choices"] is not None and value not in meta["choices"]:
-                raise InvalidRequestError(
-                    f"engine option {f.name} must be one of {meta['choices']}, got {value!r}",
-                    f.name,
-                )
+        for f, _ in declared(EngineArgs):
+            if isinstance(getattr(self, f.name), Path) and value_type(f)[0] is str:
+                object.__setattr__(self, f.name, str(getattr(self, f.name)))
+        check_types(self, "engine option")
+        check_options(self, lambda f: f"engine option {f.name}")
 
     @classmethod
     def from_options(cls, model=None, **options) -> EngineArgs:
@@ -305,40 +166,23 @@ class EngineArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         """Add every engine flag (all but the model, which each command spells its own way) to
-        `parser`, in argument groups, with the defaults and help defined above."""
-        groups: dict[str, argparse._ArgumentGroup] = {}
-        for f in fields(cls):
-            meta = f.metadata
-            if not meta["cli"]:
-                continue
-            group = groups.get(meta["group"]) or groups.setdefault(
-                meta["group"], parser.add_argument_group(meta["group"])
-            )
-            flag = meta["flag"] or "--" + f.name.replace("_", "-")
-            if meta["type"] is bool:
-                group.add_argument(
-                    flag,
-                    dest=f.name,
-                    action=argparse.BooleanOptionalAction,
-                    default=f.default,
-                    help=meta["help"],
-                )
-                continue
-            group.add_argument(
-                flag,
-                dest=f.name,
-                type=meta["parse"] or meta["type"],
-                default=f.default,
-                choices=meta["choices"],
-                metavar=meta["metavar"],
-                help=meta["help"],
-            )
+        `parser`, in argument groups, with the defaults and help declared once."""
+        add_flags(parser, cls, {None: parser.add_argument_group("engine")})
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, model=None) -> EngineArgs:
-        """The options `add_cli_args` parsed into `args`, with the command's model."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.metadata["cli"]}
-        return cls(model=model, **values)
+        """The options `add_cli_args` parsed into `args`, with the command's model; a value out of
+        its bound is an `InvalidRequestError` naming the flag."""
+        return cls(model=model, **values_from_cli(cls, args))
+
+    def config_values(self, config_class: type) -> dict:
+        """The options that set a field of `config_class` as they are (the others are resolved by
+        `create_engine_config`), by the config field's name."""
+        return {
+            spec.config[1]: getattr(self, f.name)
+            for f, spec in declared(EngineArgs)
+            if spec.config[0] is config_class and not spec.resolved
+        }
 
     def options(self) -> dict:
         """Every option but the model, by name (manifests, reports)."""
@@ -369,39 +213,16 @@ class EngineArgs:
         config = EngineConfig(
             model_dir=str(model_dir),
             model=model,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                num_blocks=self.num_blocks,
-                enable_prefix_caching=self.enable_prefix_caching,
-                kv_cache_dtype=self.kv_cache_dtype,
-                hybrid=self.hybrid_kv_cache,
-            ),
+            cache=CacheConfig(**self.config_values(CacheConfig)),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
+                **self.config_values(SchedulerConfig),
                 max_model_len=max_model_len,
-                admission=self.admission,
                 num_lookahead_tokens=speculative.num_speculative_tokens if speculative else 0,
             ),
             dtype=resolve_dtype(self.dtype, self.device, model),
-            device=self.device,
-            seed=self.seed,
             speculative=speculative,
-            attention_backend=self.attention_backend,
-            quantization=self.quantization,
-            quantization_method=self.quantization_method,
-            calib=self.calib,
-            gguf_activations=self.gguf_activations,
-            tensor_parallel_size=self.tensor_parallel_size,
-            thread_policy=self.thread_policy,
-            grammar_compile_timeout_s=self.grammar_compile_timeout,
-            dist=DistConfig(
-                nnodes=self.nnodes,
-                node_rank=self.node_rank,
-                init_addr=self.dist_init_addr,
-                timeout_s=self.dist_timeout,
-                secret_file=self.dist_secret_file,
-            ),
+            dist=DistConfig(**self.config_values(DistConfig)),
+            **self.config_values(EngineConfig),
         )
         return replace(config, cache=self._sized_cache(config))
 
@@ -447,11 +268,9 @@ class EngineArgs:
             )
         return SpeculativeConfig(
             method=method,
-            num_speculative_tokens=self.num_speculative_tokens,
             draft_model_dir=str(draft_dir) if draft else None,
             draft_model=draft,
-            ngram_min=self.ngram_min,
-            ngram_max=self.ngram_max,
+            **self.config_values(SpeculativeConfig),
         )
 
 

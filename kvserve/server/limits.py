@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvserve.core.options import check_options, flag_of, option
 from kvserve.server.errors import APIError, bad_request
 from kvserve.server.workers import offload
 
@@ -40,28 +41,33 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """Bounds on what one request may ask for (documented in docs/server.md, "Limits")."""
+    """Bounds on what one request may ask for (documented in docs/server.md, "Limits"), each a
+    `kvserve serve` flag (kvserve/core/options.py)."""
 
-    max_request_bytes: int = 8 * 1024 * 1024
-    max_json_depth: int = 64
-    max_n: int = 16
-    max_stop_strings: int = 16
-    max_stop_chars: int = 256
-    # a structured-output constraint's text (schema, regex, grammar, the choices as JSON): a 20,000-value
-    # enum (440 KB) compiled for over a minute; larger constraints are refused before any compile
-    max_grammar_bytes: int = 128 * 1024
-    # the work one request may create: its samples (prompts x n) and their tokens (each sample's
-    # max_tokens, or the context when it gives none). 1,000 prompts x n=16 queued 16,000 samples and
-    # held a 2-core server for 99 s.
-    max_samples: int = 256
-    max_request_tokens: int = 1 << 20
+    max_request_bytes: int = option(8 * 1024 * 1024, "largest request body (413 above it)", ge=1)
+    max_json_depth: int = option(64, "deepest JSON nesting of a request body", ge=1)
+    max_n: int = option(16, "largest n per request", ge=1)
+    # 1,000 prompts x n=16 queued 16,000 samples and held a 2-core server for 99 s
+    max_samples: int = option(256, "most samples (prompts x n) one request may create", ge=1)
+    max_request_tokens: int = option(
+        1 << 20,
+        "most output tokens one request may ask for: samples x max_tokens (the context "
+        "length for a request without max_tokens)",
+        ge=1,
+    )
+    max_stop_strings: int = option(16, "stop strings per request", ge=1)
+    max_stop_chars: int = option(256, "characters per stop string", ge=1)
+    # a 20,000-value enum (440 KB) compiled for over a minute; larger constraints are refused
+    # before any compile
+    max_grammar_bytes: int = option(
+        128 * 1024,
+        "largest structured-output constraint (JSON schema, regex, grammar, choices as JSON); "
+        "each compile is also bounded in time by --grammar-compile-timeout",
+        ge=1,
+    )
 
     def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
+        check_options(self, flag_of)
 
 
 def json_depth(body: bytes, limit: int) -> int:

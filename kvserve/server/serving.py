@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from kvserve.core.errors import ContextLengthError, InvalidRequestError, KVServeError
+from kvserve.core.options import check_options, flag_of, option
 from kvserve.core.sampling_params import SamplingParams, StructuredOutput
 from kvserve.engine.client import EngineClient, validate_timeout_s
 from kvserve.engine.output_processor import OutputKind
@@ -34,7 +35,7 @@ from kvserve.server.openai_fields import check_fields
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.responses import Job, ResponseBuilder, server_metrics
 from kvserve.server.token_bound import TokenBound
-from kvserve.server.tool_parsers import DEFAULT_MAX_PARALLEL_CALLS
+from kvserve.server.tool_parsers import DEFAULT_MAX_PARALLEL_CALLS, TOOL_PARSERS
 from kvserve.server.workers import offload
 
 logger = logging.getLogger("kvserve.requests")
@@ -43,17 +44,43 @@ _MAX_KNOWN_GRAMMARS = 4096  # compiled constraints remembered (then forgotten al
 
 @dataclass(frozen=True)
 class ServingOptions:
+    """How the server serves requests; the fields declared with `option()` are `kvserve serve`
+    flags (kvserve/core/options.py)."""
+
     served_model_name: str
-    max_waiting: int | None = None
-    max_waiting_grammars: int = 64  # requests waiting for a new grammar's compile (429 above)
-    request_timeout_s: float | None = None
-    chat_template: str | None = None
-    log_content: bool = False
-    limits: RequestLimits = RequestLimits()
-    tool_call_parser: str | None = None  # docs/tools.md: finds calls for tool_choice auto
-    max_parallel_tool_calls: int = (
-        DEFAULT_MAX_PARALLEL_CALLS  # forced parallel calls (docs/tools.md)
+    max_waiting: int | None = option(
+        None,
+        "reject with 429 + Retry-After when this many samples would wait for admission",
+        ge=1,
     )
+    max_waiting_grammars: int = option(
+        64,
+        "reject with 429 + Retry-After when this many requests wait for a new structured-output "
+        "grammar to compile (one compiles at a time)",
+        ge=1,
+    )
+    request_timeout_s: float | None = option(
+        None, "abort a request after this many seconds", gt=0, flag="--request-timeout"
+    )
+    chat_template: str | None = None  # the template's text (--chat-template: its file)
+    log_content: bool = option(False, "log prompt and output text (off: sizes and timings)")
+    limits: RequestLimits = RequestLimits()
+    tool_call_parser: str | None = option(
+        None,
+        "find tool calls in the output of tool_choice auto requests (docs/tools.md)",
+        choices=tuple(sorted(TOOL_PARSERS)),
+    )
+    max_parallel_tool_calls: int = option(
+        DEFAULT_MAX_PARALLEL_CALLS,
+        'most calls in one response to tool_choice "required" with parallel calls: the call '
+        "grammar ends after N, so a model that never stops calling still ends (docs/tools.md)",
+        ge=1,
+        le=64,
+        metavar="N",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self, flag_of)
 
 
 def _as_sent(exc: InvalidRequestError, field: str) -> InvalidRequestError:
