@@ -210,26 +210,27 @@ def values_from_cli(cls: type, args: argparse.Namespace) -> dict:
 # --- the docs -------------------------------------------------------------------------------------
 
 
-def markdown_rows(cls: type) -> list[str]:
-    """One Markdown table row per flag of `cls`: flag, type, default, help (hidden flags left out)."""
+def markdown_rows(cls: type, group: str | None = None) -> list[str]:
+    """One Markdown table row per flag of `cls` in `group`: flag, field name, type (with its bound),
+    default, help; hidden flags left out."""
     rows = []
     for f, spec in declared(cls):
-        if not spec.cli or spec.hidden:
+        if not spec.cli or spec.hidden or spec.group != group:
             continue
-        kind, optional, repeated = value_type(f)
+        kind, _, repeated = value_type(f)
+        flag = flag_of(f)
         if kind is bool:
-            flag = flag_of(f) if f.default is False else f"{flag_of(f)}, --no-{flag_of(f)[2:]}"
+            shown_flag = flag if f.default is False else f"{flag}, --no-{flag[2:]}"
             shown_type = "switch"
         else:
-            flag = f"{flag_of(f)} {spec.metavar or flag_of(f)[2:].replace('-', '_').upper()}"
-            shown_type = (
-                "one of " + ", ".join(map(str, spec.choices)) if spec.choices else kind.__name__
-            )
-            shown_type += " (repeatable)" if repeated else ""
-        bound = _bound_text(spec)
+            shown_flag = f"{flag} {spec.metavar or flag[2:].replace('-', '_').upper()}"
+            shown_type = kind.__name__
+            if spec.choices is not None:
+                shown_type = "one of " + ", ".join(f"`{c}`" for c in spec.choices)
+            shown_type += _bound_text(spec) + (", repeatable" if repeated else "")
         default = "" if f.default in (None, ()) else f"`{f.default}`"
         help_text = spec.help.replace("%%", "%").replace("|", "\\|")
-        cells = (f"`{flag}`", shown_type + bound, default, help_text)
+        cells = (f"`{shown_flag}`", f"`{f.name}`", shown_type, default, help_text)
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -245,6 +246,12 @@ def _bound_text(spec: Option) -> str:
     return ""
 
 
-def markdown_table(cls: type) -> str:
-    header = "| flag | type | default | help |\n|---|---|---|---|\n"
-    return header + "\n".join(markdown_rows(cls)) + "\n"
+def groups_of(cls: type) -> list[str | None]:
+    """The `group`s of `cls`'s flags, in order of first appearance (None: no group)."""
+    return list(dict.fromkeys(spec.group for _, spec in declared(cls) if spec.cli))
+
+
+def markdown_table(cls: type, group: str | None = None) -> str:
+    """`markdown_rows` under a header."""
+    header = "| flag | name | type | default | help |\n|---|---|---|---|---|\n"
+    return header + "\n".join(markdown_rows(cls, group)) + "\n"

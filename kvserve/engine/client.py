@@ -21,6 +21,7 @@ import itertools
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from kvserve.config import EngineConfig
 from kvserve.core.errors import KVServeError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.output_processor import OutputKind, OutputProcessor, Tracked, so_far
@@ -46,7 +47,9 @@ VALIDATE_MARGIN_S = 30.0
 
 
 def validate_timeout_s(info: EngineInfo | None) -> float:
-    compile_s = info.grammar_compile_timeout_s if info is not None else 60.0
+    if info is None:  # the configuration's default
+        return 2 * EngineConfig.grammar_compile_timeout_s + VALIDATE_MARGIN_S
+    compile_s = info.grammar_compile_timeout_s
     return 2 * compile_s + VALIDATE_MARGIN_S
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvserve.config import EngineConfig
 from kvserve.core.errors import (
     CapacityError,
     ContextLengthError,
@@ -58,7 +59,8 @@ class EngineInfo(msgspec.Struct, frozen=True):
     tokenizer: str | None  # the tokenizer's identity (name_or_path), None: the model has none
     eos_token_ids: tuple[int, ...] = ()
     threads: str = ""  # the core's OpenMP threads and variables (kvserve.threads.describe_threads)
-    grammar_compile_timeout_s: float = 60.0  # the core abandons a compile past this
+    # the core abandons a compile past this
+    grammar_compile_timeout_s: float = EngineConfig.grammar_compile_timeout_s
     weights: str = ""  # the weights' format (kvserve.quant.describe.describe_weights)
     kv_cache_sizing: str = ""  # how the KV cache's size was chosen (kvserve.kv_sizing)
     kv_cache_bytes: int = 0  # the runner's KV tensors

@@ -1,7 +1,8 @@
 """`kvserve serve`'s own options: each declared once here, in `ServingOptions` (how requests are
 served) or in `RequestLimits` (what one request may ask for), with its name, type, default, help
 and bound (kvserve/core/options.py). The flags, their checks and the table in docs/options.md are
-generated from these declarations; the engine's options are `EngineArgs`."""
+generated from these declarations (kvserve/cli/options_doc.py); the engine's options are
+`EngineArgs`."""
 
 from __future__ import annotations
 
