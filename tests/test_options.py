@@ -17,7 +17,14 @@ from kvserve.cli import main as cli_main
 from kvserve.cli.options_doc import DOCS_PATH, REGENERATE, options_markdown
 from kvserve.config import CacheConfig, DistConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.core.errors import InvalidRequestError
-from kvserve.core.options import declared, declared_field, option_of, value_type, values_from_cli
+from kvserve.core.options import (
+    declared,
+    declared_field,
+    flag_of,
+    option_of,
+    value_type,
+    values_from_cli,
+)
 from kvserve.engine.args import EngineArgs
 from kvserve.server.args import SERVE_OPTION_CLASSES, ServeArgs
 from kvserve.server.limits import RequestLimits
@@ -248,3 +255,37 @@ def test_fields_without_a_declaration_are_not_options():
         "limits",
     }
     assert all(f.default is not MISSING for f, _ in declared(ServeArgs))
+
+
+_UNITS = {"KiB": 1024, "MiB": 1024**2, "s": 1}
+
+
+def _limit_cell(text: str):
+    """The value a "Limits" row of docs/server.md gives before any remark: '8 MiB (413 above)'
+    -> 8388608, '1,048,576 (...)' -> 1048576, '60 s' -> 60, 'unbounded; ...' -> None."""
+    words = text.split("(")[0].replace(";", " ").split()
+    if words[0] == "unbounded":
+        return None
+    number = int(words[0].replace(",", ""))
+    return number * _UNITS[words[1]] if len(words) > 1 and words[1] in _UNITS else number
+
+
+def test_the_server_docs_limits_table_agrees_with_the_declarations():
+    """docs/server.md's "Limits" table says more than the generated one (what a request sees past
+    each limit), so it is written by hand; its defaults must still be the declared ones."""
+    flags = {}
+    for cls in (*SERVE_OPTION_CLASSES, EngineArgs):
+        for f, _ in declared(cls):
+            flags["--" + f.name.replace("_", "-")] = f.default
+            flags[flag_of(f)] = f.default
+    checked = 0
+    text = (ROOT / "docs" / "server.md").read_text(encoding="utf-8")
+    section = text.split("\n## Limits\n")[1].split("\n## ")[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[2].startswith("`--"):
+            continue
+        flag = cells[2].strip("`")
+        assert _limit_cell(cells[1]) == flags[flag], f"docs/server.md says {cells[1]!r} for {flag}"
+        checked += 1
+    assert checked >= 10
