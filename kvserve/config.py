@@ -25,6 +25,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # adaptive: kvserve/threads.py TeamSizer; fixed: every step on all of torch's threads
 THREAD_POLICIES = ("adaptive", "fixed")
 GGUF_ACTIVATIONS = ("fp32", "int8")  # EngineConfig.gguf_activations
+# which GEMM runs each linear at each row count (kvserve/model/kernel_table.py): measured on this
+# machine (cached), remeasure (ignoring the cache), own (kvserve's kernels and fixed rules), torch
+KERNEL_CHOICES = ("measured", "remeasure", "own", "torch")
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,8 @@ class EngineConfig:
     # THREAD_POLICIES. adaptive: on CPU, a step's thread count drops while a neighbour takes CPU time
     # from the team (kvserve.threads.TeamSizer); fixed: every step uses torch's thread count.
     thread_policy: str = "adaptive"
+    # KERNEL_CHOICES: the per-shape, per-row-count GEMM table (kvserve.model.kernel_table)
+    kernel_choice: str = "measured"
     # A grammar still compiling after this long is abandoned (its worker process killed) and its request
     # gets a 400 (kvserve.structured.compile_worker, docs/structured-output.md).
     grammar_compile_timeout_s: float = 60.0
@@ -448,6 +453,10 @@ class EngineConfig:
         if self.thread_policy not in THREAD_POLICIES:
             raise InvalidRequestError(
                 f"thread_policy must be one of {THREAD_POLICIES}", "thread_policy"
+            )
+        if self.kernel_choice not in KERNEL_CHOICES:
+            raise InvalidRequestError(
+                f"kernel_choice must be one of {KERNEL_CHOICES}", "kernel_choice"
             )
         if self.gguf_activations not in GGUF_ACTIVATIONS:
             raise InvalidRequestError(

@@ -20,6 +20,7 @@ from kvserve.config import (
     ATTENTION_BACKENDS,
     DTYPE_BYTES,
     GGUF_ACTIVATIONS,
+    KERNEL_CHOICES,
     KV_CACHE_DTYPES,
     SPECULATIVE_METHODS,
     THREAD_POLICIES,
@@ -199,6 +200,14 @@ class EngineArgs:
         "the engine's threads, trying the full count again now and then; fixed: always "
         'torch\'s thread count (docs/performance.md "Threads")',
         choices=THREAD_POLICIES,
+    )
+    kernel_choice: str = _option(
+        _default(EngineConfig, "kernel_choice"),
+        "which GEMM runs each linear at each row count on CPU: measured (kvserve's kernels vs "
+        "torch's, timed at load within ~2 s and cached per machine), remeasure (ignore the "
+        "cache), own (kvserve's kernels and fixed rules), torch (torch's GEMM where valid); "
+        'docs/performance.md "Choosing the kernel per shape"',
+        choices=KERNEL_CHOICES,
     )
     grammar_compile_timeout: float = _option(
         _default(EngineConfig, "grammar_compile_timeout_s"),
@@ -394,6 +403,7 @@ class EngineArgs:
             gguf_activations=self.gguf_activations,
             tensor_parallel_size=self.tensor_parallel_size,
             thread_policy=self.thread_policy,
+            kernel_choice=self.kernel_choice,
             grammar_compile_timeout_s=self.grammar_compile_timeout,
             dist=DistConfig(
                 nnodes=self.nnodes,
