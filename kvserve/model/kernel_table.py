@@ -294,7 +294,7 @@ def apply_kernel_choice(
         cands = candidates_of(module)
         if cands is not None and cands.builders:
             groups.setdefault(cands.key, []).append((module, cands))
-    cache = {} if mode == "remeasure" else _read_cache()
+    cache = _read_cache()
     deadline = time.perf_counter() + budget_s
     measured = False
     table: dict[str, dict[str, str]] = {}
@@ -308,7 +308,7 @@ def apply_kernel_choice(
                 cands.own if i < cands.floor else alt for i in range(len(ROW_BUCKETS))
             )
         else:
-            timings = cache.get(key, {})
+            timings = {} if mode == "remeasure" else cache.get(key, {})
             if not any(str(r) in timings for r in ROW_BUCKETS) and time.perf_counter() < deadline:
                 runners = {cands.own: _own_runner(first)}
                 runners |= {n: b()[0] for n, b in cands.builders.items()}
