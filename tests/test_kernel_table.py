@@ -131,6 +131,9 @@ def test_one_crossover_from_the_timings():
     # timed up to 32 rows (the next call was too slow): the larger buckets take 32's choice
     short = _timings({1: 2.0, 2: 2.0, 4: 0.5, 8: 0.5, 16: 0.5, 32: 0.5})
     assert table_choices(short, "own", ["own", "torch"]) == ("own",) * 2 + ("torch",) * 8
+    # timed up to 64 rows with the own kernel ahead there: the fixed rule above
+    slow_head = _timings({r: 2.0 for r in ROW_BUCKETS[:7]})
+    assert table_choices(slow_head, "own", ["own", "torch"]) == ("own",) * 7 + (None,) * 3
     assert table_choices({}, "own", ["own", "torch"]) == (None,) * 10
 
 

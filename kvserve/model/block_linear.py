@@ -4,9 +4,10 @@
 Gemma 3's q and k are Q5_0, its v Q8_0). Per call it picks:
   - few rows (decode): the native kernel, csrc/blocks.c `block_linear`, each part writing its column
     slice of one output (`kernel` "blocks-avx2" / "blocks-scalar");
-  - many rows (prefill, T >= DEQUANT_MIN_ROWS): chunks of weight rows dequantised to fp32
-    (csrc/blocks.c `block_dequant_rows`) and multiplied by torch.matmul (MKL/oneDNN), which wins once the
-    product is compute bound;
+  - many rows (prefill): chunks of weight rows dequantised to fp32 (csrc/blocks.c
+    `block_dequant_rows`) and multiplied by torch.matmul (MKL/oneDNN), which wins once the product is
+    compute bound. Where the two meet comes from the table measured at load (`row_kernels`,
+    model/kernel_table.py); without one, the fixed rule T >= DEQUANT_MIN_ROWS;
   - no C library: the same chunked dequantise-and-matmul in torch (`kernel` "dequantized").
 `BlockEmbedding` looks rows up without dequantising the table; a tied head is a `BlockLinear` over the
 embedding's own `BlockWeight` (no second copy).

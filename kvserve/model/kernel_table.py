@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 ROW_BUCKETS = tuple(1 << i for i in range(10))  # 1 .. 512
 SWITCH_MARGIN = 1.10  # another kernel must be this much faster than kvserve's own to be chosen
 MEASURE_BUDGET_S = 2.0  # per load; what is left keeps the fixed rule until a later load measures it
-MAX_CALL_S = 0.05  # buckets above one whose call took longer take its choice (not timed)
+MAX_CALL_S = 0.05  # buckets above one whose call took longer are not timed (table_choices)
 ROUNDS = 3  # alternated rounds per bucket; the minimum of each candidate's calls is kept
 
 
@@ -258,7 +258,8 @@ def table_choices(
     (index >= `floor`) from which another kernel wins (`choose`) at every timed bucket. One
     crossover, not a choice per bucket: a noisy timing cannot make the kernel, and with it the
     summation order, flip back and forth between row counts. Buckets above the largest timed one
-    take its choice; None everywhere when nothing was timed (the fixed rule)."""
+    take its choice where another kernel had already won, else the fixed rule (None), as every
+    bucket does when nothing was timed."""
     timed = [
         i for i, r in enumerate(ROW_BUCKETS) if all(n in timings.get(str(r), {}) for n in names)
     ]
@@ -270,10 +271,13 @@ def table_choices(
         if i < floor or picks[i] == own:
             break
         crossover = i
-    out: list[str] = []
+    out: list[str | None] = []
     for i in range(len(ROW_BUCKETS)):
         timed_at = max((j for j in timed if j <= i), default=timed[0])
-        out.append(picks[timed_at] if i >= crossover else own)
+        if i > timed[-1] and crossover > timed[-1]:
+            out.append(None)  # past the timings with kvserve's kernel still ahead: the fixed rule
+        else:
+            out.append(picks[timed_at] if i >= crossover else own)
     return tuple(out)
 
 
@@ -287,6 +291,7 @@ def apply_kernel_choice(
     Long: one pass groups the modules by shape and format, measures what the cache lacks within
     the budget, and installs each group's choice; splitting it would pass the same four maps
     around."""
+    logger.info("matrix engine: %s", probe_matrix_engine().summary())
     if mode == "own":
         return {}
     groups: dict[str, list[tuple[nn.Module, Candidates]]] = {}
