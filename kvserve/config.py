@@ -26,6 +26,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # adaptive: kvserve/threads.py TeamSizer; fixed: every step on all of torch's threads
 THREAD_POLICIES = ("adaptive", "fixed")
 GGUF_ACTIVATIONS = ("fp32", "int8")  # EngineConfig.gguf_activations
+# which GEMM runs each linear at each row count (kvserve/model/kernel_table.py): measured on this
+# machine (cached), remeasure (ignoring the cache), own (kvserve's kernels and fixed rules), torch
+KERNEL_CHOICES = ("measured", "remeasure", "own", "torch")
 
 
 @dataclass(frozen=True)
@@ -449,6 +452,14 @@ class EngineConfig:
         "the engine's threads, trying the full count again now and then; fixed: always "
         'torch\'s thread count (docs/performance.md "Threads")',
         choices=THREAD_POLICIES,
+    )
+    kernel_choice: str = option(
+        "measured",
+        "which GEMM runs each linear at each row count on CPU: measured (kvserve's kernels vs "
+        "torch's, timed at load within ~2 s and cached per machine), remeasure (ignore the "
+        "cache), own (kvserve's kernels and fixed rules), torch (torch's GEMM where valid); "
+        'docs/performance.md "Choosing the kernel per shape"',
+        choices=KERNEL_CHOICES,
     )
     # the compile's worker process is killed past it (kvserve.structured.compile_worker)
     grammar_compile_timeout_s: float = option(

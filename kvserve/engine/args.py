@@ -118,6 +118,7 @@ class EngineArgs:
     kv_cache_dtype: str = Option.of(CacheConfig, "kv_cache_dtype")
     attention_backend: str = Option.of(EngineConfig, "attention_backend")
     thread_policy: str = Option.of(EngineConfig, "thread_policy")
+    kernel_choice: str = Option.of(EngineConfig, "kernel_choice")
     grammar_compile_timeout: float = Option.of(EngineConfig, "grammar_compile_timeout_s")
     tensor_parallel_size: int = Option.of(EngineConfig, "tensor_parallel_size")
     nnodes: int = Option.of(DistConfig, "nnodes", group=_MULTI_HOST)

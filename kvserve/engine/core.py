@@ -96,7 +96,9 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
         blocks_per_full_seq=engine.kv_manager.num_blocks_for(
             engine.max_model_len, c.scheduler.max_num_batched_tokens
         ),
-        **served_kernels(c.model_dir, c.weight_scheme),
+        **served_kernels(
+            c.model_dir, c.weight_scheme, getattr(engine.runner.model, "kernel_table", None)
+        ),
     )
 
 

@@ -70,6 +70,10 @@ class EngineInfo(msgspec.Struct, frozen=True):
     # "" where the served weights have none; /manifest shows them
     kernel_isa: str = ""
     bf16_products: str = ""
+    # the CPU's matrix engine ("amx-bf16", "none: cpu flag absent") and the GEMM each linear shape
+    # runs per row bucket, {"576x1536/f32": {"1": "panel-f32", ...}} (model/kernel_table.py)
+    matrix_engine: str = ""
+    kernel_table: dict[str, dict[str, str]] = msgspec.field(default_factory=dict)
 
 
 class EngineStats(msgspec.Struct, frozen=True):

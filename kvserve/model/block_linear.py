@@ -4,9 +4,10 @@
 Gemma 3's q and k are Q5_0, its v Q8_0). Per call it picks:
   - few rows (decode): the native kernel, csrc/blocks.c `block_linear`, each part writing its column
     slice of one output (`kernel` "blocks-avx2" / "blocks-scalar");
-  - many rows (prefill, T >= DEQUANT_MIN_ROWS): chunks of weight rows dequantised to fp32
-    (csrc/blocks.c `block_dequant_rows`) and multiplied by torch.matmul (MKL/oneDNN), which wins once the
-    product is compute bound;
+  - many rows (prefill): chunks of weight rows dequantised to fp32 (csrc/blocks.c
+    `block_dequant_rows`) and multiplied by torch.matmul (MKL/oneDNN), which wins once the product is
+    compute bound. Where the two meet comes from the table measured at load (`row_kernels`,
+    model/kernel_table.py); without one, the fixed rule T >= DEQUANT_MIN_ROWS;
   - no C library: the same chunked dequantise-and-matmul in torch (`kernel` "dequantized").
 `BlockEmbedding` looks rows up without dequantising the table; a tied head is a `BlockLinear` over the
 embedding's own `BlockWeight` (no second copy).
@@ -30,7 +31,8 @@ from kvserve.model.block_weights import BlockWeight
 #   Q8_0 49152x576  M=4 11.3 vs 20.1   M=16 34.3 vs 25.1
 # M between 4 and 16 is not measured yet; 16 is the smallest measured row count where the matmul wins.
 DEQUANT_MIN_ROWS = 16
-DEQUANT_CHUNK_BYTES = 4 << 20  # fp32 weight rows dequantised per matmul (fits L2+L3 comfortably)
+DEQUANT_CHUNK_BYTES = 4 << 20
+_LAST_BUCKET = 9  # kernel_table.ROW_BUCKETS: 1, 2, 4, ... 512 rows  # fp32 weight rows dequantised per matmul (fits L2+L3 comfortably)
 
 
 class BlockKernelError(RuntimeError):
@@ -149,6 +151,9 @@ class BlockLinear(nn.Module):
             raise ValueError(f"bias {tuple(bias.shape)} does not match {self.out_features} outputs")
         self.bias = None if bias is None else bias.float().contiguous()
         self.dequant_min_rows = dequant_min_rows
+        # per row bucket (model/kernel_table.py): True the block kernel, False dequantise + matmul,
+        # None the fixed rule above; None for no table (`--kernel-choice own`)
+        self.row_kernels: tuple[bool | None, ...] | None = None
 
     @property
     def kernel(self) -> str:
@@ -160,13 +165,24 @@ class BlockLinear(nn.Module):
         return sum(p.bytes for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_rows = x.numel() // self.in_features
+        use_kernel = None
+        if self.row_kernels is not None:
+            use_kernel = self.row_kernels[min(max(num_rows - 1, 0).bit_length(), _LAST_BUCKET)]
+        if use_kernel is None:
+            use_kernel = num_rows < self.dequant_min_rows
+        return self.forward_rule(x, use_kernel)
+
+    def forward_rule(self, x: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+        """y for `x` [..., in] on the block kernel (`use_kernel`, where it builds) or by dequantising
+        chunks of rows for torch.matmul."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # [T, K]
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         y = x2.new_empty(x2.shape[0], self.out_features)  # [T, N]
         native = native_available()
-        use_kernel = native and x2.shape[0] < self.dequant_min_rows
+        use_kernel = native and use_kernel
         for part, row0, row1 in zip(
             self.parts, self.part_offsets, self.part_offsets[1:], strict=False
         ):

@@ -35,6 +35,7 @@ from kvserve.quant.scheme import TensorScheme, WeightScheme
 # oneDNN picks its blocked layout for an expected row count; 16 rows (a decode batch) measured well for
 # 1 to 512 rows.
 _PACK_ROWS_HINT = 16
+_LAST_BUCKET = 9  # kernel_table.ROW_BUCKETS: 1, 2, 4, ... 512 rows
 
 
 @functools.cache
@@ -80,6 +81,9 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.bf16_products = bf16_products
         self._desc = None
+        # per row bucket (model/kernel_table.py: 1, 2, 4, ... 512 rows) the torch kernel that runs
+        # it, None for the panels; None for no table (`--kernel-choice own`)
+        self.row_kernels: tuple | None = None
         if bf16_products:
             self._init_bf16_products(weight)
             return
@@ -142,6 +146,12 @@ class PackedLinear(nn.Module):
         return _PRODUCTS_KERNEL_NAMES[bf16_products_kernel()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_kernels is not None:
+            num_rows = x.numel() // self.in_features
+            run = self.row_kernels[min(max(num_rows - 1, 0).bit_length(), _LAST_BUCKET)]
+            if run is not None:
+                y = run(x.reshape(-1, self.in_features).float())  # [M, in] -> [M, out]
+                return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         if self.bf16_products and self._desc is None:
             rows = fused_decode.flush_subnormals(x.float()).to(torch.bfloat16).float()
             bias = None if self.bias is None else self.bias.float()

@@ -19,6 +19,7 @@ from kvserve.gguf.weights import read_gguf_weights
 from kvserve.model.block_linear import BlockEmbedding, BlockLinear
 from kvserve.model.block_weights import BlockWeight, as_quantized_tensor
 from kvserve.model.decoder import DecoderLM
+from kvserve.model.kernel_table import apply_kernel_choice
 from kvserve.model.linear import apply_weight_scheme
 from kvserve.model.qlinear import QuantLinear, kernel_summary
 from kvserve.model.registry import get_arch
@@ -100,6 +101,7 @@ def load_model(
     quantization_method: str = DEFAULT_METHOD,
     calib: str | None = None,
     gguf_activations: str = "fp32",
+    kernel_choice: str = "own",
 ) -> DecoderLM:
     """The checkpoint's DecoderLM on `device`; `quantization` (a scheme, `EngineConfig.weight_scheme`,
     or for a direct caller its string; docs/quantization.md)
@@ -107,6 +109,8 @@ def load_model(
     block linears by a calibrated `quantization_method` (gptq, awq, smoothquant) on the text in
     `calib`, as `kvserve quantize` would write them, short scale groups allowed. `gguf_activations`
     "int8" runs a GGUF file's blocks on the panel kernel with int8 activations (install_block_weights).
+    `kernel_choice` (config.KERNEL_CHOICES) picks each linear's GEMM per row count on CPU
+    (model/kernel_table.py); "own", the default here, keeps kvserve's kernels and fixed rules.
 
     Long: the load stages in order (read, check, calibrate, install, convert), which share the state
     dict being consumed."""
@@ -239,6 +243,8 @@ def load_model(
         isinstance(table, torch.Tensor) and table.data_ptr() in views
     ):  # tied, quantised head: no panels
         model.embed_tokens.weight = nn.Parameter(table.detach().clone(), requires_grad=False)
+    if torch.device(device).type == "cpu":
+        model.kernel_table = apply_kernel_choice(model, kernel_choice)  # for /manifest
     if unused:
         logger.warning(
             "%s: ignoring %d checkpoint tensors not used by %s: %s",

@@ -140,6 +140,7 @@ class ModelRunner:
             quantization_method=config.quantization_method,
             calib=config.calib,
             gguf_activations=config.gguf_activations,
+            kernel_choice=config.kernel_choice,
         )
 
     def _forward(

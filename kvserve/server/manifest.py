@@ -31,10 +31,14 @@ def build_manifest(
     engine_options: dict,
     kernel_isa: str = "",
     bf16_products: str = "",
+    matrix_engine: str = "",
+    kernel_table: dict | None = None,
 ) -> dict:
     """SHA-256 of weights, tokenizer files and chat template; engine version; dtype and cache
     options. `kernel_isa` and `bf16_products`: what the engine core reports it runs
-    (`EngineInfo`, kvserve/model/kernel_choice.py); the API process loads no kernel to find out."""
+    (`EngineInfo`, kvserve/model/kernel_choice.py); the API process loads no kernel to find out.
+    `matrix_engine` and `kernel_table` (the GEMM per linear shape and row bucket) likewise go
+    under "kernels"."""
     model_dir = Path(model_dir)
     weights = {p.name: sha256_file(p) for p in sorted(model_dir.glob("*.safetensors"))}
     tokenizer = {
@@ -66,6 +70,7 @@ def build_manifest(
             else engine_options["kv_cache_dtype"]
         ),
         "engine_options": engine_options,
+        "kernels": {"matrix_engine": matrix_engine, "table": dict(kernel_table or {})},
     }
 
 

@@ -29,7 +29,24 @@ def startup_summary(info, served_model_name: str, url: str, num_cores: int = 1) 
         f"length at once (max running sequences {info.max_num_seqs})",
         f"  speculative {info.speculative}",
         f"  threads    {info.threads}",
+        *_kernel_lines(info),
         f"  URL        {url}  (playground {url}/, dashboard {url}/dashboard, API {url}/v1, "
         f"docs {url}/docs)",
     ]
     return "\n".join(lines)
+
+
+def _kernel_lines(info) -> list[str]:
+    """The matrix engine and the per-shape GEMM choice (model/kernel_table.py), one line a shape:
+    "576x1536/f32  1-64 panel-f32, 128-512 onednn-f32"."""
+    lines = [f"  matrix     {info.matrix_engine}"] if info.matrix_engine else []
+    for shape, per_bucket in info.kernel_table.items():
+        runs: list[list] = []
+        for rows, kernel in per_bucket.items():
+            if runs and runs[-1][2] == kernel:
+                runs[-1][1] = rows
+            else:
+                runs.append([rows, rows, kernel])
+        text = ", ".join(f"{a}-{b} {k}" if a != b else f"{a} {k}" for a, b, k in runs)
+        lines.append(f"  gemm       {shape}  {text}")
+    return lines

@@ -127,6 +127,8 @@ def load_engine(state: ServerState, client_factory: Callable[[], EngineClient]) 
             engine_options=state.engine_options,
             kernel_isa=info.kernel_isa,
             bf16_products=info.bf16_products,
+            matrix_engine=info.matrix_engine,
+            kernel_table=info.kernel_table,
         )
         state.manifest_sha256 = manifest_hash(state.manifest)
         client.set_observers(
