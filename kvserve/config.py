@@ -22,7 +22,7 @@ KV_SCALE_BYTES = 2
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 # config.json `layer_types` values (transformers' names): attend to the whole context, or a window
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# adaptive: kvserve/threads.py TeamSizer; fixed: every step on all of torch's threads
+# adaptive: kvserve/threads.py ThreadPoolSizer; fixed: every step on all of torch's threads
 THREAD_POLICIES = ("adaptive", "fixed")
 GGUF_ACTIVATIONS = ("fp32", "int8")  # EngineConfig.gguf_activations
 
@@ -418,7 +418,7 @@ class EngineConfig:
     gguf_activations: str = "fp32"
     tensor_parallel_size: int = 1  # ranks the target model is sharded over (docs/parallel.md)
     # THREAD_POLICIES. adaptive: on CPU, a step's thread count drops while a neighbour takes CPU time
-    # from the team (kvserve.threads.TeamSizer); fixed: every step uses torch's thread count.
+    # from the OpenMP thread pool (kvserve.threads.ThreadPoolSizer); fixed: every step uses torch's thread count.
     thread_policy: str = "adaptive"
     # A grammar still compiling after this long is abandoned (its worker process killed) and its request
     # gets a 400 (kvserve.structured.compile_worker, docs/structured-output.md).
