@@ -277,6 +277,9 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prompt tokens a step may hold while it also holds decoding rows (0: the whole budget): a prompt
+    # chunk delays every decoding row's next token by its cost (docs/scheduling.md).
+    max_prompt_tokens_beside_decode: int = 0
     max_model_len: int = 2048
     admission: str = "on_demand"
     # Speculative decoding: slots allocated past each chunk of a speculating request, so the proposer can
@@ -289,6 +292,11 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise InvalidRequestError(
                 "max_num_batched_tokens must be >= 1", "max_num_batched_tokens"
+            )
+        if self.max_prompt_tokens_beside_decode < 0:
+            raise InvalidRequestError(
+                "max_prompt_tokens_beside_decode must be >= 0 (0: no cap)",
+                "max_prompt_tokens_beside_decode",
             )
         if self.max_model_len < 2:
             raise InvalidRequestError("max_model_len must be >= 2", "max_model_len")

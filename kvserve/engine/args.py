@@ -118,6 +118,11 @@ class EngineArgs:
         "token budget of one step, shared by decode tokens and prompt chunks",
         type=int,
     )
+    max_prompt_tokens_beside_decode: int = _option(
+        _default(SchedulerConfig, "max_prompt_tokens_beside_decode"),
+        "prompt tokens a step may hold while it also holds decoding rows (0: the whole budget)",
+        type=int,
+    )
     block_size: int = _option(
         _default(CacheConfig, "block_size"), "tokens per KV-cache block", type=int
     )
@@ -379,6 +384,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
+                max_prompt_tokens_beside_decode=self.max_prompt_tokens_beside_decode,
                 max_model_len=max_model_len,
                 admission=self.admission,
                 num_lookahead_tokens=speculative.num_speculative_tokens if speculative else 0,
