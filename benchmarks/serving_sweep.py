@@ -165,6 +165,8 @@ def run_engine(engine: str, args) -> dict:
         wall_s = time.time() - started
         thread_changes = None
         if engine.startswith("kvserve"):  # the adaptive thread policy's changes of team size
+            steps = httpx.get(f"{url}/debug/steps", params={"since": 0}, timeout=30).json()
+            (out / "steps.json").write_text(json.dumps(steps))  # the server's own step log
             metrics = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
             thread_changes = next((float(line.split()[-1]) for line in metrics
                                    if line.startswith("kvserve_engine_thread_changes_total")), None)  # fmt: skip
