@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[0, 32, 64, 128])
     parser.add_argument("--budget", type=int, default=None, help="max_num_batched_tokens")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gguf-activations", default=None, help="fp32 (the default) or int8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -141,6 +142,8 @@ def main() -> None:
     options = {"enable_prefix_caching": False, "max_num_seqs": 64, "thread_policy": "fixed"}
     if args.budget:
         options["max_num_batched_tokens"] = args.budget
+    if args.gguf_activations:
+        options["gguf_activations"] = args.gguf_activations
     llm = llm_cls(args.model, **options)
     recorder = Recorder()
     instrument(llm, recorder)
@@ -157,7 +160,8 @@ def main() -> None:
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in row.items()), flush=True)  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps({"threads": args.threads, "rows": report}, indent=1))
+        doc = {"threads": args.threads, "options": options, "rows": report}
+        Path(args.out).write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":
