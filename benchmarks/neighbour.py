@@ -20,7 +20,7 @@ Settings: `libgomp` is torch's OpenMP runtime as it comes (2 threads, each spinn
 before it sleeps; the count is set explicitly, to the value libgomp uses when it is unset, so that
 kvserve's default stays out); `kvserve` is what the `kvserve` command line applies when the variables
 are unset (kvserve.threads.THREAD_DEFAULTS) with the engine's default thread policy (adaptive: a step
-runs on one thread fewer while a neighbour takes CPU time from the team, kvserve.threads.TeamSizer);
+runs on one thread fewer while a neighbour takes CPU time from the OpenMP thread pool, kvserve.threads.ThreadPoolSizer);
 `fixed` is the same with `--thread-policy fixed` (every step on all threads); the others set one
 variable each (adaptive policy). `thread_changes` counts the team's changes of size.
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.server_utils import free_port  # noqa: E402
 
-LLAMA_BIN = "/tmp/kv/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
+LLAMA_BIN = "/tmp/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"
 SLO = "ttft=2s,worst_gap=500ms"
 ENGINES = ("kvserve", "kvserve-fixed", "llamacpp", "vllm", "vllm-bind01", "vllm-bind01-bf16")
 
@@ -65,7 +65,9 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, s
     if engine == "llamacpp":
         cmd = [f"{args.llama_bin}/llama-server", "-m", args.gguf, "--host", "127.0.0.1",
                "--port", str(port), "--alias", "smol", "--no-cache-prompt", "-t", str(args.threads),
-               "-np", str(args.llama_parallel), "-c", str(args.llama_parallel * 256)]  # fmt: skip
+               "-np", str(args.llama_parallel), "--cont-batching",
+               "-c", str(args.llama_ctx or args.llama_parallel * 256)]  # fmt: skip
+        env["LD_LIBRARY_PATH"] = args.llama_bin
         return cmd, env
     if engine.startswith("vllm"):
         env |= {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -115,7 +117,8 @@ def bench_command(url: str, out: Path, args) -> list[str]:
             "--model", "smol", "--endpoint", "completions", "--input-len", "128",
             "--output-len", "64", "--mode", "forced", "--sweep", args.rates,
             "--num-requests", str(args.num_requests), "--warmup", str(args.warmup),
-            "--tokenizer", args.model, "--slo", SLO, "--save-outputs", "--out", str(out),
+            "--tokenizer", args.tokenizer or args.model, "--slo", SLO, "--save-outputs",
+            "--out", str(out),
             "--label", "hardware=2-core-cpu", "--no-plots", "--no-progress"]  # fmt: skip
 
 
@@ -162,6 +165,8 @@ def run_engine(engine: str, args) -> dict:
         wall_s = time.time() - started
         thread_changes = None
         if engine.startswith("kvserve"):  # the adaptive thread policy's changes of team size
+            steps = httpx.get(f"{url}/debug/steps", params={"since": 0}, timeout=30).json()
+            (out / "steps.json").write_text(json.dumps(steps))  # the server's own step log
             metrics = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
             thread_changes = next((float(line.split()[-1]) for line in metrics
                                    if line.startswith("kvserve_engine_thread_changes_total")), None)  # fmt: skip
@@ -221,8 +226,10 @@ def main() -> int:
     p.add_argument("--engines", default="kvserve", help=f"comma list of {', '.join(ENGINES)}")
     p.add_argument("--model", default="/tmp/kv/smol-gpt2")
     p.add_argument("--gguf", default="/tmp/kv/smol-gpt2-f32.gguf")
+    p.add_argument("--tokenizer", default=None, help="the load's tokenizer (default: --model)")
     p.add_argument("--llama-bin", default=LLAMA_BIN)
     p.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots")
+    p.add_argument("--llama-ctx", type=int, default=0, help="llama-server -c (0: 256 a slot)")
     p.add_argument("--threads", type=int, default=2, help="llama-server threads")
     p.add_argument("--vllm-python", default="/tmp/kv/vllm-venv/bin/python")
     p.add_argument("--rates", default="1,2,4,8,inf")

@@ -23,7 +23,7 @@ KV_SCALE_BYTES = 2
 ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 # config.json `layer_types` values (transformers' names): attend to the whole context, or a window
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# adaptive: kvserve/threads.py TeamSizer; fixed: every step on all of torch's threads
+# adaptive: kvserve/threads.py ThreadPoolSizer; fixed: every step on all of torch's threads
 THREAD_POLICIES = ("adaptive", "fixed")
 GGUF_ACTIVATIONS = ("fp32", "int8")  # EngineConfig.gguf_activations
 # which GEMM runs each linear at each row count (kvserve/model/kernel_table.py): measured on this
@@ -279,6 +279,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(
         2048, "token budget of one step, shared by decode tokens and prompt chunks", ge=1
     )
+    max_prompt_tokens_beside_decode: int = option(
+        0,
+        "prompt tokens a step may hold while it also holds decoding rows (0: the whole budget): a "
+        "prompt chunk delays every decoding row's next token by its cost (docs/scheduling.md)",
+        ge=0,
+    )
     max_model_len: int = option(2048, "context length in tokens, prompt + output", ge=2)
     admission: str = option(
         "on_demand",
@@ -445,7 +451,7 @@ class EngineConfig:
         "docs/parallel.md)",
         ge=1,
     )
-    # kvserve.threads.TeamSizer
+    # kvserve.threads.ThreadPoolSizer
     thread_policy: str = option(
         "adaptive",
         "adaptive: on CPU, steps use one thread fewer while a neighbour takes CPU time from "

@@ -11,8 +11,9 @@ later are unaffected; its tensor-parallel ranks get them again through `spawn_en
 A variable the user set wins: a default is applied only when no variable of its group is set (setting
 `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` keeps both of ours out).
 
-`TeamSizer` (with `RunDelayMeter`) is the engine's adaptive thread policy: the threads of the next step,
-one fewer while a neighbour takes CPU time from the team. This module never imports torch.
+`ThreadPoolSizer` (with `RunDelayMeter` and the rule `next_thread_count`) is the engine's adaptive
+thread policy: the threads of the OpenMP thread pool the next step uses, one fewer while a neighbour
+takes CPU time that the last thread cannot make up for. This module never imports torch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +117,23 @@ def describe_threads(num_threads: int, environ: Mapping[str, str] | None = None)
     return "; ".join([f"{num_threads} OpenMP threads", *(settings or ["libgomp defaults"])])
 
 
-# --- the engine's team size beside a neighbour --------------------------------------------------------
+# --- the engine's thread pool size beside a neighbour --------------------------------------------------
+
+
+class SchedTimes(NamedTuple):
+    """Seconds this process's threads ran on a CPU (`cpu_s`) and waited runnable for one (`delay_s`)."""
+
+    cpu_s: float
+    delay_s: float
 
 
 class RunDelayMeter:
-    """Seconds this process's threads have spent runnable but waiting for a CPU since the meter
-    started (the second field of Linux's `/proc/<pid>/task/<tid>/schedstat`, summed over the
-    threads): the CPU time others took from it. The thread list is read again every `rescan_s`
-    (OpenMP starts its workers lazily); a thread counts from when the meter first sees it. `available`
-    is False where the kernel gives no schedstat (not Linux, or CONFIG_SCHED_INFO off)."""
+    """What this process's threads got from the CPUs since the meter started, from the first two
+    fields of Linux's `/proc/<pid>/task/<tid>/schedstat` summed over the threads: time on a CPU and
+    run delay (time runnable but waiting for a CPU: the CPU time others took from it). The thread
+    list is read again every `rescan_s` (OpenMP starts its workers lazily); a thread counts from when
+    the meter first sees it. `available` is False where the kernel gives no schedstat (not Linux, or
+    CONFIG_SCHED_INFO off)."""
 
     def __init__(
         self, task_dir: str = "/proc/self/task", rescan_s: float = 1.0, clock=None
@@ -132,14 +142,15 @@ class RunDelayMeter:
         self._rescan_s = rescan_s
         self._clock = clock or time.monotonic
         self._fds: dict[str, int] = {}
-        self._last_ns: dict[str, int] = {}
-        self._total_ns = 0
+        self._last_ns: dict[str, tuple[int, int]] = {}
+        self._cpu_ns = self._delay_ns = 0
         self._scanned_at = float("-inf")
         self.available = self._scan()
 
-    def _delay_ns(self, tid: str) -> int | None:
+    def _times_ns(self, tid: str) -> tuple[int, int] | None:
         try:
-            return int(os.pread(self._fds[tid], 128, 0).split()[1])
+            fields = os.pread(self._fds[tid], 128, 0).split()
+            return int(fields[0]), int(fields[1])
         except (OSError, IndexError, ValueError):  # the thread ended
             os.close(self._fds.pop(tid))
             self._last_ns.pop(tid, None)
@@ -155,21 +166,24 @@ class RunDelayMeter:
                 self._fds[tid] = os.open(f"{self._task_dir}/{tid}/schedstat", os.O_RDONLY)
             except OSError:
                 continue
-            now = self._delay_ns(tid)
+            now = self._times_ns(tid)
             if now is not None:
                 self._last_ns[tid] = now
         self._scanned_at = self._clock()
         return bool(self._fds)
 
-    def read_s(self) -> float:
+    def read(self) -> SchedTimes:
+        """Totals since the meter started; they never fall (a thread that ended keeps its share)."""
         if self._clock() - self._scanned_at >= self._rescan_s:
             self._scan()
         for tid in list(self._fds):
-            now = self._delay_ns(tid)
+            now = self._times_ns(tid)
             if now is not None:
-                self._total_ns += max(0, now - self._last_ns[tid])
+                last = self._last_ns[tid]
+                self._cpu_ns += max(0, now[0] - last[0])
+                self._delay_ns += max(0, now[1] - last[1])
                 self._last_ns[tid] = now
-        return self._total_ns * 1e-9
+        return SchedTimes(self._cpu_ns * 1e-9, self._delay_ns * 1e-9)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -181,22 +195,39 @@ class RunDelayMeter:
             self.close()
 
 
-class TeamSizer:
-    """How many threads the engine's next step uses, chosen from the CPU time its threads lose.
+def next_thread_count(
+    threads: int, lost: float, cores: float, *, threshold: float, margin: float
+) -> int:
+    """The thread pool's size after a window run on `threads` threads, in which they lost `lost` of
+    their thread-seconds to other processes (run delay / (step wall time x threads)) and used `cores`
+    CPUs (time on a CPU / step wall time).
 
-    Beside a neighbour that keeps a core busy, a team with a thread on every core runs each step at the
-    pace of the thread the neighbour delays (every layer ends in barriers), and loses more than the
-    share of CPU the neighbour took (docs/performance.md "Threads"). The runner reports each step's
-    wall time; over a window of steps (`window_s` of step time, at least `min_steps` steps) the sizer
-    reads the run delay (`RunDelayMeter`: time runnable but not running) and divides it by the
-    window's thread-seconds: ~0.01 quiet, ~1/3 with 2 threads on 2 cores beside one busy core. Above
-    `threshold`, the team drops one thread (not below 1). A smaller team cannot see whether the
-    neighbour left, so after `probe_s` it tries one more thread for a window: kept where that window
-    loses no more than `threshold`; otherwise back down, and the wait before the next try doubles (up to
-    `max_probe_s`). The thread count changes the speed, never the numbers: every kernel gives the same
-    bits at any thread count (tests/test_team_sizer.py).
+    One thread fewer only where both hold: something took CPU time from the pool (`lost >
+    threshold`), and the last thread bought less than `margin` of a core (`cores < threads - 1 +
+    margin`): `threads - 1` threads could have had as much CPU, without waiting at every barrier for
+    the thread the neighbour delays. A quiet machine (no loss) keeps every thread, and so does a pool
+    beside a light neighbour (the API process, the load generator) that still gets more than
+    `threads - 1` cores."""
+    if threads > 1 and lost > threshold and cores < threads - 1 + margin:
+        return threads - 1
+    return threads
 
-    `clock` and `meter` are injectable (tests drive the policy with a fake clock and delays)."""
+
+class ThreadPoolSizer:
+    """How many threads of the OpenMP thread pool the engine's next step uses, chosen from the CPU
+    time its threads get and lose (`next_thread_count`).
+
+    Beside a neighbour that keeps a core busy, a pool with a thread on every core runs each step at
+    the pace of the thread the neighbour delays (every layer ends in barriers) and gets about one
+    core whatever it does (docs/performance.md "Threads"). The runner reports each step's wall time;
+    over a window of steps (`window_s` of step time, at least `min_steps` steps) the sizer reads the
+    threads' CPU time and run delay (`RunDelayMeter`) and applies `next_thread_count`. A smaller pool
+    cannot see whether the neighbour left, so after `probe_s` it tries one more thread for a window,
+    which the same rule keeps or drops; a dropped probe doubles the wait before the next (up to
+    `max_probe_s`). The thread count changes the speed, never the numbers: every kernel gives the
+    same bits at any thread count (tests/test_thread_pool_sizer.py).
+
+    `clock` and `meter` are injectable (tests drive the policy with a fake clock and CPU times)."""
 
     def __init__(
         self,
@@ -205,6 +236,7 @@ class TeamSizer:
         *,
         clock=None,
         threshold: float = 0.2,
+        margin: float = 0.5,
         window_s: float = 0.2,
         min_steps: int = 3,
         probe_s: float = 1.0,
@@ -214,19 +246,20 @@ class TeamSizer:
         self.threads = max_threads
         self.meter = meter if meter is not None else RunDelayMeter()
         self._clock = clock or time.monotonic
-        self.threshold = threshold
+        self.threshold, self.margin = threshold, margin
         self.window_s, self.min_steps = window_s, min_steps
         self.min_probe_s, self.max_probe_s = probe_s, max_probe_s
         self._probe_wait_s = probe_s
         self._probing = False
         self._next_probe = float("inf")
         self.last_lost: float | None = None  # the last window's run delay per thread-second
+        self.last_cores: float | None = None  # the last window's CPU time per second of steps
         self.num_changes = 0
         self._open_window()
 
     def _open_window(self) -> None:
         self._window_wall_s, self._window_steps = 0.0, 0
-        self._window_delay_s = self.meter.read_s()
+        self._window_start = self.meter.read()
 
     def _set(self, threads: int) -> None:
         if threads != self.threads:
@@ -237,7 +270,7 @@ class TeamSizer:
         """Record one step's wall time; returns the thread count for the next step."""
         now = self._clock()
         if not self._probing and self.threads < self.max_threads and now >= self._next_probe:
-            self._probing = True  # the window now open measured the smaller team: start afresh
+            self._probing = True  # the window now open measured the smaller pool: start afresh
             self._set(self.threads + 1)
             self._open_window()
             return self.threads
@@ -245,15 +278,24 @@ class TeamSizer:
         self._window_steps += 1
         if self._window_wall_s < self.window_s or self._window_steps < self.min_steps:
             return self.threads
-        lost = (self.meter.read_s() - self._window_delay_s) / (self._window_wall_s * self.threads)
-        self.last_lost = lost
+        times, start, wall_s = self.meter.read(), self._window_start, self._window_wall_s
+        lost = (times.delay_s - start.delay_s) / (wall_s * self.threads)
+        cores = (times.cpu_s - start.cpu_s) / wall_s
+        self.last_lost, self.last_cores = lost, cores
         logger.debug(
-            "team of %d threads lost %.3f of %.3f s", self.threads, lost, self._window_wall_s
+            "thread pool of %d lost %.3f, used %.2f cores in %.3f s",
+            self.threads,
+            lost,
+            cores,
+            wall_s,
         )
-        if lost > self.threshold and self.threads > 1:
+        threads = next_thread_count(
+            self.threads, lost, cores, threshold=self.threshold, margin=self.margin
+        )
+        if threads < self.threads:
             if self._probing:  # the neighbour is still there: wait longer before the next try
                 self._probe_wait_s = min(2 * self._probe_wait_s, self.max_probe_s)
-            self._set(self.threads - 1)
+            self._set(threads)
             self._next_probe = now + self._probe_wait_s
         elif self._probing:
             self._probe_wait_s = self.min_probe_s

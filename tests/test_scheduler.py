@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.errors import InvalidRequestError
 from kvserve.core.outputs import RunnerOutput, SampledTokens
 from kvserve.core.request import Request, sample_request_id
 from kvserve.core.sampling_params import SamplingParams
@@ -99,6 +100,40 @@ def test_a_step_keeps_within_its_token_budget_and_chunks_a_long_prompt():
             break
         assert not updates or not updates[0].new_token_ids  # no token before the prompt ends
     assert starts == [0, 32, 64, 96]
+
+
+def test_prompt_tokens_beside_decoding_rows_keep_within_their_cap():
+    """With decoding rows in the step, prompt chunks (running or admitted) hold at most
+    `max_prompt_tokens_beside_decode` tokens; a step of prompts only takes the whole budget."""
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512,
+        max_prompt_tokens_beside_decode=48,
+    )  # fmt: skip
+    scheduler = Scheduler(config, KVCacheManager(64, 16, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    scheduler.add_request(Request("a", tuple(range(10, 110)), params, 50, frozenset()))
+    scheduler.add_request(Request("b", tuple(range(10, 60)), params, 50, frozenset()))
+    out, _ = _step(scheduler, {})  # no row decodes yet: both prompts whole, 150 tokens
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 100), ("b", 50)]
+    scheduler.add_request(Request("c", tuple(range(10, 110)), params, 50, frozenset()))
+    scheduler.add_request(Request("d", tuple(range(10, 30)), params, 50, frozenset()))
+    shapes = []
+    while scheduler.requests["c"].num_output_tokens == 0 or "d" not in [
+        r.request_id for r in scheduler.running
+    ]:
+        out, _ = _step(scheduler, {})
+        decode = [c.num_tokens for c in out.chunks if c.request_id in ("a", "b")]
+        prompt = {c.request_id: c.num_tokens for c in out.chunks if c.request_id in ("c", "d")}
+        assert decode == [1, 1]  # the decoding rows run in every step
+        shapes.append(prompt)
+    # c's 100 tokens in chunks of 48, 48, 4; d (20 tokens) is admitted with c's last 4
+    assert shapes == [{"c": 48}, {"c": 48}, {"c": 4, "d": 20}]
+    assert all(sum(p.values()) <= 48 for p in shapes)
+
+
+def test_the_prompt_cap_is_validated():
+    with pytest.raises(InvalidRequestError, match="max_prompt_tokens_beside_decode"):
+        SchedulerConfig(max_prompt_tokens_beside_decode=-1)
 
 
 def test_out_of_blocks_the_newest_running_request_is_preempted_and_recomputed():

@@ -162,8 +162,8 @@ def test_spawned_ranks_get_the_defaults_the_offline_api_loaded_torch_with(monkey
     assert os.environ["GOMP_SPINCOUNT"] == "5"
 
 
-def test_the_team_size_is_on_metrics_and_in_the_step_log(server):
-    """The adaptive thread policy's state (kvserve/threads.py TeamSizer) reaches /metrics and
+def test_the_thread_pool_size_is_on_metrics_and_in_the_step_log(server):
+    """The adaptive thread policy's state (kvserve/threads.py ThreadPoolSizer) reaches /metrics and
     /debug/steps: the engine core runs 2 threads here (this server has no OMP_NUM_THREADS), and a
     neighbour (other tests) may have taken one, so any count from 1 to 2 is right."""
     url, _ = server

@@ -92,6 +92,9 @@ class EngineArgs:
     )
     max_num_seqs: int = Option.of(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int = Option.of(SchedulerConfig, "max_num_batched_tokens")
+    max_prompt_tokens_beside_decode: int = Option.of(
+        SchedulerConfig, "max_prompt_tokens_beside_decode"
+    )
     block_size: int = Option.of(CacheConfig, "block_size")
     num_blocks: int | None = Option.of(CacheConfig, "num_blocks")
     kv_cache_memory_bytes: int | None = Option.of(

@@ -94,9 +94,9 @@ class EngineStats(msgspec.Struct, frozen=True):
     spec_num_emitted: int = 0
     spec_draft_time_s: float = 0.0
     spec_target_time_s: float = 0.0
-    num_threads: int = 0  # the next step's threads (kvserve/threads.py TeamSizer)
+    num_threads: int = 0  # the next step's threads (kvserve/threads.py ThreadPoolSizer)
     num_thread_changes: int = 0
-    cpu_lost: float = 0.0  # the last window's run delay per thread-second (TeamSizer.last_lost)
+    cpu_lost: float = 0.0  # run delay per thread-second, last window (ThreadPoolSizer.last_lost)
     # per KV group (kv/groups.py; one for most models): its kind ("full", "window512") and the
     # blocks its tables hold now
     kv_group_kinds: tuple[str, ...] = ()

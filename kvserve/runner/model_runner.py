@@ -37,7 +37,7 @@ from kvserve.runner.sampler import (
 )
 from kvserve.runner.spec_decode import DraftJob, NgramProposer, verify_greedy, verify_stochastic
 from kvserve.structured.grammar import GrammarCache
-from kvserve.threads import RunDelayMeter, TeamSizer
+from kvserve.threads import RunDelayMeter, ThreadPoolSizer
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +93,10 @@ class ModelRunner:
         self.spec_stats = SpecStats()
         self.grammars: GrammarCache | None = None  # set by the engine when a request needs one
         self.grammar_mask_times_s: deque[float] = deque(maxlen=4096)  # per step; drained by metrics
-        self.team = self._team_sizer()
+        self.thread_pool = self._thread_pool_sizer()
         self.last_step_threads = torch.get_num_threads()
 
-    def _team_sizer(self) -> TeamSizer | None:
+    def _thread_pool_sizer(self) -> ThreadPoolSizer | None:
         """The adaptive thread policy's sizer (kvserve/threads.py), for one CPU rank with 2+ threads
         on a kernel that reports run delay; else None (every step on torch's thread count)."""
         config = self.config
@@ -111,21 +111,21 @@ class ModelRunner:
         if not meter.available:
             logger.info("thread policy adaptive: no run delay to read here; steps use all threads")
             return None
-        return TeamSizer(torch.get_num_threads(), meter)
+        return ThreadPoolSizer(torch.get_num_threads(), meter)
 
     @property
     def num_threads(self) -> int:
         """The threads the next step uses (the sizer's count: torch's is per calling thread)."""
-        return torch.get_num_threads() if self.team is None else self.team.threads
+        return torch.get_num_threads() if self.thread_pool is None else self.thread_pool.threads
 
     @property
     def num_thread_changes(self) -> int:
-        return 0 if self.team is None else self.team.num_changes
+        return 0 if self.thread_pool is None else self.thread_pool.num_changes
 
     @property
     def cpu_lost(self) -> float:
         """The last window's share of step thread-time lost to other processes (0 if unmeasured)."""
-        return 0.0 if self.team is None else self.team.last_lost or 0.0
+        return 0.0 if self.thread_pool is None else self.thread_pool.last_lost or 0.0
 
     def _load_model(self):
         """The target model this process runs (a tensor-parallel runner loads its rank's shard)."""
@@ -208,8 +208,8 @@ class ModelRunner:
         try:
             return self._execute(chunks)
         finally:
-            if self.team is not None:
-                threads = self.team.observe(time.perf_counter() - started)
+            if self.thread_pool is not None:
+                threads = self.thread_pool.observe(time.perf_counter() - started)
                 if threads != self.last_step_threads:
                     torch.set_num_threads(threads)
 

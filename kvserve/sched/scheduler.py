@@ -113,6 +113,13 @@ class Scheduler:
         """Long: one scheduling pass read top to bottom (running requests, preemption, admission), as
         vLLM's and nano-vllm's are."""
         budget = self.config.max_num_batched_tokens
+        # Prompt work beside decoding rows is capped, so that a prompt does not stall their next token
+        # for a whole prompt's time (docs/scheduling.md "Prompt tokens beside decoding rows").
+        prompt_budget = budget
+        if self.config.max_prompt_tokens_beside_decode and any(
+            r.num_tokens - r.num_computed_tokens == 1 for r in self.running
+        ):
+            prompt_budget = self.config.max_prompt_tokens_beside_decode
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []
         preempted: list[Request] = []
@@ -120,7 +127,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_left, budget, prompt_budget if num_left > 1 else budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -138,6 +146,8 @@ class Scheduler:
             else:
                 chunks.append(self._chunk(request, num_new, num_spec))
                 budget -= num_new + num_spec
+                if num_left > 1:
+                    prompt_budget -= num_new
                 index += 1
                 continue
             break
@@ -158,7 +168,10 @@ class Scheduler:
                 if running_by_group.get(request.group, 0) >= self._group_cap:
                     break  # the last slot stays free for another client's request
             computed_ids, num_cached = self._computed_prefix(request)
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_left = request.num_tokens - num_cached
+            num_new = min(num_left, budget, prompt_budget if num_left > 1 else budget)
+            if num_new <= 0:
+                break  # this step's prompt tokens are spent; it is admitted first next step
             lookahead = self._lookahead(request)
             if self.config.admission == "reserve":
                 # Everything it may ever hold, proposer lookahead included: it will never need more.
@@ -188,6 +201,8 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             budget -= num_new
+            if num_left > 1:
+                prompt_budget -= num_new
 
         finished_ids = tuple(self._finished_ids)
         self._finished_ids.clear()
