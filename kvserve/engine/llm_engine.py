@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.core.errors import CapacityError, ContextLengthError, InvalidRequestError
-from kvserve.core.outputs import RequestUpdate, ScheduledChunk
+from kvserve.core.outputs import RequestUpdate, ScheduledChunk, StopStringMatch
 from kvserve.core.request import Request, RequestStatus, sample_request_id
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.detokenizer import IncrementalDetokenizer
@@ -327,7 +327,7 @@ class LLMEngine:
         if scheduler_output.empty and not scheduler_output.finished_request_ids:
             return []
         runner_output = self.runner.execute(scheduler_output)
-        updates = self.scheduler.update(scheduler_output, runner_output)
+        updates = self.scheduler.update(scheduler_output, runner_output, self._detokenize)
         now = self.clock()
         touched: dict[str, tuple[_Parent, list[_Sample]]] = {}
         for update in updates:
@@ -345,45 +345,39 @@ class LLMEngine:
                     self._samples.pop(sample.request_id, None)
         return outputs
 
+    def _detokenize(
+        self, sample_id: str, new_token_ids: tuple[int, ...], finishing: bool
+    ) -> StopStringMatch | None:
+        """The scheduler's `StopCheck`: the sample's detokenizer consumes the tokens the scheduler
+        commits (`finishing`: a token rule ends it with them, so the held-back text is released) and
+        says where a stop string ended, if one did. The text waits in the sample's delta for
+        `_apply`; the decision is the scheduler's."""
+        sample = self._samples.get(sample_id)
+        if sample is None or sample.detokenizer is None:
+            return None
+        detok = sample.detokenizer
+        stopped_before = detok.stopped
+        sample.completion.delta_text = detok.update(new_token_ids, finished=finishing)
+        if detok.stopped and not stopped_before:
+            return StopStringMatch(detok.num_used, detok.stop_string)
+        return None
+
     def _apply(self, sample: _Sample, update: RequestUpdate, now: float) -> None:
+        """Record what the scheduler decided for one sample this step (its text is already there)."""
         completion = sample.completion
         completion.num_cached_tokens = update.num_cached_tokens
         completion.num_spec_proposed += update.num_spec_proposed
         completion.num_spec_accepted += update.num_spec_accepted
         if update.grammar_complete:
             completion.structured_complete = True
-        new_ids = list(update.new_token_ids)
-        logprobs = list(update.new_logprobs) if update.new_logprobs else None
-        finish_reason = update.finish_reason  # the scheduler's decision, and its reason
-        if finish_reason == "stop":
-            completion.stop_reason = update.stop_reason
-        delta = ""
-        if sample.detokenizer is not None:
-            detok = sample.detokenizer
-            stopped_before = detok.stopped
-            delta = detok.update(new_ids, finished=finish_reason is not None)
-            if detok.stopped and not stopped_before:
-                # A stop string (text, the front end's to match) ended it: tell the scheduler, and
-                # keep the tokens up to the one that completed it (a speculative step commits
-                # several). It wins over the scheduler's reason in the same step (completed by the
-                # max_tokens-th token, the request stopped; it did not reach its length).
-                if finish_reason is None:
-                    self.scheduler.finish_requests(
-                        [sample.request_id], RequestStatus.FINISHED_STOPPED
-                    )
-                finish_reason = "stop"
-                completion.stop_reason = detok.stop_string
-                del new_ids[detok.num_used :]
-                if logprobs is not None:
-                    del logprobs[detok.num_used :]
-        completion.delta_token_ids = new_ids
-        completion.delta_logprobs = logprobs
-        if new_ids and sample.first_token_time is None:
+        completion.delta_token_ids = list(update.new_token_ids)
+        completion.delta_logprobs = list(update.new_logprobs) if update.new_logprobs else None
+        if update.new_token_ids and sample.first_token_time is None:
             sample.first_token_time = now
-        sample.new_token_times = (now,) * len(new_ids)
-        completion.delta_text = delta
-        if finish_reason is not None:
-            completion.finish_reason = finish_reason
+        sample.new_token_times = (now,) * len(update.new_token_ids)
+        if update.finish_reason is not None:
+            completion.finish_reason = update.finish_reason
+            completion.stop_reason = update.stop_reason
             sample.finished_time = now
 
     def _delta(self, parent: _Parent, samples: list[_Sample]) -> RequestDelta:
