@@ -5,7 +5,7 @@
    `kvserve simulate --calibrate-server URL` fits the steps the server logged (intake + step +
    streaming per iteration, with residual noise) and the request overhead outside the loop
    (client TTFT - server TTFT of the calibration run). `--calibration offline` times
-   `LLMEngine.step()` in a separate process instead (`kvserve simulate --calibrate MODEL`).
+   `EngineCore.step()` in a separate process instead (`kvserve simulate --calibrate MODEL`).
 2. Measure: `kvserve bench serve` (open loop, Poisson, forced lengths) at each rate: a light, a
    medium and a saturating one by default.
 3. Predict, twice per rate, with `kvserve simulate --profile`:

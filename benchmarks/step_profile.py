@@ -4,7 +4,7 @@ the runner, the scheduler and the engine's output handling (time.perf_counter ar
 `--batch` greedy requests of `--prompt-len` tokens and `--new-tokens` new tokens through
 `LLM.generate` (the offline engine in this process, as `benchmarks/quant.py speed` runs it: kvserve
 imported before torch, so its thread defaults apply), after a warm-up of the same shape. Per decode
-step, in ms: `step` = `LLMEngine.step` (the whole loop body); inside it `schedule` and `update`
+step, in ms: `step` = `EngineCore.step` (the whole loop body); inside it `schedule` and `update`
 (the scheduler), `runner` = `ModelRunner.execute`, `outputs` (`OutputProcessor.process`: the
 snapshots) and `detok` (incremental detokenisation); inside the runner `forward` = `forward_chunks`
 (`metadata` = attention metadata, `fused` / `head` the two native calls), `sample` =
@@ -52,7 +52,16 @@ KEYS = ("step", "schedule", "update", "runner", "forward", "metadata", "fused", 
         "sampling_batch", "sampler", "outputs", "detok")  # fmt: skip
 
 
-def profile(llm_cls, fmt: str, batch: int, prompt_len: int, new_tokens: int, rounds: int) -> dict:
+def profile(
+    llm_cls,
+    fmt: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    rounds: int,
+    model: str = "/tmp/kv/smol-gpt2",
+    stop: tuple[str, ...] = (),
+) -> dict:
     import kvserve.engine.detokenizer as detok_mod
     import kvserve.engine.output_processor as outputs_mod
     import kvserve.runner.forward as forward_mod
@@ -61,11 +70,11 @@ def profile(llm_cls, fmt: str, batch: int, prompt_len: int, new_tokens: int, rou
     from kvserve import SamplingParams
 
     quant = None if fmt == "fp32" else fmt
-    llm = llm_cls("/tmp/kv/smol-gpt2", quantization=quant, max_num_seqs=max(4, batch))
+    llm = llm_cls(model, quantization=quant, max_num_seqs=max(4, batch))
     engine = llm.engine
     runner = engine.runner
     model = runner.model
-    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True, stop=stop)
     prompts = [list(range(10 + i, 10 + i + prompt_len)) for i in range(batch)]
     llm.generate(prompts, params)  # warm-up of the same shape (builds the fused step)
     steps: list = []
@@ -121,6 +130,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="/tmp/kv/smol-gpt2", help="a checkpoint or GGUF file")
+    parser.add_argument(
+        "--stop", nargs="*", default=[], help="stop strings every request carries (never matched)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     llm_cls = kvserve_llm()  # before torch: kvserve's thread defaults apply, as in quant.py
@@ -130,7 +143,16 @@ def main() -> None:
     report = []
     for fmt in args.formats.split(";"):
         for batch in args.batch:
-            result = profile(llm_cls, fmt, batch, args.prompt_len, args.new_tokens, args.rounds)
+            result = profile(
+                llm_cls,
+                fmt,
+                batch,
+                args.prompt_len,
+                args.new_tokens,
+                args.rounds,
+                args.model,
+                tuple(args.stop),
+            )
             report.append(result)
             for row in result["rounds"]:
                 print(f"{fmt} b{batch}", " ".join(f"{k}={v:.3f}" for k, v in row.items()),

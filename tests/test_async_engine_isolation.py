@@ -12,8 +12,8 @@ import pytest
 from kvserve import SamplingParams
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
+from kvserve.engine.core import EngineCore
 from kvserve.engine.faults import FaultInjection
-from kvserve.engine.llm_engine import LLMEngine
 
 FAULT_SEED = 99
 
@@ -29,8 +29,8 @@ async def _collect(stream):
 
 
 def test_culprit_among_newcomers_of_one_step_fails_alone(config, caplog):
-    engine = AsyncEngine(LLMEngine(config), faults=FaultInjection(request_seed=FAULT_SEED))
-    reference = LLMEngine(config)
+    engine = AsyncEngine(EngineCore(config), faults=FaultInjection(request_seed=FAULT_SEED))
+    reference = EngineCore(config)
     params = [SamplingParams(max_tokens=6, seed=s, temperature=1.0) for s in (1, 2, FAULT_SEED, 3)]
     prompts = [[5, 6, 7 + i] for i in range(4)]
     inside, gate = threading.Event(), threading.Event()
@@ -68,7 +68,7 @@ def test_culprit_among_newcomers_of_one_step_fails_alone(config, caplog):
 
 
 def test_reservations_make_the_waiting_count_exact(config):
-    engine = AsyncEngine(LLMEngine(config))
+    engine = AsyncEngine(EngineCore(config))
     assert engine.reserve(3, limit=4) and engine.num_waiting == 3
     assert not engine.reserve(2, limit=4)  # 3 + 2 > 4
     engine.release(3)
@@ -86,7 +86,7 @@ def test_a_grammar_the_core_has_not_compiled_waits_off_the_step_loop(config):
     from kvserve.core.sampling_params import StructuredOutput
     from tests.server_utils import wait_until
 
-    engine = AsyncEngine(LLMEngine(config), faults=FaultInjection(grammar_delay_s=3.0))
+    engine = AsyncEngine(EngineCore(config), faults=FaultInjection(grammar_delay_s=3.0))
     digits = StructuredOutput("regex", "[0-9]+")
     constrained = SamplingParams(max_tokens=3, temperature=0, structured=digits)
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -235,3 +235,27 @@ def test_a_long_output_keeps_a_bounded_tail_and_the_same_text(stop_at):
     assert "".join(released) == expected
     assert detok.stopped == (stop_at is not None)
     assert largest <= 2 * 4096 + 8  # _TRIM_AT twice at most, not the whole 20,000 characters
+
+
+def test_n_samples_with_a_stop_string_keep_tokens_text_and_logprobs_aligned(gpt2_model_dir):
+    """n > 1 with logprobs: each sample ends at the token completing the stop string, and its token
+    ids, logprobs and text are the free run's, cut there (the oracle: the same request without it)."""
+    from kvserve import LLM
+
+    llm = LLM(str(gpt2_model_dir), num_blocks=32)
+    params = SamplingParams(n=2, max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
+    free_run = llm.generate("The quick brown fox", params)[0].outputs
+    text = free_run[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stopped = llm.generate("The quick brown fox", params.with_updates(stop=(stop,)))[0].outputs
+    assert [o.index for o in stopped] == [0, 1]
+    for free, out in zip(free_run, stopped, strict=True):
+        assert out.text == free.text[: free.text.find(stop)]
+        assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+        num = len(out.token_ids)
+        assert out.token_ids == free.token_ids[:num] and num < len(free.token_ids)
+        decode = llm.tokenizer.decode
+        assert stop in decode(out.token_ids) and stop not in decode(out.token_ids[:-1])
+        assert [lp.token_id for lp in out.logprobs] == list(out.token_ids)
+    llm.engine.check_invariants()
+    assert llm.engine.num_free_blocks() == 32

@@ -15,7 +15,7 @@ from kvserve import LLM
 from kvserve.config import KERNEL_CHOICES
 from kvserve.core.errors import InvalidRequestError
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.core import engine_info
+from kvserve.engine.info import engine_info
 from kvserve.model import block_linear, fused_decode, kernel_table
 from kvserve.model.block_linear import BlockLinear
 from kvserve.model.block_weights import repack

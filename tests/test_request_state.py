@@ -11,7 +11,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.core.request import Request
-from kvserve.engine.llm_engine import ValidatedRequest
+from kvserve.engine.request_records import ValidatedRequest
 
 EOS = 2
 PROMPT = [5 + (i * 7) % 200 for i in range(21)]  # one full block of 16 and a part
@@ -54,7 +54,7 @@ def test_the_engine_holds_no_samples_back(llm):
     engine = llm.engine
     engine.add_request("fan", PROMPT, SamplingParams(n=3, max_tokens=3, temperature=1.0, seed=1))
     assert engine.num_waiting_samples == engine.scheduler.num_waiting == 3
-    assert not hasattr(next(iter(engine._parents.values())), "pending")
+    assert not hasattr(next(iter(engine._requests.values())), "pending")
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_invariants()

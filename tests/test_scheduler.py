@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.errors import InvalidRequestError
-from kvserve.core.outputs import RunnerOutput, SampledTokens
+from kvserve.core.outputs import RunnerOutput, SampledTokens, StopStringMatch
 from kvserve.core.request import Request, sample_request_id
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.kv.manager import KVCacheManager
@@ -154,3 +154,76 @@ def test_out_of_blocks_the_newest_running_request_is_preempted_and_recomputed():
     assert scheduler.requests["new"].num_computed_tokens == 0  # recompute from the start
     assert [r.request_id for r in scheduler.running] == ["old"]
     assert scheduler.stats.num_preemptions == 1
+
+
+class _PairStop:
+    """A stop check without text: a "stop string" is the token pair (6, 7), matched across steps as a
+    detokenizer matches text; records what the scheduler offered it."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[int]] = {}
+        self.calls: list[tuple[str, tuple[int, ...], bool]] = []
+
+    def __call__(self, request_id: str, new_token_ids: tuple[int, ...], finishing: bool):
+        self.calls.append((request_id, new_token_ids, finishing))
+        seen = self.seen.setdefault(request_id, [])
+        for used, token_id in enumerate(new_token_ids, 1):
+            seen.append(token_id)
+            if seen[-2:] == [6, 7]:
+                return StopStringMatch(used, "<6,7>")
+        return None
+
+
+def _step_tokens(scheduler: Scheduler, token_ids: tuple[int, ...], stop_check, **sampled):
+    out = scheduler.schedule(now=0.0)
+    runner_output = RunnerOutput(
+        tuple(SampledTokens(c.request_id, token_ids, **sampled) for c in out.chunks if c.sample)
+    )
+    return scheduler.update(out, runner_output, stop_check)
+
+
+def test_a_stop_string_ends_the_request_at_the_token_completing_it():
+    """Several tokens in one step (a speculative step commits several): those after the stop string
+    are neither reported nor kept, and the request ends here with the string as its reason."""
+    scheduler, check = _scheduler(), _PairStop()
+    scheduler.add_request(_request(SamplingParams(max_tokens=8)))
+    (update,) = _step_tokens(scheduler, (6,), check)
+    assert update.finish_reason is None and update.new_token_ids == (6,)
+    (update,) = _step_tokens(scheduler, (7, 9, 9), check)
+    assert update.new_token_ids == (7,)
+    assert (update.finish_reason, update.stop_reason) == ("stop", "<6,7>")
+    assert check.calls == [("r", (6,), False), ("r", (7, 9, 9), False)]
+    assert not scheduler.has_unfinished() and scheduler.kv.num_free_blocks == 32
+    assert scheduler.schedule().finished_request_ids == ("r",)  # the runner drops its state
+
+
+def test_a_stop_string_wins_over_length_in_the_same_step():
+    scheduler, check = _scheduler(), _PairStop()
+    request = _request(SamplingParams(max_tokens=2))
+    scheduler.add_request(request)
+    _step_tokens(scheduler, (6,), check)
+    (update,) = _step_tokens(scheduler, (7,), check)
+    assert (update.finish_reason, update.stop_reason) == ("stop", "<6,7>")
+    assert check.calls[-1] == ("r", (7,), True)  # told it ends, so held-back text is released
+    assert request.output_token_ids == [6, 7]
+
+
+def test_tokens_after_eos_never_reach_the_stop_check():
+    scheduler, check = _scheduler(), _PairStop()
+    request = _request(SamplingParams(max_tokens=8))
+    scheduler.add_request(request)
+    (update,) = _step_tokens(scheduler, (6, EOS, 7), check)
+    assert (update.finish_reason, update.stop_reason) == ("stop", EOS)
+    assert check.calls == [("r", (6, EOS), True)] and request.output_token_ids == [6, EOS]
+
+
+def test_the_grammar_end_is_reported_by_the_runner_and_decided_here():
+    scheduler = _scheduler()
+    scheduler.add_request(_request(SamplingParams(max_tokens=8)))
+    (update,) = _step_tokens(scheduler, (9,), None, grammar_ended=True)
+    assert (update.finish_reason, update.stop_reason, update.grammar_complete) == (
+        "stop",
+        None,
+        True,
+    )
+    assert not scheduler.has_unfinished()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 SERVER = Path(__file__).resolve().parent.parent / "kvserve" / "server"
 FORBIDDEN_MODULES = (
-    "kvserve.engine.llm_engine",
+    "kvserve.engine.request_records",
+    "kvserve.engine.info",
     "kvserve.engine.async_engine",
     "kvserve.engine.core",
     "kvserve.engine.core_proc",

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from kvserve.engine.args import build_engine_config
+from kvserve.engine.core import EngineCore
 from kvserve.engine.faults import FaultInjection
-from kvserve.engine.llm_engine import LLMEngine
 from tests.server_utils import free_port, running_server, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def test_dead_engine_health_ready_and_requests_are_503(gpt2_model_dir, mode):
 
     def factory():
         if mode == "in-process":
-            return AsyncEngine(LLMEngine(config), faults=faults)
+            return AsyncEngine(EngineCore(config), faults=faults)
         return MPClient(config, faults=faults)
 
     app = build_app(

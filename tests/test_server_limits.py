@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvserve.engine.args import build_engine_config
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.core import EngineCore
 from tests.server_utils import NotifyingServer, free_port, running_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -140,7 +140,7 @@ def test_ready_is_503_while_loading(gpt2_model_dir):
         from kvserve.engine.async_engine import AsyncEngine
 
         release.wait(60)
-        return AsyncEngine(LLMEngine(config))
+        return AsyncEngine(EngineCore(config))
 
     app = build_app(slow_factory, ServingOptions(served_model_name="m"))
     port = free_port()
@@ -183,7 +183,7 @@ def test_loading_503s_are_not_errors_and_ready_details_need_the_key(gpt2_model_d
         from kvserve.engine.async_engine import AsyncEngine
 
         release.wait(60)
-        return AsyncEngine(LLMEngine(config))
+        return AsyncEngine(EngineCore(config))
 
     app = build_app(slow_factory, ServingOptions(served_model_name="m"), api_keys=("a:secret",))
     port = free_port()

@@ -61,7 +61,7 @@ def config(admission: str = "on_demand", budget: int = 24) -> SchedulerConfig:
 
 
 def drive_by_hand(requests, sched_config, num_blocks, step_s=1.0) -> list[SchedulerOutput]:
-    """The engine's loop (LLMEngine.step) with a runner that samples FAKE_TOKEN_ID; requests join
+    """The engine's loop (EngineCore.step) with a runner that samples FAKE_TOKEN_ID; requests join
     between steps once their arrival time has passed; idle time jumps to the next arrival."""
     scheduler = Scheduler(sched_config, KVCacheManager(num_blocks, BLOCK))
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.index))

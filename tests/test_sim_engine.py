@@ -25,7 +25,7 @@ def tiny_dir(tmp_path_factory):
 
 def make_engine(model_dir, admission: str):
     from kvserve.engine.args import build_engine_config
-    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine.core import EngineCore
 
     config = build_engine_config(
         model_dir,
@@ -37,7 +37,7 @@ def make_engine(model_dir, admission: str):
         num_blocks=30,
         admission=admission,
     )
-    return LLMEngine(config, load_default_tokenizer=False)
+    return EngineCore(config, load_default_tokenizer=False)
 
 
 def decisions(outputs) -> list[tuple]:

@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvserve: loading {serving.served_model_name!r} from {model_dir} ...", flush=True)
         if serve.engine_core == "in-process":
             from kvserve.engine.async_engine import AsyncEngine
-            from kvserve.engine.llm_engine import LLMEngine
+            from kvserve.engine.core import EngineCore
 
-            client = AsyncEngine(LLMEngine(config), faults=faults)
+            client = AsyncEngine(EngineCore(config), faults=faults)
         else:
             from kvserve.engine.mp_client import MPClient
 

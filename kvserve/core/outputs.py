@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.core.sampling_params import SamplingParams
@@ -95,7 +96,9 @@ class SampledTokens:
     logprobs: tuple[TokenLogprob, ...] | None = None
     num_accepted: int = 0
     spec_token_ids: tuple[int, ...] = ()
-    stop: bool = False  # the request's grammar has terminated: it ends after these tokens
+    # A fact, not a decision: the request's grammar accepted a complete document with the last of
+    # `token_ids` (the tokens after its end are already cut). The scheduler's `update` ends it.
+    grammar_ended: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,10 +109,27 @@ class RunnerOutput:
 
 
 @dataclass(frozen=True)
+class StopStringMatch:
+    """A stop string ended a request: it was completed by the `num_tokens`-th of the tokens offered
+    to the stop check (those after it are not part of the output)."""
+
+    num_tokens: int
+    stop_string: str
+
+
+# The engine core's stop-string check, called by `Scheduler.update` once per sampled request with the
+# tokens it is about to commit and whether a token rule (EOS, stop ids, length, grammar end) already
+# ends the request. The core's incremental detokenizer consumes them there (the text is the core's)
+# and answers where a stop string ended, if one did. The scheduler stays torch- and tokenizer-free.
+StopCheck = Callable[[str, tuple[int, ...], bool], StopStringMatch | None]
+
+
+@dataclass(frozen=True)
 class RequestUpdate:
     """What one step did for one request: tokens appended and, if it ended, why. The scheduler decides
-    both: `finish_reason` ("stop" | "length" | None) and, for a stop, `stop_reason`, the EOS or stop
-    token id that ended it (None for a grammar that ended on another token)."""
+    both, in one place: `finish_reason` ("stop" | "length" | None) and, for a stop, `stop_reason`, the
+    stop string, or the EOS or stop token id, that ended it (None for a grammar that ended on another
+    token). `new_token_ids` end at the token that ended the request."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -119,4 +139,4 @@ class RequestUpdate:
     num_spec_proposed: int = 0  # proposals verified this step
     num_spec_accepted: int = 0
     grammar_complete: bool = False  # its grammar accepted a complete document (and its stop token)
-    stop_reason: int | None = None
+    stop_reason: str | int | None = None

@@ -17,9 +17,9 @@ import threading
 from collections.abc import Callable
 
 from kvserve.engine.client import CoreHandle, EngineClient, RequestStream
-from kvserve.engine.core import EngineCore, engine_info
+from kvserve.engine.core import EngineCore
 from kvserve.engine.faults import FaultInjection
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.info import engine_info
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.wire import EngineDeadError, EngineStats, RequestFailedError
 
@@ -29,7 +29,7 @@ __all__ = ["AsyncEngine", "EngineDeadError", "EngineStats", "RequestFailedError"
 class AsyncEngine(EngineClient):
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineCore,
         on_step: Callable[[list[RequestOutput]], None] | None = None,
         *,
         on_dead: Callable[[str], None] | None = None,
@@ -39,35 +39,34 @@ class AsyncEngine(EngineClient):
         core = CoreHandle(0, self._send)
         core.pid = os.getpid()
         super().__init__(engine_info(engine), engine.tokenizer, [core], on_dead=on_dead)
-        self._core = EngineCore(engine, lambda out: self._on_core_outputs(core, out), faults=faults)
-        core.stats = self._core.collect_stats()
-        self._core.start()
+        core.stats = engine.collect_stats()
+        engine.start(lambda out: self._on_core_outputs(core, out), faults=faults)
 
     def _send(self, command) -> None:
-        self._core.submit(command)
+        self.engine.submit(command)
 
     @property
     def error(self) -> str | None:
         return self.dead_reason
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        self._core.shutdown(timeout_s)
+        self.engine.shutdown(timeout_s)
 
-    def call_in_engine_thread(self, fn: Callable[[LLMEngine], object], timeout_s: float = 30.0):
+    def call_in_engine_thread(self, fn: Callable[[EngineCore], object], timeout_s: float = 30.0):
         """Run `fn(engine)` between steps and return its result (in-process only: tests, maintenance)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         done = threading.Event()
         box: list = []
 
-        def task(engine: LLMEngine) -> None:
+        def task(engine: EngineCore) -> None:
             try:
                 box.append((True, fn(engine)))
             except BaseException as exc:  # handed back to the caller
                 box.append((False, exc))
             done.set()
 
-        self._core.submit(task)
+        self.engine.submit(task)
         if not done.wait(timeout_s):
             raise TimeoutError("the engine thread did not run the call in time")
         ok, value = box[0]

@@ -1,26 +1,37 @@
-"""The engine core loop: commands in, per-step deltas out (docs/engine_core.md).
+"""One engine core per process: it owns its requests, from the check at add to the last delta.
 
-`EngineCore` owns an `LLMEngine` (scheduler, KV manager, runner) and runs its step loop in one thread.
-Commands (kvserve.engine.wire: add, abort, utility calls) are queued by `submit` and applied between steps;
-after every step (or batch of commands) `emit` receives a `CoreOutputs`: the step's `RequestDelta`s, the
-requests that failed, the stats snapshot, utility results, the step's timings. The in-process client calls
-`emit`'s results directly; the engine-core process (kvserve.engine.core_proc) sends them over ZMQ.
+`EngineCore` holds the scheduler, the KV manager, the model runner and the core's record of every request
+it accepted (kvserve.engine.request_records): docs/design.md, docs/engine_core.md. A request is checked
+once, when it is added (`validate`); a refused one comes back as a failure. Each step (`step_deltas`)
+schedules, runs the model and lets the scheduler decide every stop (the core's detokenizers answer its
+stop-string check), then returns what the step added to each request that changed (`RequestDelta`s).
+Every time is read from one injected clock.
 
-Failure isolation: an exception while adding one request, or in a step that admitted new requests, is
-charged to those requests (a `RequestFailedError` failure, HTTP 500) and the loop goes on; when several
-newcomers share the failing step they are re-admitted one at a time until the culprit is found. Only a
-failure that no request explains (or a broken cache invariant after recovery) stops the loop: the core is
-then dead (`CoreOutputs.dead_reason`).
+It is driven in one of two ways:
 
-Grammars: a request whose structured-output grammar this engine has not compiled waits, outside the
-scheduler, while a thread of its own compiles it (one at a time), and is added after; the step loop never
-compiles. With data parallelism the front checks a request (compiling its grammar) on one core and may
-route it to another, which compiled it again inside its step loop: every stream on that core stalled for
-the compile, seconds for a large schema.
+- directly (the offline `LLM`, tests, calibration): `add_request`, then `step()` (the outputs each
+  request's `output_kind` asks for, accumulated by `self.outputs`) or `step_deltas()`;
+- as a loop (`start(emit)`), one thread: commands (kvserve.engine.wire: add, abort, utility calls) queued
+  by `submit` are applied between steps; after every step (or batch of commands) `emit` receives a
+  `CoreOutputs`: the step's `RequestDelta`s, the requests accepted and refused, the stats snapshot,
+  utility results, the step's timings. The in-process client (kvserve.engine.async_engine) takes them
+  directly; the engine-core process (kvserve.engine.core_proc) sends them over ZMQ.
+
+Failure isolation (the loop): an exception while adding one request, or in a step that admitted new
+requests, is charged to those requests (a `RequestFailedError` failure, HTTP 500) and the loop goes on;
+when several newcomers share the failing step they are re-admitted one at a time until the culprit is
+found. Only a failure that no request explains (or a broken cache invariant after recovery) stops the
+loop: the core is then dead (`CoreOutputs.dead_reason`).
+
+Grammars (the loop): a request whose structured-output grammar this engine has not compiled is checked
+without it, then waits, outside the scheduler, while a thread of its own compiles it (one at a time), and
+is added after without a second check; the step loop never compiles. Added directly, a request's grammar
+compiles in `validate`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -28,108 +39,58 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import torch
-
-from kvserve.core.errors import KVServeError
+from kvserve.config import EngineConfig
+from kvserve.core.errors import (
+    CapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    KVServeError,
+)
+from kvserve.core.outputs import ScheduledChunk, StopStringMatch
+from kvserve.core.request import Request, RequestStatus, sample_request_id
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.faults import DeadEngine, FaultInjection, inject_runner_fault
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.output_processor import OutputKind, OutputProcessor
+from kvserve.engine.outputs import CompletionOutput, RequestOutput
+from kvserve.engine.request_records import ClientRequest, SampleOutput, ValidatedRequest
 from kvserve.engine.step_log import chunk_row
 from kvserve.engine.wire import (
     AbortCmd,
     AddCmd,
     CoreOutputs,
     EngineDeadError,
-    EngineInfo,
     EngineStats,
     Failure,
+    RequestDelta,
     RequestFailedError,
     StepRow,
     UtilityCmd,
     UtilityResult,
     failure_of,
 )
-from kvserve.model.kernel_choice import served_kernels
-from kvserve.quant.describe import describe_weights
-from kvserve.threads import describe_threads
+from kvserve.kv.manager import KVCacheManager
+from kvserve.runner.executor import make_runner
+from kvserve.sched.scheduler import Scheduler
+from kvserve.tokenizer import load_tokenizer, stop_token_ids
 
 logger = logging.getLogger(__name__)
+_score_ids = itertools.count()
 
 
-def engine_info(engine: LLMEngine) -> EngineInfo:
-    c = engine.config
-    spec = c.speculative
-    speculative = (
-        "off"
-        if spec is None
-        else f"{spec.method}"
-        + (f" ({spec.draft_model_dir})" if spec.draft_model_dir else "")
-        + f", {spec.num_speculative_tokens} tokens per step"
-    )
-    tok = engine.tokenizer
-    return EngineInfo(
-        model_dir=str(c.model_dir),
-        model_type=c.model.model_type,
-        dtype=str(c.dtype),
-        device=str(c.device),
-        quantization=getattr(c, "quantization", None),
-        vocab_size=c.model.vocab_size,
-        num_layers=c.model.num_layers,
-        max_model_len=engine.max_model_len,
-        num_blocks=engine.num_blocks,
-        block_size=c.cache.block_size,
-        kv_bytes_per_token=int(c.model.kv_bytes_per_token(c.dtype)),
-        max_num_seqs=c.scheduler.max_num_seqs,
-        max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-        enable_prefix_caching=c.cache.enable_prefix_caching,
-        admission=str(c.scheduler.admission),
-        speculative=speculative,
-        tokenizer=None if tok is None else str(getattr(tok, "name_or_path", "") or c.model_dir),
-        eos_token_ids=tuple(engine.eos_token_ids),
-        threads=describe_threads(torch.get_num_threads()),
-        grammar_compile_timeout_s=c.grammar_compile_timeout_s,
-        weights=describe_weights(
-            str(c.dtype), c.quantization, c.quantization_method, c.model_dir, c.gguf_activations
-        ),
-        kv_cache_sizing=c.cache.sizing,
-        kv_cache_bytes=int(engine.runner.kv_cache_bytes),
-        kv_groups=describe_groups(engine.kv_manager.layout),
-        blocks_per_full_seq=engine.kv_manager.num_blocks_for(
-            engine.max_model_len, c.scheduler.max_num_batched_tokens
-        ),
-        **served_kernels(
-            c.model_dir, c.weight_scheme, getattr(engine.runner.model, "kernel_table", None)
-        ),
-    )
-
-
-def describe_groups(layout) -> str:
-    """One line on a hybrid layout's KV groups, "" for one table."""
-    if not layout.hybrid:
-        return ""
-    full = sum(g.window is None for g in layout.groups)
-    windows = sorted({g.window for g in layout.groups if g.window is not None})
-    return (
-        f"hybrid: {full} global + {len(layout.groups) - full} sliding-window group(s) (window "
-        f"{', '.join(map(str, windows))}) of {layout.group_size} layers; window groups return "
-        "blocks their window has left"
-    )
-
-
-def _warm_up(engine: LLMEngine) -> None:
+def _warm_up(core: EngineCore) -> None:
     """One tiny request through the real path (allocations, first-call overheads)."""
-    from kvserve.core.sampling_params import SamplingParams
-
-    engine.add_request("warmup", [0], SamplingParams(max_tokens=2, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step_deltas()
+    core.add_request("warmup", [0], SamplingParams(max_tokens=2, ignore_eos=True))
+    while core.has_unfinished_requests():
+        core.step_deltas()
 
 
-def _debug_engine(engine: LLMEngine) -> dict:
-    engine.check_invariants()
+def _debug_engine(core: EngineCore) -> dict:
+    core.check_invariants()
     return {
-        "num_free_blocks": engine.num_free_blocks(),
-        "num_blocks": engine.num_blocks,
-        "num_requests": engine.num_requests,
+        "num_free_blocks": core.num_free_blocks(),
+        "num_blocks": core.num_blocks,
+        "num_requests": core.num_requests,
         "invariants": "ok",
     }
 
@@ -142,45 +103,393 @@ UTILITIES: dict[str, Callable] = {
 
 
 class EngineCore:
+    """The engine core: scheduler, KV manager, runner, and the one record of each request it owns."""
+
     def __init__(
         self,
-        engine: LLMEngine,
-        emit: Callable[[CoreOutputs], None],
+        config: EngineConfig,
+        tokenizer=None,
+        load_default_tokenizer: bool = True,
         *,
-        faults: FaultInjection | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.engine = engine
-        engine.outputs = None  # deltas go to the client; nothing accumulates here
-        self.emit = emit
-        self._commands: deque = deque()
+        self.config = config
+        self.clock = clock  # seconds; every timestamp of a request is read from it
+        if tokenizer is None and load_default_tokenizer:
+            tokenizer = load_tokenizer(config.model_dir)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = stop_token_ids(config.model_dir, config.model, tokenizer)
+        self.kv_manager = KVCacheManager(
+            config.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            config.kv_layout,
+        )
+        # blocks requests can hold: the runner's tensors have one more under a hybrid layout, its
+        # null block (kv/groups.py)
+        self.num_blocks = self.kv_manager.num_blocks
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.runner = make_runner(config, config.num_blocks)  # rank 0 of N when tensor-parallel
+        self._requests: dict[str, ClientRequest] = {}  # by the client's id
+        self._samples: dict[str, SampleOutput] = {}  # by the scheduler's id
+        self._grammars = None
+        self._grammars_lock = threading.Lock()
+        self.on_grammar_compile = None  # callback(seconds), e.g. a metrics histogram
+        self.grammar_delay_s = 0.0  # tests: an injected sleep in every grammar compile
+        self.last_scheduler_output = None  # the latest step's decision (calibration, debugging)
+        # `step()` accumulates deltas here for callers that drive the core directly; `start` sets it to
+        # None: the loop ships `step_deltas()` to its client, which keeps the one accumulator.
+        self.outputs: OutputProcessor | None = OutputProcessor()
+        # --- the loop (`start`); touched by the loop thread only unless said otherwise
+        self.emit: Callable[[CoreOutputs], None] | None = None
+        self._commands: deque = deque()  # any thread, under `_wakeup`
         self._wakeup = threading.Condition()
         self._stopping = False
         self.dead_reason: str | None = None
         self._num_admitted = 0  # cumulative samples taken from the queue
-        # Adds not yet scheduled, kept so that a failing step's newcomers can be re-admitted one at a time.
-        self._unscheduled: dict[str, AddCmd] = {}
-        self._live: set[str] = set()  # requests added and not aborted or finished
-        self._quarantine: deque[AddCmd] = deque()
-        self._probation: str | None = None
+        # Accepted requests taken out of a failing step, re-admitted one at a time (`_probation`).
+        self._quarantine: deque[ClientRequest] = deque()
+        self._probation: ClientRequest | None = None
         self._failures: list[Failure] = []
         self._accepted: list[str] = []  # added since the last message: the client stops waiting
         self._results: list[UtilityResult] = []
-        self._faults = faults
+        self._faults: FaultInjection | None = None
         self._fault_armed = False
-        if faults is not None and faults.request_seed is not None:
-            inject_runner_fault(engine.runner, faults.request_seed)
-        if faults is not None and faults.grammar_delay_s:
-            engine.inject_grammar_delay(faults.grammar_delay_s)
-        # Adds waiting for their grammar to compile on `_grammar_thread` (touched by the loop thread only).
-        self._compiling: dict[str, AddCmd] = {}
+        # Adds checked and waiting for their grammar to compile on `_grammar_thread`.
+        self._compiling: dict[str, tuple[AddCmd, ValidatedRequest]] = {}
         self._grammar_jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._grammar_thread: threading.Thread | None = None
         self._compile_times: list[float] = []
-        engine.on_grammar_compile = self._compile_times.append
-        self._mask_times = engine.runner.grammar_mask_times_s
+        self._mask_times = self.runner.grammar_mask_times_s
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    # --- grammars ---------------------------------------------------------------------------------------
+
+    def grammar_compiled(self, structured) -> bool:
+        """Whether `structured` has compiled already (checking it again is a lookup)."""
+        grammars = self._grammars
+        return grammars is not None and grammars.is_compiled(structured)
+
+    def inject_grammar_delay(self, seconds: float) -> None:
+        """Tests (`--inject-fault grammar:S`): every grammar compile from now on sleeps `seconds`."""
+        self.grammar_delay_s = seconds
+        if self._grammars is not None:
+            self._grammars.injected_delay_s = seconds
+
+    def grammars(self):
+        """The grammar compiler cache, built on first use (xgrammar indexes the whole vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise InvalidRequestError(
+                        "structured output needs the model's tokenizer; this model has none",
+                        "response_format",
+                    )
+                from kvserve.structured.grammar import GrammarCache
+
+                self._grammars = GrammarCache(
+                    self.tokenizer,
+                    self.config.model.vocab_size,
+                    self.eos_token_ids,
+                    on_compile=lambda s: self.on_grammar_compile and self.on_grammar_compile(s),
+                    compile_timeout_s=self.config.grammar_compile_timeout_s,
+                )
+                self._grammars.injected_delay_s = self.grammar_delay_s
+                self.runner.grammars = self._grammars
+            return self._grammars
+
+    # --- intake -----------------------------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    def _validate_token_ids(self, token_ids: list[int] | tuple[int, ...]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token", "prompt")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                "prompt",
+            )
+
+    def validate(
+        self,
+        prompt_token_ids: list[int] | tuple[int, ...],
+        params: SamplingParams,
+        *,
+        compile_grammar: bool = True,
+    ) -> ValidatedRequest:
+        """Check a request against the model and the cache, once: `add_request` takes the result as
+        is. Its grammar, if any, compiles here unless `compile_grammar` is false (the loop compiles it
+        on its grammar thread after this check)."""
+        self._validate_token_ids(prompt_token_ids)
+        num_prompt = len(prompt_token_ids)
+        params.check_vocabulary(self.config.model.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none", "stop")
+        if params.structured is not None:
+            if self.tokenizer is None:
+                raise InvalidRequestError(
+                    "structured output needs the model's tokenizer; this model has none",
+                    "response_format",
+                )
+            if compile_grammar:
+                self.grammars().compile(params.structured)  # an invalid one fails here, not later
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise ContextLengthError(
+                f"the prompt has {num_prompt} tokens; this model's context is {limit} tokens, "
+                f"which leaves no room for output",
+                "prompt",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} "
+                f"exceeds this model's context of {limit} tokens",
+                "max_tokens",
+            )
+        # Alone in the cache it must fit whole, with the speculative proposer's lookahead slots.
+        lookahead = self.config.scheduler.num_lookahead_tokens if params.speculate else 0
+        needed = self.kv_manager.num_blocks_for(
+            num_prompt + max_tokens + lookahead, self.config.scheduler.max_num_batched_tokens
+        )
+        if needed > self.num_blocks:
+            raise CapacityError(
+                f"prompt + max_tokens = {num_prompt + max_tokens} tokens (+ {lookahead} lookahead) need "
+                f"{needed} KV blocks; the cache has {self.num_blocks} blocks of "
+                f"{self.config.cache.block_size} tokens",
+                "max_tokens",
+            )
+        return ValidatedRequest(tuple(prompt_token_ids), params, max_tokens)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: ValidatedRequest | list[int] | tuple[int, ...],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        group: str | None = None,
+        output_kind: OutputKind = OutputKind.CUMULATIVE,
+    ) -> None:
+        """Queue a request: a `ValidatedRequest` from `validate` (not checked again), or token ids and
+        `params` (validated here). `prompt` is its text, if any (reported back, never tokenised).
+        `group`: the client request it is part of, for fair admission (`Request.group`).
+        `output_kind`: what `step` returns for it (kvserve.engine.output_processor)."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", "request_id")
+        if isinstance(prompt_token_ids, ValidatedRequest):
+            validated = prompt_token_ids
+            if params is not None and params != validated.params:
+                raise InvalidRequestError(
+                    "params differ from the ones the request was validated with", "params"
+                )
+        else:
+            validated = self.validate(prompt_token_ids, params)
+        params = validated.params
+        record = ClientRequest(
+            request_id=request_id,
+            validated=validated,
+            prompt=prompt,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            cache_salt=cache_salt,
+            group=group,
+            prompt_token_list=list(validated.prompt_token_ids),
+        )
+        for index in range(params.n):  # the scheduler fans the request out under these ids
+            detokenizer = None
+            if self.tokenizer is not None and params.detokenize:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, validated.prompt_token_ids, params
+                )
+            completion = CompletionOutput(
+                index=index,
+                structured_complete=False if params.structured is not None else None,
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+            )
+            sample_id = sample_request_id(request_id, index, params.n)
+            record.samples.append(SampleOutput(sample_id, record, completion, detokenizer))
+        if self.outputs is not None:
+            self.outputs.add(
+                request_id,
+                prompt,
+                record.prompt_token_list,
+                params,
+                record.arrival_time,
+                output_kind,
+            )
+        self.scheduler.add_request(
+            Request(
+                request_id=request_id,
+                prompt_token_ids=validated.prompt_token_ids,
+                sampling_params=params,
+                max_tokens=validated.max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                cache_salt=cache_salt,
+                group=group,
+            )
+        )
+        self._requests[request_id] = record
+        for sample in record.samples:
+            self._samples[sample.request_id] = sample
+
+    def abort_request(self, request_id: str) -> None:
+        """End a request (all its samples) now; its blocks return to the pool. Nothing is emitted: the
+        caller that aborts it has stopped listening."""
+        if self.outputs is not None:
+            self.outputs.remove(request_id)
+        record = self._requests.pop(request_id, None)
+        if record is None:
+            return
+        sample_ids = [s.request_id for s in record.samples]
+        self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+        for sample in record.samples:
+            self._samples.pop(sample.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_waiting_samples(self) -> int:
+        """Samples not yet admitted (the scheduler's count, n > 1 samples held back included)."""
+        return self.scheduler.num_waiting
+
+    # --- one step ---------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the outputs of the requests that changed, each as its
+        `output_kind` asks (accumulated from the step's deltas by `self.outputs`)."""
+        return self.outputs.process(self.step_deltas())
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """Run one scheduling step; returns what it added to every request that changed."""
+        now = self.clock()  # one reading: the scheduler's first-scheduled stamp and the metrics'
+        scheduler_output = self.scheduler.schedule(now=now)
+        self.last_scheduler_output = scheduler_output
+        for new in scheduler_output.new_requests:
+            self._samples[new.request_id].first_scheduled_time = now
+        for request_id in scheduler_output.preempted_request_ids:
+            self._samples[request_id].num_preemptions += 1
+        if scheduler_output.empty and not scheduler_output.finished_request_ids:
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        updates = self.scheduler.update(scheduler_output, runner_output, self._detokenize)
+        now = self.clock()
+        touched: dict[str, tuple[ClientRequest, list[SampleOutput]]] = {}
+        for update in updates:
+            sample = self._samples.get(update.request_id)
+            if sample is None:
+                continue
+            sample.apply(update, now)
+            record = sample.client_request
+            touched.setdefault(record.request_id, (record, []))[1].append(sample)
+        deltas = []
+        for record, samples in touched.values():
+            deltas.append(record.delta(samples))
+            if record.finished:
+                del self._requests[record.request_id]
+                for sample in record.samples:
+                    self._samples.pop(sample.request_id, None)
+        return deltas
+
+    def _detokenize(
+        self, sample_id: str, new_token_ids: tuple[int, ...], finishing: bool
+    ) -> StopStringMatch | None:
+        """The scheduler's `StopCheck`: the sample's detokenizer consumes the tokens the scheduler
+        commits (`finishing`: a token rule ends it with them, so the held-back text is released) and
+        says where a stop string ended, if one did. The text waits in the sample's delta; the
+        decision is the scheduler's."""
+        sample = self._samples.get(sample_id)
+        if sample is None or sample.detokenizer is None:
+            return None
+        detok = sample.detokenizer
+        stopped_before = detok.stopped
+        sample.completion.delta_text = detok.update(new_token_ids, finished=finishing)
+        if detok.stopped and not stopped_before:
+            return StopStringMatch(detok.num_used, detok.stop_string)
+        return None
+
+    # --- scoring ----------------------------------------------------------------------------------------
+
+    def score(self, token_ids: list[int] | tuple[int, ...], chunk_size: int | None = None):
+        """Logits [len(token_ids), vocab] at every position, computed through the paged cache in chunks of
+        `chunk_size` tokens (None: one chunk). Runs between steps; the blocks are freed afterwards."""
+        import torch
+
+        token_ids = tuple(token_ids)
+        # Scoring generates nothing, so the whole context is usable (no room kept for an output).
+        self._validate_token_ids(token_ids)
+        if len(token_ids) > self.max_model_len:
+            raise ContextLengthError(
+                f"{len(token_ids)} tokens exceed this model's context of {self.max_model_len} tokens",
+                "prompt",
+            )
+        request = Request(
+            request_id=f"score-{next(_score_ids)}",
+            prompt_token_ids=token_ids,
+            sampling_params=SamplingParams(max_tokens=1),
+            max_tokens=1,
+        )
+        if not self.kv_manager.allocate_slots(request, len(token_ids)):
+            raise CapacityError(
+                f"{len(token_ids)} tokens do not fit the free KV cache now", "prompt"
+            )
+        try:
+            block_ids, *group_ids = map(tuple, self.kv_manager.group_block_ids(request.request_id))
+            step = chunk_size or len(token_ids)
+            parts = []
+            for start in range(0, len(token_ids), step):
+                chunk = ScheduledChunk(
+                    request.request_id,
+                    token_ids[start : start + step],
+                    start,
+                    block_ids,
+                    False,
+                    0,
+                    group_block_ids=tuple(group_ids),
+                )
+                parts.append(self.runner.score((chunk,)))
+            return torch.cat(parts)
+        finally:
+            self.kv_manager.free(request)
+
+    # --- introspection ----------------------------------------------------------------------------------
+
+    def kv_usage(self) -> float:
+        return self.kv_manager.usage
+
+    def num_free_blocks(self) -> int:
+        return self.kv_manager.num_free_blocks
+
+    def check_invariants(self) -> None:
+        self.kv_manager.check_invariants()
+
+    # --- the loop ---------------------------------------------------------------------------------------
+
+    def start(
+        self, emit: Callable[[CoreOutputs], None], *, faults: FaultInjection | None = None
+    ) -> None:
+        """Run the step loop in a thread of its own: commands from `submit`, outputs to `emit`. Deltas
+        go to the client from then on; nothing accumulates here."""
+        self.emit = emit
+        self.outputs = None
+        self._faults = faults
+        if faults is not None and faults.request_seed is not None:
+            inject_runner_fault(self.runner, faults.request_seed)
+        if faults is not None and faults.grammar_delay_s:
+            self.inject_grammar_delay(faults.grammar_delay_s)
+        self.on_grammar_compile = self._compile_times.append
         self._thread = threading.Thread(target=self.run, name="kvserve-engine", daemon=True)
         self._thread.start()
 
@@ -190,22 +499,41 @@ class EngineCore:
             self._wakeup.notify()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the loop (if started), then the tensor-parallel and grammar compile workers, if any
+        (also done when the core is collected)."""
         self._grammar_jobs.put(None)
         self._stopping = True
         with self._wakeup:
             self._wakeup.notify()
         if self._thread is not None:
             self._thread.join(timeout_s)
-
-    # --- the loop ---------------------------------------------------------------------------------------
+            if self._thread.is_alive():
+                return  # a step still runs: its workers stay until the process ends
+        self.runner.shutdown()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def _next_command(self):
         with self._wakeup:
             return self._commands.popleft() if self._commands else None
 
-    def _add(self, cmd: AddCmd, count: bool = True) -> None:
-        if count:
-            self._num_admitted += cmd.params.n
+    def _intake(self, cmd: AddCmd) -> None:
+        """The one check of a request, at add: refused, it fails at once; accepted, it joins the
+        scheduler, or first waits for its grammar to compile (`_defer`), not checked again after."""
+        try:
+            validated = self.validate(cmd.prompt_token_ids, cmd.params, compile_grammar=False)
+        except Exception as exc:
+            self._num_admitted += cmd.params.n  # taken from the queue, as `_add` counts it
+            self._fail(cmd.request_id, self._request_error(cmd.request_id, exc))
+            return
+        structured = cmd.params.structured
+        if structured is not None and not self.grammar_compiled(structured):
+            self._defer(cmd, validated)
+        else:
+            self._add(cmd, validated)
+
+    def _add(self, cmd: AddCmd, validated: ValidatedRequest) -> None:
+        self._num_admitted += cmd.params.n
         faults = self._faults
         if (
             faults is not None
@@ -214,44 +542,47 @@ class EngineCore:
         ):
             self._fault_armed = True
         try:
-            self.engine.add_request(
+            self.add_request(
                 cmd.request_id,
-                cmd.prompt_token_ids,
-                cmd.params,
+                validated,
                 prompt=cmd.prompt,
                 cache_salt=cmd.cache_salt,
                 arrival_time=cmd.arrival_time,
                 group=cmd.group,
             )
-            self._unscheduled[cmd.request_id] = cmd
-            self._live.add(cmd.request_id)
-            if count:  # a re-admission from quarantine was accepted the first time
-                self._accepted.append(cmd.request_id)
-        except KVServeError as exc:
-            self._fail(cmd.request_id, exc)
-        except Exception as exc:  # attributable: this request alone fails
-            logger.exception("adding request %s failed", cmd.request_id)
-            self._fail(cmd.request_id, RequestFailedError(f"internal error: {exc!r}"))
+            self._accepted.append(cmd.request_id)
+        except Exception as exc:
+            self._fail(cmd.request_id, self._request_error(cmd.request_id, exc))
 
-    def _needs_compile(self, cmd: AddCmd) -> bool:
-        structured = cmd.params.structured
-        return structured is not None and not self.engine.grammar_compiled(structured)
-
-    def _refused_before_compile(self, cmd: AddCmd) -> KVServeError | None:
-        """The checks that need no grammar (context, capacity, sampling) first: a request that fails
-        them does not wait for a compile only to be refused."""
+    def _readmit(self, record: ClientRequest) -> None:
+        """A quarantined request back into the scheduler, on probation (it was accepted once)."""
         try:
-            self.engine.validate(cmd.prompt_token_ids, cmd.params.without_structured())
-        except KVServeError as exc:
-            self._num_admitted += cmd.params.n  # taken from the queue, as `_add` counts it
-            self._fail(cmd.request_id, exc)
-            return exc
-        return None
+            self.add_request(
+                record.request_id,
+                record.validated,
+                prompt=record.prompt,
+                cache_salt=record.cache_salt,
+                arrival_time=record.arrival_time,
+                group=record.group,
+            )
+        except Exception as exc:
+            self._fail(record.request_id, self._request_error(record.request_id, exc))
+            return
+        self._probation = self._requests[record.request_id]  # the new record: nothing ran yet
 
-    def _defer(self, cmd: AddCmd) -> None:
+    @staticmethod
+    def _request_error(request_id: str, exc: Exception) -> KVServeError:
+        """The error a request gets: its own typed error, or an internal error (this request alone
+        fails)."""
+        if isinstance(exc, KVServeError):
+            return exc
+        logger.error("adding request %s failed", request_id, exc_info=exc)
+        return RequestFailedError(f"internal error: {exc!r}")
+
+    def _defer(self, cmd: AddCmd, validated: ValidatedRequest) -> None:
         """Hand the request's grammar to the grammar thread; `_compiled` adds the request after."""
         logger.info("request %s: compiling a structured-output grammar", cmd.request_id)
-        self._compiling[cmd.request_id] = cmd
+        self._compiling[cmd.request_id] = (cmd, validated)
         if self._grammar_thread is None:
             self._grammar_thread = threading.Thread(
                 target=self._compile_grammars, name="kvserve-core-grammar", daemon=True
@@ -263,17 +594,20 @@ class EngineCore:
         while (cmd := self._grammar_jobs.get()) is not None:
             error: BaseException | None = None
             try:
-                self.engine.grammars().compile(cmd.params.structured)
+                self.grammars().compile(cmd.params.structured)
             except Exception as exc:  # the request's own error, given to it in the loop
                 error = exc
-            self.submit(lambda engine, cmd=cmd, error=error: self._compiled(engine, cmd, error))
+            self.submit(lambda core, cmd=cmd, error=error: self._compiled(core, cmd, error))
 
-    def _compiled(self, engine, cmd: AddCmd, error: BaseException | None) -> None:
+    def _compiled(self, core, cmd: AddCmd, error: BaseException | None) -> None:
         """In the loop thread, once `cmd`'s grammar compiled (or failed to): add it, or fail it."""
-        if isinstance(engine, DeadEngine) or self._compiling.pop(cmd.request_id, None) is None:
+        if isinstance(core, DeadEngine):
+            return
+        waiting = self._compiling.pop(cmd.request_id, None)
+        if waiting is None:
             return  # aborted while its grammar compiled
         if error is None:
-            self._add(cmd)
+            self._add(cmd, waiting[1])
             return
         self._num_admitted += cmd.params.n  # taken from the queue, as `_add` counts it
         if not isinstance(error, KVServeError):
@@ -281,14 +615,12 @@ class EngineCore:
         self._fail(cmd.request_id, error)
 
     def _fail(self, request_id: str, exc: BaseException) -> None:
-        self.engine.abort_request(request_id)  # whatever it left behind goes back to the pool
-        self._unscheduled.pop(request_id, None)
-        self._live.discard(request_id)
+        self.abort_request(request_id)  # whatever it left behind goes back to the pool
         self._failures.append(failure_of(request_id, exc))
 
     def _utility(self, cmd: UtilityCmd) -> None:
         try:
-            value = UTILITIES[cmd.method](self.engine, *cmd.args)
+            value = UTILITIES[cmd.method](self, *cmd.args)
             self._results.append(UtilityResult(cmd.call_id, value))
         except Exception as exc:
             self._results.append(UtilityResult(cmd.call_id, None, failure_of("", exc)))
@@ -296,67 +628,52 @@ class EngineCore:
     def _apply_commands(self) -> None:
         while (cmd := self._next_command()) is not None:
             if isinstance(cmd, AddCmd):
-                if not self._needs_compile(cmd):
-                    self._add(cmd)
-                elif self._refused_before_compile(cmd) is None:
-                    self._defer(cmd)
+                self._intake(cmd)
             elif isinstance(cmd, AbortCmd):
                 for request_id in cmd.request_ids:
                     waiting = self._compiling.pop(request_id, None)
                     if waiting is not None:  # it leaves the queue without being added
-                        self._num_admitted += waiting.params.n
-                    self._unscheduled.pop(request_id, None)
-                    self._live.discard(request_id)
-                    self.engine.abort_request(request_id)
+                        self._num_admitted += waiting[0].params.n
+                    for record in [r for r in self._quarantine if r.request_id == request_id]:
+                        self._quarantine.remove(record)  # given up before its re-admission
+                    self.abort_request(request_id)
             elif isinstance(cmd, UtilityCmd):
                 self._utility(cmd)
-            elif callable(cmd):  # in-process maintenance: fn(engine)
-                cmd(self.engine)
+            elif callable(cmd):  # in-process maintenance: fn(core)
+                cmd(self)
         if self._quarantine and self._probation is None:
-            cmd = self._quarantine.popleft()
-            if cmd.request_id in self._live:  # not given up meanwhile
-                self._probation = cmd.request_id
-                self._add(cmd, count=False)
-
-    def _parent_id(self, sample_id: str) -> str | None:
-        if sample_id in self._unscheduled:
-            return sample_id
-        parent, _, index = sample_id.rpartition("-")
-        return parent if index.isdigit() and parent in self._unscheduled else None
+            self._readmit(self._quarantine.popleft())
 
     def _step(self):
         """One engine step; a failure charged to the step's newcomers fails them, not the loop."""
-        before = self.engine.last_scheduler_output
+        before = self.last_scheduler_output
         try:
-            deltas = self.engine.step_deltas()
+            deltas = self.step_deltas()
         except Exception as exc:
-            scheduled = self.engine.last_scheduler_output
+            scheduled = self.last_scheduler_output
             if scheduled is before or not scheduled.new_requests:
                 raise  # the scheduler itself, or only requests that already ran: not attributable
-            suspects = list(
-                dict.fromkeys(
-                    p for new in scheduled.new_requests if (p := self._parent_id(new.request_id))
-                )
-            )
+            # Requests whose first sample this step admitted (siblings follow sample 0 later).
+            suspects = [
+                s.client_request.request_id
+                for new in scheduled.new_requests
+                if (s := self._samples.get(new.request_id)) is not None
+                and s is s.client_request.samples[0]
+            ]
             if not suspects:
                 raise
             self._isolate(suspects, exc)
-            self.engine.check_invariants()  # recovery must leave a consistent cache, or the core dies
+            self.check_invariants()  # recovery must leave a consistent cache, or the core dies
             return []
-        for new in self.engine.last_scheduler_output.new_requests:
-            parent = self._parent_id(new.request_id)
-            if parent is not None:
-                self._unscheduled.pop(parent, None)
-                if parent == self._probation:
-                    self._probation = None
-        for delta in deltas:
-            if delta.finished:
-                self._live.discard(delta.request_id)
+        probation = self._probation
+        if probation is not None and probation.samples[0].first_scheduled_time is not None:
+            self._probation = None  # it ran a step without failing
         return deltas
 
     def _isolate(self, suspects: list[str], exc: Exception) -> None:
-        if len(suspects) == 1 or self._probation in suspects:
-            culprit = suspects[0] if len(suspects) == 1 else self._probation
+        probation_id = None if self._probation is None else self._probation.request_id
+        if len(suspects) == 1 or probation_id in suspects:
+            culprit = suspects[0] if len(suspects) == 1 else probation_id
             logger.error("request %s failed in the engine step: %r", culprit, exc, exc_info=exc)
             self._fail(culprit, RequestFailedError(f"internal error: {exc!r}"))
             innocent = [s for s in suspects if s != culprit]
@@ -368,13 +685,10 @@ class EngineCore:
             )
             innocent = suspects
         self._probation = None
-        for (
-            request_id
-        ) in innocent:  # re-admitted later, one at a time; nothing of theirs was sent yet
-            cmd = self._unscheduled.pop(request_id, None)
-            self.engine.abort_request(request_id)
-            if cmd is not None:
-                self._quarantine.append(cmd)
+        for request_id in innocent:  # re-admitted later, one at a time; nothing of theirs was sent
+            record = self._requests[request_id]
+            self.abort_request(request_id)
+            self._quarantine.append(record)
 
     def run(self) -> None:
         try:
@@ -385,14 +699,14 @@ class EngineCore:
                     while (
                         not self._commands
                         and not self._quarantine
-                        and not self.engine.has_unfinished_requests()
+                        and not self.has_unfinished_requests()
                     ):
                         if self._stopping:
                             return
                         t_sleep = clock()
                         self._wakeup.wait()
                         slept_s += clock() - t_sleep
-                    if self._stopping and not self.engine.has_unfinished_requests():
+                    if self._stopping and not self.has_unfinished_requests():
                         return
                 t0 = clock()
                 self._apply_commands()
@@ -431,7 +745,7 @@ class EngineCore:
 
     def _publish(self, deltas, times: tuple[float, float, float, float]) -> None:
         slept_s, t0, t1, t2 = times
-        last = self.engine.last_scheduler_output
+        last = self.last_scheduler_output
         chunks = () if last is None else tuple(map(chunk_row, last.chunks))
         masks = []
         while self._mask_times:
@@ -448,7 +762,7 @@ class EngineCore:
                 results=self._take_results(),
                 stats=self.collect_stats(),
                 num_admitted_samples=self._num_admitted,
-                num_waiting_samples=self.engine.num_waiting_samples,
+                num_waiting_samples=self.num_waiting_samples,
                 step=StepRow(
                     t0,
                     slept_s,
@@ -456,7 +770,7 @@ class EngineCore:
                     t2 - t1,
                     time.perf_counter() - t2,
                     chunks,
-                    self.engine.runner.last_step_threads,
+                    self.runner.last_step_threads,
                 ),
                 grammar_compile_s=compiles,
                 grammar_mask_s=masks,
@@ -464,10 +778,9 @@ class EngineCore:
         )
 
     def collect_stats(self) -> EngineStats:
-        engine = self.engine
-        scheduler = engine.scheduler
-        kv = engine.kv_manager
-        spec = engine.runner.spec_stats
+        scheduler = self.scheduler
+        kv = self.kv_manager
+        spec = self.runner.spec_stats
         return EngineStats(
             spec_num_verify_steps=spec.num_verify_steps,
             spec_num_proposed=spec.num_proposed,
@@ -476,7 +789,7 @@ class EngineCore:
             spec_draft_time_s=spec.draft_time_s,
             spec_target_time_s=spec.target_time_s,
             num_running=scheduler.num_running,
-            num_waiting=engine.num_waiting_samples,
+            num_waiting=self.num_waiting_samples,
             kv_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks,
             num_blocks=kv.num_blocks,
@@ -484,9 +797,9 @@ class EngineCore:
             prefix_cache_queries=kv.stats.num_queries,
             prefix_cache_hits=kv.stats.num_hits,
             num_steps=scheduler.stats.num_steps,
-            num_threads=engine.runner.num_threads,
-            num_thread_changes=engine.runner.num_thread_changes,
-            cpu_lost=engine.runner.cpu_lost,
+            num_threads=self.runner.num_threads,
+            num_thread_changes=self.runner.num_thread_changes,
+            cpu_lost=self.runner.cpu_lost,
             kv_group_kinds=tuple(g.name for g in kv.groups),
             kv_group_blocks=tuple(kv.blocks_in_use()),
         )

@@ -71,18 +71,17 @@ def run_core(
 
     threading.Thread(target=heartbeat, name="kvserve-heartbeat", daemon=True).start()
     try:
-        from kvserve.engine.core import EngineCore, engine_info
-        from kvserve.engine.llm_engine import LLMEngine
+        from kvserve.engine.core import EngineCore
+        from kvserve.engine.info import engine_info
 
-        engine = LLMEngine(config)
-        core = EngineCore(engine, send, faults=faults)
+        core = EngineCore(config)
     except Exception as exc:
         logger.exception("engine core %d failed to load", index)
         send(CoreOutputs(dead_reason=f"{type(exc).__name__}: {exc}"))
         time.sleep(0.5)
         os._exit(1)
-    send(Ready(engine_info(engine), pid))
-    core.start()
+    send(Ready(engine_info(core), pid))
+    core.start(send, faults=faults)
 
     dec = decoder(ToCore)
     poller = zmq.Poller()
@@ -96,7 +95,7 @@ def run_core(
         command = dec.decode(pull.recv())
         if isinstance(command, ShutdownCmd):
             break
-        core.submit(command)  # checked once, when the core adds it (EngineCore._add)
+        core.submit(command)  # checked once, when the core takes it (EngineCore._intake)
     core.shutdown()
     stop.set()
     push.close()

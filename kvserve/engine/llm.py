@@ -12,7 +12,7 @@ from kvserve.config import EngineConfig
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import EngineArgs
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.core import EngineCore
 from kvserve.engine.output_processor import OutputKind
 from kvserve.engine.outputs import RequestOutput
 
@@ -28,7 +28,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, tokenizer=None, **engine_options) -> None:
         self.args = EngineArgs.from_options(model, **engine_options)
-        self.engine = LLMEngine(self.args.create_engine_config(), tokenizer=tokenizer)
+        self.engine = EngineCore(self.args.create_engine_config(), tokenizer=tokenizer)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -5,9 +5,9 @@ This module sits above both the engine and the simulator (design.md: the engine 
 
 The engine runs a designed sweep: batches of 1 .. max_num_seqs requests at a short and a long
 prompt length (decode steps at many batch sizes and contexts, prompt chunks of many sizes), then
-staggered arrivals that mix prompt chunks into decode steps. Every `LLMEngine.step()` is timed
+staggered arrivals that mix prompt chunks into decode steps. Every `EngineCore.step()` is timed
 whole (schedule + forward + sample + update + detokenise: one iteration of the serving loop), and
-its `SchedulerOutput` is read from `LLMEngine.last_scheduler_output` (the scheduler
+its `SchedulerOutput` is read from `EngineCore.last_scheduler_output` (the scheduler
 itself is untouched). `kvserve.lab.sim.fit.fit_profile` fits the step costs; the profile records
 the engine configuration so the simulator runs the same cache and limits by default.
 """
@@ -25,7 +25,7 @@ import numpy as np
 
 from kvserve.config import CacheConfig, SchedulerConfig
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.core import EngineCore
 from kvserve.lab.sim.cost import FEATURES, StepLoad, StepProfile, feature_vector
 from kvserve.lab.sim.fit import FitBound, fit_profile, judge_fit
 
@@ -35,7 +35,7 @@ WARMUP_STEPS = 8
 class StepRecorder:
     """Times `engine.step()` and keeps each non-empty step's load with its wall time."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self.loads: list[StepLoad] = []
         self.times_s: list[float] = []
@@ -57,7 +57,7 @@ class StepRecorder:
 class _Requests:
     """Random-token requests that run to exactly max_tokens."""
 
-    def __init__(self, engine: LLMEngine, seed: int) -> None:
+    def __init__(self, engine: EngineCore, seed: int) -> None:
         self.engine = engine
         self.rng = np.random.default_rng(seed)
         self.count = 0
@@ -95,7 +95,7 @@ def _staggered(rec: StepRecorder, reqs: _Requests, num: int, max_prompt: int) ->
 
 
 def run_sweep(
-    engine: LLMEngine,
+    engine: EngineCore,
     max_len: int,
     budget_s: float = 120.0,
     seed: int = 0,
@@ -125,7 +125,7 @@ def run_sweep(
     return rec
 
 
-def engine_meta(engine: LLMEngine) -> dict[str, Any]:
+def engine_meta(engine: EngineCore) -> dict[str, Any]:
     c = engine.config
     return {
         "model_dir": str(Path(c.model_dir).resolve()),
@@ -147,7 +147,7 @@ def engine_meta(engine: LLMEngine) -> dict[str, Any]:
 
 
 def calibrate(
-    engine: LLMEngine,
+    engine: EngineCore,
     max_len: int = 1024,
     budget_s: float = 120.0,
     seed: int = 0,
@@ -199,7 +199,7 @@ def calibrate_main(args: Any) -> str:
         options["quantization"] = quantization
     if args.kv_cache_gb is not None:
         options["kv_cache_memory_bytes"] = int(args.kv_cache_gb * 1e9)
-    engine = LLMEngine(build_engine_config(args.calibrate, **options))
+    engine = EngineCore(build_engine_config(args.calibrate, **options))
     out = sys.stderr if args.json else sys.stdout
     print(
         f"calibrating on {args.calibrate} ({engine.config.device}, {engine.config.dtype}"

@@ -8,10 +8,11 @@ request with fewer running samples and never take the last free slot (docs/sched
 `on_demand` admission a running request that cannot grow preempts the newest running request (recompute); with
 `reserve` admission a request is admitted only when prompt + max_tokens fit, so nothing is ever preempted.
 
-The scheduler owns each request's progress and end: it decides stops and their reason, and it fans a request
-with n > 1 samples out into n sequences. Samples 1..n-1 are held back until sample 0 has sampled its first
-token (its prompt is computed), then queued; they share its full prompt blocks by reference (with or without
-prefix caching).
+The scheduler owns each request's progress and end: it decides every stop and its reason in `update` (token
+rules here; the grammar's end as the runner reports it; stop strings through the engine core's
+`StopCheck`), and it fans a request with n > 1 samples out into n sequences. Samples 1..n-1 are held
+back until sample 0 has sampled its first token (its prompt is computed), then queued; they share its
+full prompt blocks by reference (with or without prefix caching).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from kvserve.core.outputs import (
     NewRequestData,
     RequestUpdate,
     RunnerOutput,
+    SampledTokens,
     ScheduledChunk,
     SchedulerOutput,
+    StopCheck,
 )
 from kvserve.core.request import Request, RequestStatus
 from kvserve.kv.manager import GroupBlocks, KVCacheManager
@@ -287,9 +290,14 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update(
-        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: RunnerOutput,
+        stop_check: StopCheck | None = None,
     ) -> list[RequestUpdate]:
-        """Advance each scheduled request by its chunk, append sampled tokens, and apply stop rules."""
+        """Advance each scheduled request by its chunk, append sampled tokens, and decide every stop:
+        EOS, stop token ids, length, the grammar's end (reported by the runner), and stop strings
+        (`stop_check`, the engine core's detokenizer; None: no text, as in the simulator)."""
         sampled = {s.request_id: s for s in runner_output.sampled}
         updates: list[RequestUpdate] = []
         for chunk in scheduler_output.chunks:
@@ -303,21 +311,7 @@ class Scheduler:
             if not chunk.sample:
                 self.kv.cache_full_blocks(request)
                 continue
-            new_token_ids: list[int] = []
-            status = None
-            for token_id in result.token_ids:
-                request.output_token_ids.append(token_id)
-                new_token_ids.append(token_id)
-                status = self._stop_status(request, token_id)
-                if status is not None:
-                    break
-            if status is None and result.stop:
-                status = RequestStatus.FINISHED_STOPPED  # its grammar has terminated
-            stop_reason = None
-            if status is RequestStatus.FINISHED_STOPPED and new_token_ids:
-                last, params = new_token_ids[-1], request.sampling_params
-                if last in params.stop_token_ids or last in request.eos_token_ids:
-                    stop_reason = last
+            new_token_ids, status, stop_reason = self._commit(request, result, stop_check)
             logprobs = result.logprobs[: len(new_token_ids)] if result.logprobs else None
             request.spec_token_ids = [] if status is not None else list(result.spec_token_ids)
             self.kv.cache_full_blocks(request)  # after the tokens of accepted proposals are known
@@ -327,19 +321,52 @@ class Scheduler:
             updates.append(
                 RequestUpdate(
                     request_id=request.request_id,
-                    new_token_ids=tuple(new_token_ids),
+                    new_token_ids=new_token_ids,
                     new_logprobs=logprobs,
                     finish_reason=status.finish_reason if status else None,
                     num_cached_tokens=request.num_cached_tokens,
                     num_spec_proposed=chunk.num_spec_tokens,
                     num_spec_accepted=result.num_accepted,
-                    grammar_complete=result.stop,
+                    grammar_complete=result.grammar_ended,
                     stop_reason=stop_reason,
                 )
             )
             if new_token_ids:
                 self._release_held(request.request_id)
         return updates
+
+    def _commit(
+        self, request: Request, result: SampledTokens, stop_check: StopCheck | None
+    ) -> tuple[tuple[int, ...], RequestStatus | None, str | int | None]:
+        """Append a step's sampled tokens up to the first one that ends the request; returns them, the
+        status it ends with (None: it goes on) and the stop reason. A stop string wins over a token
+        rule in the same step (completed by the max_tokens-th token, the request stopped; it did not
+        reach its length), as in vLLM."""
+        new_token_ids: list[int] = []
+        status = None
+        for token_id in result.token_ids:
+            request.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                break
+        if status is None and result.grammar_ended:
+            status = RequestStatus.FINISHED_STOPPED
+        stop_reason: str | int | None = None
+        if status is RequestStatus.FINISHED_STOPPED and new_token_ids:
+            last, params = new_token_ids[-1], request.sampling_params
+            if last in params.stop_token_ids or last in request.eos_token_ids:
+                stop_reason = last
+        match = None
+        if stop_check is not None:
+            match = stop_check(request.request_id, tuple(new_token_ids), status is not None)
+        if match is not None:
+            num_dropped = len(new_token_ids) - match.num_tokens
+            if num_dropped:
+                del new_token_ids[match.num_tokens :]
+                del request.output_token_ids[-num_dropped:]
+            status, stop_reason = RequestStatus.FINISHED_STOPPED, match.stop_string
+        return tuple(new_token_ids), status, stop_reason
 
     def _discard_rejected(self, request: Request, num_rejected: int) -> None:
         """Roll back the cache entries written for rejected proposals: they stop counting as computed

@@ -273,7 +273,7 @@ class CompletionRequest(_SamplingRequest):
 def _token_ids(ids: list[int]) -> list[int]:
     """A prompt's token ids; ids that no vocabulary holds (negative, or past int64, which the
     engine core's messages cannot carry) are refused here, the rest where the vocabulary is
-    known (LLMEngine.validate)."""
+    known (EngineCore.validate)."""
     bad = [t for t in ids if not 0 <= t <= INT64_MAX]
     if bad:
         raise InvalidRequestError(

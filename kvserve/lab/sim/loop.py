@@ -1,7 +1,7 @@
 """The discrete-event loop of continuous batching: the engine's own Scheduler and KVCacheManager,
 with a cost model in place of the model runner (design.md: the digital twin).
 
-Each iteration does what `LLMEngine.step` does, in simulated time:
+Each iteration does what `EngineCore.step` does, in simulated time:
 
     requests whose arrival time has passed are added (the engine adds them between steps)
     scheduler.schedule(now)                 -> SchedulerOutput (the real decision)

@@ -161,7 +161,7 @@ def validation_error(
     layout: KVLayout | None = None,
     max_chunk: int | None = None,
 ) -> tuple[str, str] | None:
-    """The engine's admission checks (LLMEngine.validate): too long for the context, or more KV
+    """The engine's admission checks (EngineCore.validate): too long for the context, or more KV
     blocks than the whole cache holds (with a hybrid `layout`, its peak over the groups when
     prompt chunks are at most `max_chunk` tokens; block 0 is its null block). (kind, message), or
     None when the request is admitted."""

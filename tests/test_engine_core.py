@@ -1,0 +1,118 @@
+"""kvserve/engine/core.py: one engine core owns its requests, from the one check at add to the last delta.
+
+Driven through its loop as a client drives it (commands in with `submit`, `CoreOutputs` out through
+`emit`), on the small GPT-2-tokenised checkpoint; the oracle for the text is the same core driven
+directly (`add_request` / `step`)."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+
+from kvserve import SamplingParams
+from kvserve.core.sampling_params import StructuredOutput
+from kvserve.engine.args import build_engine_config
+from kvserve.engine.core import EngineCore
+from kvserve.engine.wire import AbortCmd, AddCmd, CoreOutputs
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def config(gpt2_model_dir):
+    return build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=128)
+
+
+def _add(request_id: str, prompt: list[int], params: SamplingParams) -> AddCmd:
+    return AddCmd(request_id, prompt, params, None, None, time.monotonic())
+
+
+def _until(outputs: queue.SimpleQueue, done) -> list[CoreOutputs]:
+    """Messages from the core until `done(message)` holds for one (bounded in time)."""
+    got = []
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        message = outputs.get(timeout=max(0.1, deadline - time.monotonic()))
+        got.append(message)
+        if done(message):
+            return got
+
+
+def test_a_refused_request_fails_at_add_and_a_grammar_is_not_compiled_for_it(config):
+    """The one check runs before anything else: a request too long for the context fails in the
+    first message, before any step; one with a grammar fails the same way without waiting for (or
+    starting) a compile."""
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    core = EngineCore(config)
+    core.start(outputs.put)
+    try:
+        digits = StructuredOutput("regex", "[0-9]+")
+        core.submit(_add("long", list(range(5, 205)), SamplingParams(max_tokens=4)))
+        core.submit(_add("grammar", [5, 6, 7], SamplingParams(max_tokens=500, structured=digits)))
+        failures = {}
+
+        def both_refused(message: CoreOutputs) -> bool:
+            failures.update({f.request_id: f for f in message.failures})
+            return len(failures) == 2
+
+        got = _until(outputs, both_refused)
+        assert (failures["long"].kind, failures["long"].param) == ("context_length", "prompt")
+        assert (failures["grammar"].kind, failures["grammar"].param) == (
+            "context_length",
+            "max_tokens",
+        )
+        assert not any(m.deltas or m.accepted for m in got)
+        assert core._grammars is None  # nothing compiled, nor the vocabulary indexed, for it
+    finally:
+        core.shutdown()
+
+
+def test_the_loop_streams_what_the_core_returns_when_driven_directly(config):
+    """Accepted at once, then deltas whose concatenation is the direct run's output; the core holds
+    no record of the request after its last delta, and every block is back in the pool."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=["zz"])
+    prompt = [5, 6, 7, 8]
+    direct = EngineCore(config)
+    direct.add_request("direct", prompt, params)
+    while direct.has_unfinished_requests():
+        final = direct.step()
+    expected = final[0].outputs[0]
+
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    core = EngineCore(config)
+    core.start(outputs.put)
+    try:
+        core.submit(_add("looped", prompt, params))
+        got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
+        assert [r for m in got for r in m.accepted] == ["looped"]
+        samples = [s for m in got for d in m.deltas for s in d.samples]
+        assert "".join(s.new_text for s in samples) == expected.text
+        assert tuple(t for s in samples for t in s.new_token_ids) == tuple(expected.token_ids)
+        assert (samples[-1].finish_reason, samples[-1].stop_reason) == (
+            expected.finish_reason,
+            expected.stop_reason,
+        )
+        assert core.outputs is None  # the loop accumulates nothing: the client does
+        assert not core.has_unfinished_requests() and core.num_free_blocks() == 64
+    finally:
+        core.shutdown()
+
+
+def test_an_abort_while_the_grammar_compiles_never_adds_the_request(config):
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    core = EngineCore(config)
+    core.inject_grammar_delay(1.0)
+    core.start(outputs.put)
+    try:
+        params = SamplingParams(max_tokens=3, structured=StructuredOutput("regex", "[a-c]+"))
+        core.submit(_add("waits", [5, 6, 7], params))
+        core.submit(AbortCmd(["waits"]))
+        core.submit(_add("plain", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
+        got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
+        assert [r for m in got for r in m.accepted] == ["plain"]
+        assert got[-1].num_admitted_samples == 2  # the aborted one left the queue too
+        assert not core.has_unfinished_requests()
+    finally:
+        core.shutdown()
