@@ -31,7 +31,13 @@ from collections.abc import Callable
 import torch
 
 from kvserve.core.errors import KVServeError
-from kvserve.engine.faults import DeadEngine, FaultInjection, inject_runner_fault
+from kvserve.engine.faults import (
+    DeadEngine,
+    FaultInjection,
+    grammar_gate,
+    inject_runner_fault,
+    step_gate,
+)
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.step_log import chunk_row
 from kvserve.engine.wire import (
@@ -167,8 +173,9 @@ class EngineCore:
         self._fault_armed = False
         if faults is not None and faults.request_seed is not None:
             inject_runner_fault(engine.runner, faults.request_seed)
-        if faults is not None and faults.grammar_delay_s:
-            engine.inject_grammar_delay(faults.grammar_delay_s)
+        # tests (--inject-fault gate:PORT, grammar-gate:PORT): None, one `is None` check a step
+        self._gate = step_gate(faults, self._wakeup, lambda: self._stopping)
+        engine.gate_grammar_compiles(grammar_gate(faults))
         # Adds waiting for their grammar to compile on `_grammar_thread` (touched by the loop thread only).
         self._compiling: dict[str, AddCmd] = {}
         self._grammar_jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -398,14 +405,16 @@ class EngineCore:
                     self._accepted or self._failures
                 ):  # the callers waiting on their checks go on now
                     self._publish_admissions()
+                if self._gate is not None and not self._gate.wait(lambda: bool(self._commands)):
+                    continue  # the test holds the step: commands that arrive are applied meanwhile
                 t1 = clock()
                 deltas = self._step()
                 t2 = clock()
                 if self._fault_armed:
                     raise RuntimeError("injected engine fault")
-                if self._faults is not None and self._faults.step_delay_s and deltas:
-                    time.sleep(self._faults.step_delay_s)
                 self._publish(deltas, (slept_s, t0, t1, t2))
+                if self._gate is not None and deltas:
+                    self._gate.passed()
         except BaseException as exc:  # not attributable to a request: the core is dead, loudly
             logger.exception("engine loop failed")
             self.dead_reason = f"the engine loop stopped: {exc!r}"

@@ -106,7 +106,9 @@ class LLMEngine:
         self._grammars = None
         self._grammars_lock = threading.Lock()
         self.on_grammar_compile = None  # callback(seconds), e.g. a metrics histogram
-        self.grammar_delay_s = 0.0  # tests: an injected sleep in every grammar compile
+        self.grammar_gate = (
+            None  # tests: a gate passed before every grammar compile (engine/faults.py)
+        )
         self.last_scheduler_output = None  # the latest step's decision (calibration, debugging)
         # `step()` accumulates deltas here for callers that drive the engine directly; an engine core
         # (kvserve.engine.core) sets it to None and ships `step_deltas()` to its client instead.
@@ -117,11 +119,12 @@ class LLMEngine:
         grammars = self._grammars
         return grammars is not None and grammars.is_compiled(structured)
 
-    def inject_grammar_delay(self, seconds: float) -> None:
-        """Tests (`--inject-fault grammar:S`): every grammar compile from now on sleeps `seconds`."""
-        self.grammar_delay_s = seconds
+    def gate_grammar_compiles(self, gate) -> None:
+        """Tests (`--inject-fault grammar-gate:PORT`): every grammar compile from now on first passes
+        `gate` (a kvserve.engine.faults.Gate; None: no gate)."""
+        self.grammar_gate = gate
         if self._grammars is not None:
-            self._grammars.injected_delay_s = seconds
+            self._grammars.gate = gate
 
     def grammars(self):
         """The grammar compiler cache, built on first use (xgrammar indexes the whole vocabulary)."""
@@ -141,7 +144,7 @@ class LLMEngine:
                     on_compile=lambda s: self.on_grammar_compile and self.on_grammar_compile(s),
                     compile_timeout_s=self.config.grammar_compile_timeout_s,
                 )
-                self._grammars.injected_delay_s = self.grammar_delay_s
+                self._grammars.gate = self.grammar_gate
                 self.runner.grammars = self._grammars
             return self._grammars
 

@@ -1,0 +1,171 @@
+"""The test's end of the engine's fault gates (kvserve/engine/faults.py): instead of slowing the engine
+with sleeps and hoping to win a race, a test holds the engine core before its next step (or the grammar
+cache before its next compile) while it does what it needs to, then lets steps through.
+
+    with FaultGate() as steps:
+        with running_server(model, "--inject-fault", steps.spec()) as (url, _):
+            steps.hold()        # no step from now on (returns once every core has it)
+            ...                 # start a stream, disconnect, add a request...
+            steps.step(3)       # three more steps (that produce tokens), then held again
+            steps.wait_passed(3)
+            steps.open()        # run freely
+
+One `FaultGate` serves every engine core that connects (data parallelism: each core gets each order;
+a core that connects later starts in the gate's current state). Leaving the `with` hangs up, which
+opens every gate for good. Every wait here is bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+GATE_REPLY_TIMEOUT_S = 30.0  # a core that does not answer an order within this is an error
+
+
+class _Core:
+    """One engine core's connection: its answers are read by a thread of their own, so that the core
+    never blocks on a full socket."""
+
+    def __init__(self, sock: socket.socket, changed: threading.Condition) -> None:
+        self.sock = sock
+        self.num_ok = 0
+        self.num_passed = 0
+        self.alive = True
+        self._changed = changed
+        threading.Thread(target=self._read, name="fault-gate-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        with contextlib.suppress(OSError):
+            for line in self.sock.makefile("r", encoding="ascii"):
+                with self._changed:
+                    if line.strip() == "ok":
+                        self.num_ok += 1
+                    elif line.strip() == "passed":
+                        self.num_passed += 1
+                    self._changed.notify_all()
+        with self._changed:
+            self.alive = False
+            self._changed.notify_all()
+
+
+class FaultGate:
+    """Listens on 127.0.0.1 for the gates of `--inject-fault gate:PORT` (`spec()`) or
+    `grammar-gate:PORT` (`spec("grammar-gate")`)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._cores: list[_Core] = []
+        self._changed = threading.Condition()
+        self._state = "open"  # what a core that connects now is told first
+        self._passed_before_hold = 0  # steps passed (all cores) before the latest `hold`
+        self._sent: dict[int, int] = {}  # id(core) -> orders sent to it
+
+    def spec(self, kind: str = "gate") -> str:
+        """The `--inject-fault` value: `gate:PORT` (steps) or `grammar-gate:PORT` (compiles)."""
+        return f"{kind}:{self.port}"
+
+    def __enter__(self) -> FaultGate:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Hang up: every gate opens for good."""
+        for core in self._cores:
+            with contextlib.suppress(OSError):
+                core.sock.shutdown(socket.SHUT_RDWR)
+            core.sock.close()
+        self._listener.close()
+
+    def _accept_new(self) -> None:
+        """Take the cores that connected since the last order (they did so before their server said
+        it was ready) and tell them the current state."""
+        self._listener.setblocking(False)
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                break
+            sock.setblocking(True)
+            core = _Core(sock, self._changed)
+            self._cores.append(core)
+            self._send(core, self._state)
+
+    def _send(self, core: _Core, line: str) -> None:
+        if not core.alive:
+            return
+        try:
+            core.sock.sendall(f"{line}\n".encode())
+        except OSError:
+            return  # that core is gone (killed by the test, or exited)
+        self._sent[id(core)] = self._sent.get(id(core), 0) + 1
+
+    def _order(self, line: str) -> None:
+        """Send `line` to every core and wait until each living one has applied it."""
+        self._accept_new()
+        for core in self._cores:
+            self._send(core, line)
+        self._wait(
+            lambda: all(not c.alive or c.num_ok >= self._sent.get(id(c), 0) for c in self._cores),
+            f"the engine cores did not apply {line!r}",
+        )
+
+    def _wait(self, predicate, what: str, timeout_s: float = GATE_REPLY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not predicate():
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise TimeoutError(f"{what} within {timeout_s} s")
+                self._changed.wait(left_s)
+
+    @property
+    def num_cores(self) -> int:
+        """Engine cores connected now (and still connected)."""
+        self._accept_new()
+        with self._changed:
+            return sum(c.alive for c in self._cores)
+
+    def hold(self) -> None:
+        """Close the gate: no step (or compile) starts until `step` or `open`."""
+        self._state = "hold"
+        self._order("hold")
+        with self._changed:
+            self._passed_before_hold = sum(c.num_passed for c in self._cores)
+
+    def open(self) -> None:
+        """Let everything through from now on."""
+        self._state = "open"
+        self._order("open")
+
+    def step(self, num: int = 1) -> None:
+        """Let `num` more steps that produce output (or compiles) through each core; then it is held
+        again. Returns once the cores have the order, not once the steps ran (`wait_passed`)."""
+        self._order(f"step {num}")
+
+    def num_passed(self) -> int:
+        """Steps (or compiles) let through by `step` since the latest `hold`, over every core."""
+        with self._changed:
+            return sum(c.num_passed for c in self._cores) - self._passed_before_hold
+
+    def wait_passed(self, num: int, timeout_s: float = GATE_REPLY_TIMEOUT_S) -> None:
+        """Wait until `num` steps (or compiles) let through by `step` since the latest `hold` went
+        through (over every core)."""
+        self._wait(
+            lambda: sum(c.num_passed for c in self._cores) - self._passed_before_hold >= num,
+            f"{num} steps did not pass the gate",
+            timeout_s,
+        )
+
+    @contextlib.contextmanager
+    def held(self):
+        """Closed inside the block, open after it (also when the block fails)."""
+        self.hold()
+        try:
+            yield self
+        finally:
+            self.open()

@@ -1,0 +1,107 @@
+"""The test-only fault gates (kvserve/engine/faults.py) against the test's end (tests/faults.py): a held
+gate lets exactly the steps it is given through, a command wakes a held step, hanging up or a silent
+test opens it, and the sleeps they replaced are refused with the name of the replacement."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvserve.engine.faults import FaultInjection, Gate
+from tests.faults import FaultGate
+
+
+def test_parse_takes_seeds_and_gates_and_refuses_the_sleeps():
+    faults = FaultInjection.parse("request:7,engine:8,gate:4001,grammar-gate:4002")
+    assert faults == FaultInjection(7, 8, 4001, 4002)
+    assert FaultInjection.parse(None) is None and FaultInjection.parse("") is None
+    with pytest.raises(ValueError, match=r"delay:SECONDS \(a sleep\) is gone; use gate:PORT"):
+        FaultInjection.parse("delay:0.01")
+    with pytest.raises(ValueError, match="use grammar-gate:PORT"):
+        FaultInjection.parse("request:1,grammar:5")
+    with pytest.raises(ValueError, match="got 'gate:x'"):
+        FaultInjection.parse("gate:x")
+    with pytest.raises(ValueError, match="got 'slow:1'"):
+        FaultInjection.parse("slow:1")
+
+
+def test_a_gate_without_a_test_is_a_clear_error():
+    with FaultGate() as test:
+        port = test.port
+    with pytest.raises(ConnectionError, match=f"no test listens on 127.0.0.1:{port}"):
+        Gate(port, "gate")
+
+
+def _passes(gate: Gate, num: int) -> list[bool]:
+    """What `num` tries to pass return, each waited for at most 0.2 s in a thread (the gate's own
+    bound is long)."""
+    results: list[bool] = []
+    for _ in range(num):
+        done = threading.Event()
+        stop = threading.Event()
+
+        def attempt(done=done, stop=stop) -> None:
+            if gate.wait(stop.is_set):
+                gate.passed()
+                done.set()
+
+        thread = threading.Thread(target=attempt)
+        thread.start()
+        results.append(done.wait(0.2))
+        if not results[-1]:  # held: interrupt it, as a command arriving does
+            with gate._condition:
+                stop.set()
+                gate._condition.notify_all()
+        thread.join(5)
+        assert not thread.is_alive()
+    return results
+
+
+def test_held_gate_lets_exactly_the_given_steps_through():
+    with FaultGate() as test:
+        gate = Gate(test.port, "gate")
+        assert test.num_cores == 1
+        assert _passes(gate, 2) == [True, True]  # open from the start
+        test.hold()
+        assert _passes(gate, 1) == [False]  # the interrupted try returns False: not passed
+        test.step(2)
+        assert _passes(gate, 3) == [True, True, False]
+        test.wait_passed(2)
+        assert test.num_passed() == 2
+        test.open()
+        assert _passes(gate, 2) == [True, True]
+        with test.held():
+            assert _passes(gate, 1) == [False]
+        assert _passes(gate, 1) == [True]
+
+
+def test_hanging_up_opens_the_gate_and_a_silent_test_does_not_hold_it_forever():
+    test = FaultGate()
+    gate = Gate(test.port, "gate")
+    test.hold()
+    assert _passes(gate, 1) == [False]
+    test.close()
+    assert gate.wait() is True  # returns once the connection's end is read
+    with FaultGate() as silent:
+        gate = Gate(silent.port, "gate", timeout_s=0.1)
+        silent.hold()
+        assert gate.wait() is True  # after 0.1 s it opens itself (and logs it)
+        assert _passes(gate, 1) == [True]
+
+
+def test_stopping_opens_a_held_gate():
+    stopping = threading.Event()
+    condition = threading.Condition()
+    with FaultGate() as test:
+        gate = Gate(test.port, "gate", condition, stopping.is_set)
+        test.hold()
+        assert _passes(gate, 1) == [False]
+        result: list[bool] = []
+        thread = threading.Thread(target=lambda: result.append(gate.wait()))
+        thread.start()
+        with condition:
+            stopping.set()
+            condition.notify_all()  # as EngineCore.shutdown does
+        thread.join(5)
+        assert result == [True]
