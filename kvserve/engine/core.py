@@ -405,8 +405,8 @@ class EngineCore:
                     self._accepted or self._failures
                 ):  # the callers waiting on their checks go on now
                     self._publish_admissions()
-                if self._gate is not None and not self._gate.wait(lambda: bool(self._commands)):
-                    continue  # the test holds the step: commands that arrive are applied meanwhile
+                if self._gate is not None and not self._gate_lets_step_through():
+                    continue  # held by the test: a command that arrives is applied meanwhile
                 t1 = clock()
                 deltas = self._step()
                 t2 = clock()
@@ -426,6 +426,13 @@ class EngineCore:
                         UtilityResult(cmd.call_id, None, Failure("", "dead", self.dead_reason))
                     )
             self.emit(CoreOutputs(results=self._take_results(), dead_reason=self.dead_reason))
+
+    def _gate_lets_step_through(self) -> bool:
+        """Tests (`--inject-fault gate:PORT`): wait while the test holds the next step; utility calls
+        applied meanwhile are answered at once. False: a command arrived first."""
+        if self._results:
+            self.emit(CoreOutputs(results=self._take_results()))
+        return self._gate.wait(lambda: bool(self._commands))
 
     def _publish_admissions(self) -> None:
         accepted, self._accepted = self._accepted, []
