@@ -30,8 +30,10 @@ class _Core:
 
     def __init__(self, sock: socket.socket, changed: threading.Condition) -> None:
         self.sock = sock
-        self.num_ok = 0
+        self.num_sent = 0  # orders sent to it
+        self.num_ok = 0  # orders it applied
         self.num_passed = 0
+        self.held_with: int | None = None  # the requests it held at its latest `held N`
         self.alive = True
         self._changed = changed
         threading.Thread(target=self._read, name="fault-gate-reader", daemon=True).start()
@@ -39,11 +41,15 @@ class _Core:
     def _read(self) -> None:
         with contextlib.suppress(OSError):
             for line in self.sock.makefile("r", encoding="ascii"):
+                words = line.split()
                 with self._changed:
-                    if line.strip() == "ok":
+                    if words == ["ok"]:
                         self.num_ok += 1
-                    elif line.strip() == "passed":
+                    elif words == ["passed"]:
                         self.num_passed += 1
+                        self.held_with = None
+                    elif words[:1] == ["held"] and self.num_ok == self.num_sent:
+                        self.held_with = int(words[1])  # (not one sent before the latest order)
                     self._changed.notify_all()
         with self._changed:
             self.alive = False
@@ -61,7 +67,6 @@ class FaultGate:
         self._changed = threading.Condition()
         self._state = "open"  # what a core that connects now is told first
         self._passed_before_hold = 0  # steps passed (all cores) before the latest `hold`
-        self._sent: dict[int, int] = {}  # id(core) -> orders sent to it
 
     def spec(self, kind: str = "gate") -> str:
         """The `--inject-fault` value: `gate:PORT` (steps) or `grammar-gate:PORT` (compiles)."""
@@ -98,11 +103,14 @@ class FaultGate:
     def _send(self, core: _Core, line: str) -> None:
         if not core.alive:
             return
+        with self._changed:
+            core.num_sent += 1
+            core.held_with = None
         try:
             core.sock.sendall(f"{line}\n".encode())
         except OSError:
-            return  # that core is gone (killed by the test, or exited)
-        self._sent[id(core)] = self._sent.get(id(core), 0) + 1
+            with self._changed:
+                core.num_sent -= 1  # that core is gone (killed by the test, or exited)
 
     def _order(self, line: str) -> None:
         """Send `line` to every core and wait until each living one has applied it."""
@@ -110,7 +118,7 @@ class FaultGate:
         for core in self._cores:
             self._send(core, line)
         self._wait(
-            lambda: all(not c.alive or c.num_ok >= self._sent.get(id(c), 0) for c in self._cores),
+            lambda: all(not c.alive or c.num_ok >= c.num_sent for c in self._cores),
             f"the engine cores did not apply {line!r}",
         )
 
@@ -158,6 +166,15 @@ class FaultGate:
         self._wait(
             lambda: sum(c.num_passed for c in self._cores) - self._passed_before_hold >= num,
             f"{num} steps did not pass the gate",
+            timeout_s,
+        )
+
+    def wait_held(self, num_requests: int, timeout_s: float = GATE_REPLY_TIMEOUT_S) -> None:
+        """Wait until an engine core is held with at least `num_requests` requests in it (n > 1: one):
+        the requests the test sent have reached it. Only while the gate is held."""
+        self._wait(
+            lambda: any((c.held_with or 0) >= num_requests for c in self._cores),
+            f"no engine core was held with {num_requests} requests",
             timeout_s,
         )
 

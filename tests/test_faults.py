@@ -105,3 +105,18 @@ def test_stopping_opens_a_held_gate():
             condition.notify_all()  # as EngineCore.shutdown does
         thread.join(5)
         assert result == [True]
+
+
+def test_a_held_step_gate_says_how_many_requests_it_holds():
+    with FaultGate() as test:
+        gate = Gate(test.port, "gate")
+        test.hold()
+        result: list[bool] = []
+        thread = threading.Thread(target=lambda: result.append(gate.wait(num_requests=lambda: 3)))
+        thread.start()
+        test.wait_held(3)
+        with pytest.raises(TimeoutError, match="no engine core was held with 4 requests"):
+            test.wait_held(4, timeout_s=0.1)
+        test.step(1)
+        thread.join(5)
+        assert result == [True]

@@ -432,7 +432,7 @@ class EngineCore:
         applied meanwhile are answered at once. False: a command arrived first."""
         if self._results:
             self.emit(CoreOutputs(results=self._take_results()))
-        return self._gate.wait(lambda: bool(self._commands))
+        return self._gate.wait(lambda: bool(self._commands), lambda: self.engine.num_requests)
 
     def _publish_admissions(self) -> None:
         accepted, self._accepted = self._accepted, []

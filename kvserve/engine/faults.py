@@ -7,7 +7,9 @@ Gates let a test decide when the engine moves on instead of racing it with sleep
 cache passes one before each compile. The test listens on 127.0.0.1:PORT (tests/faults.py); each gate
 connects to it when the engine core starts and then obeys the lines the test sends: `hold` (close),
 `step N` (let N more steps or compiles through, then close again), `open`. It answers each with `ok`
-once applied, so the test knows the gate's state when its call returns. A gate starts open; a gate
+once applied, so the test knows the gate's state when its call returns; `passed` after each step let
+through by `step`, and the step gate `held N` when it starts to hold the engine with N requests. A
+gate starts open; a gate
 whose test hangs up, or that stays closed for `GATE_TIMEOUT_S`, opens for good and logs it, so
 nothing waits forever."""
 
@@ -130,12 +132,20 @@ class Gate:
             except OSError:
                 pass  # the test hung up: `_follow` opens the gate
 
-    def wait(self, interrupted: Callable[[], bool] = lambda: False) -> bool:
+    def wait(
+        self,
+        interrupted: Callable[[], bool] = lambda: False,
+        num_requests: Callable[[], int] | None = None,
+    ) -> bool:
         """Block while the gate is closed: True once it lets this step through; False as soon as
-        `interrupted()` is true (checked under the condition's lock, after each wake-up)."""
+        `interrupted()` is true (checked under the condition's lock, after each wake-up). When it
+        blocks it tells the test `held N`, N = `num_requests()` (the requests the engine holds), so a
+        test can wait for the requests it sent to have arrived."""
         with self._condition:
             deadline = time.monotonic() + self._timeout_s
-            while not (self._is_open or self._num_allowed or self._stopping()):
+            if num_requests is not None and not self._lets_through():
+                self._send(f"held {num_requests()}")
+            while not self._lets_through():
                 if interrupted():
                     return False
                 left_s = deadline - time.monotonic()
@@ -149,6 +159,9 @@ class Gate:
                     break
                 self._condition.wait(left_s)
             return True
+
+    def _lets_through(self) -> bool:
+        return self._is_open or self._num_allowed > 0 or self._stopping()
 
     def passed(self) -> None:
         """One step (or compile) went through: spend one that the test allowed, if closed (and tell
