@@ -17,7 +17,10 @@ opens every gate for good. Every wait here is bounded."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 
@@ -57,20 +60,31 @@ class _Core:
 
 
 class FaultGate:
-    """Listens on 127.0.0.1 for the gates of `--inject-fault gate:PORT` (`spec()`) or
-    `grammar-gate:PORT` (`spec("grammar-gate")`)."""
+    """Listens for the gates of `--inject-fault gate:WHERE` (`spec()`) or `grammar-gate:WHERE`
+    (`spec("grammar-gate")`): on a Unix socket in a directory of its own (`address`; a core in another
+    network namespace reaches it too), or with `tcp=True` on a port of 127.0.0.1."""
 
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
+    def __init__(self, tcp: bool = False) -> None:
+        self._dir = None
+        if tcp:
+            self._listener = socket.create_server(("127.0.0.1", 0))
+            self.address = str(self._listener.getsockname()[1])
+        else:
+            self._dir = tempfile.mkdtemp(prefix="kvserve-gate-", dir="/tmp")  # short: sun_path
+            os.chmod(self._dir, 0o755)  # a core started as another user may connect
+            self.address = os.path.join(self._dir, "gate.sock")
+            self._listener = socket.socket(socket.AF_UNIX)
+            self._listener.bind(self.address)
+            os.chmod(self.address, 0o777)
+            self._listener.listen(16)
         self._cores: list[_Core] = []
         self._changed = threading.Condition()
         self._state = "open"  # what a core that connects now is told first
         self._passed_before_hold = 0  # steps passed (all cores) before the latest `hold`
 
     def spec(self, kind: str = "gate") -> str:
-        """The `--inject-fault` value: `gate:PORT` (steps) or `grammar-gate:PORT` (compiles)."""
-        return f"{kind}:{self.port}"
+        """The `--inject-fault` value: `gate:WHERE` (steps) or `grammar-gate:WHERE` (compiles)."""
+        return f"{kind}:{self.address}"
 
     def __enter__(self) -> FaultGate:
         return self
@@ -85,6 +99,8 @@ class FaultGate:
                 core.sock.shutdown(socket.SHUT_RDWR)
             core.sock.close()
         self._listener.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _accept_new(self) -> None:
         """Take the cores that connected since the last order (they did so before their server said
@@ -170,11 +186,12 @@ class FaultGate:
         )
 
     def wait_held(self, num_requests: int, timeout_s: float = GATE_REPLY_TIMEOUT_S) -> None:
-        """Wait until an engine core is held with at least `num_requests` requests in it (n > 1: one):
-        the requests the test sent have reached it. Only while the gate is held."""
+        """Wait until the engine cores are held with at least `num_requests` requests in them (over
+        every core; n > 1 counts one): the requests the test sent have reached them. Only while the
+        gate is held (after `hold` or a `step` that was used up)."""
         self._wait(
-            lambda: any((c.held_with or 0) >= num_requests for c in self._cores),
-            f"no engine core was held with {num_requests} requests",
+            lambda: sum(c.held_with or 0 for c in self._cores if c.alive) >= num_requests,
+            f"the engine cores were not held with {num_requests} requests",
             timeout_s,
         )
 

@@ -57,7 +57,7 @@ def test_killed_core_fails_requests_with_503_and_health_says_why(gpt2_model_dir)
     config = build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=256)
     gate = FaultGate()
     app = build_app(
-        lambda: MPClient(config, faults=FaultInjection(step_gate_port=gate.port)),
+        lambda: MPClient(config, faults=FaultInjection(step_gate=gate.address)),
         ServingOptions(served_model_name="m"),
     )  # no on_fatal: the server stays up, so what it says can be checked
     port = free_port()

@@ -13,24 +13,25 @@ from tests.faults import FaultGate
 
 
 def test_parse_takes_seeds_and_gates_and_refuses_the_sleeps():
-    faults = FaultInjection.parse("request:7,engine:8,gate:4001,grammar-gate:4002")
-    assert faults == FaultInjection(7, 8, 4001, 4002)
+    faults = FaultInjection.parse("request:7,engine:8,gate:4001,grammar-gate:/tmp/g/gate.sock")
+    assert faults == FaultInjection(7, 8, "4001", "/tmp/g/gate.sock")
     assert FaultInjection.parse(None) is None and FaultInjection.parse("") is None
-    with pytest.raises(ValueError, match=r"delay:SECONDS \(a sleep\) is gone; use gate:PORT"):
+    with pytest.raises(ValueError, match=r"delay:SECONDS \(a sleep\) is gone; use gate:WHERE"):
         FaultInjection.parse("delay:0.01")
-    with pytest.raises(ValueError, match="use grammar-gate:PORT"):
+    with pytest.raises(ValueError, match="use grammar-gate:WHERE"):
         FaultInjection.parse("request:1,grammar:5")
     with pytest.raises(ValueError, match="got 'gate:x'"):
-        FaultInjection.parse("gate:x")
+        FaultInjection.parse("gate:x")  # neither a path nor a port
     with pytest.raises(ValueError, match="got 'slow:1'"):
         FaultInjection.parse("slow:1")
 
 
-def test_a_gate_without_a_test_is_a_clear_error():
-    with FaultGate() as test:
-        port = test.port
-    with pytest.raises(ConnectionError, match=f"no test listens on 127.0.0.1:{port}"):
-        Gate(port, "gate")
+@pytest.mark.parametrize("tcp", [False, True])
+def test_a_gate_without_a_test_is_a_clear_error(tcp):
+    with FaultGate(tcp=tcp) as test:
+        address = test.address
+    with pytest.raises(ConnectionError, match=f"no test listens at {address}"):
+        Gate(address, "gate")
 
 
 def _passes(gate: Gate, num: int) -> list[bool]:
@@ -58,9 +59,10 @@ def _passes(gate: Gate, num: int) -> list[bool]:
     return results
 
 
-def test_held_gate_lets_exactly_the_given_steps_through():
-    with FaultGate() as test:
-        gate = Gate(test.port, "gate")
+@pytest.mark.parametrize("tcp", [False, True])
+def test_held_gate_lets_exactly_the_given_steps_through(tcp):
+    with FaultGate(tcp=tcp) as test:
+        gate = Gate(test.address, "gate")
         assert test.num_cores == 1
         assert _passes(gate, 2) == [True, True]  # open from the start
         test.hold()
@@ -78,13 +80,13 @@ def test_held_gate_lets_exactly_the_given_steps_through():
 
 def test_hanging_up_opens_the_gate_and_a_silent_test_does_not_hold_it_forever():
     test = FaultGate()
-    gate = Gate(test.port, "gate")
+    gate = Gate(test.address, "gate")
     test.hold()
     assert _passes(gate, 1) == [False]
     test.close()
     assert gate.wait() is True  # returns once the connection's end is read
     with FaultGate() as silent:
-        gate = Gate(silent.port, "gate", timeout_s=0.1)
+        gate = Gate(silent.address, "gate", timeout_s=0.1)
         silent.hold()
         assert gate.wait() is True  # after 0.1 s it opens itself (and logs it)
         assert _passes(gate, 1) == [True]
@@ -94,7 +96,7 @@ def test_stopping_opens_a_held_gate():
     stopping = threading.Event()
     condition = threading.Condition()
     with FaultGate() as test:
-        gate = Gate(test.port, "gate", condition, stopping.is_set)
+        gate = Gate(test.address, "gate", condition, stopping.is_set)
         test.hold()
         assert _passes(gate, 1) == [False]
         result: list[bool] = []
@@ -109,13 +111,13 @@ def test_stopping_opens_a_held_gate():
 
 def test_a_held_step_gate_says_how_many_requests_it_holds():
     with FaultGate() as test:
-        gate = Gate(test.port, "gate")
+        gate = Gate(test.address, "gate")
         test.hold()
         result: list[bool] = []
         thread = threading.Thread(target=lambda: result.append(gate.wait(num_requests=lambda: 3)))
         thread.start()
         test.wait_held(3)
-        with pytest.raises(TimeoutError, match="no engine core was held with 4 requests"):
+        with pytest.raises(TimeoutError, match="were not held with 4 requests"):
             test.wait_held(4, timeout_s=0.1)
         test.step(1)
         thread.join(5)

@@ -173,7 +173,7 @@ class EngineCore:
         self._fault_armed = False
         if faults is not None and faults.request_seed is not None:
             inject_runner_fault(engine.runner, faults.request_seed)
-        # tests (--inject-fault gate:PORT, grammar-gate:PORT): None, one `is None` check a step
+        # tests (--inject-fault gate:WHERE, grammar-gate:WHERE): None, one `is None` check a step
         self._gate = step_gate(faults, self._wakeup, lambda: self._stopping)
         engine.gate_grammar_compiles(grammar_gate(faults))
         # Adds waiting for their grammar to compile on `_grammar_thread` (touched by the loop thread only).
@@ -428,7 +428,7 @@ class EngineCore:
             self.emit(CoreOutputs(results=self._take_results(), dead_reason=self.dead_reason))
 
     def _gate_lets_step_through(self) -> bool:
-        """Tests (`--inject-fault gate:PORT`): wait while the test holds the next step; utility calls
+        """Tests (`--inject-fault gate:WHERE`): wait while the test holds the next step; utility calls
         applied meanwhile are answered at once. False: a command arrived first."""
         if self._results:
             self.emit(CoreOutputs(results=self._take_results()))

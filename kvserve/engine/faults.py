@@ -3,8 +3,9 @@ engine that maintenance calls see once the real one is dead.
 
 Faults keyed by a request's seed make the runner (`request:SEED`) or the loop (`engine:SEED`) fail.
 Gates let a test decide when the engine moves on instead of racing it with sleeps: with
-`gate:PORT` the engine core passes a `Gate` before each step, with `grammar-gate:PORT` the grammar
-cache passes one before each compile. The test listens on 127.0.0.1:PORT (tests/faults.py); each gate
+`gate:WHERE` the engine core passes a `Gate` before each step, with `grammar-gate:WHERE` the grammar
+cache passes one before each compile. The test listens at WHERE (tests/faults.py): a Unix socket's
+absolute path (reachable from another network namespace too) or a port on 127.0.0.1; each gate
 connects to it when the engine core starts and then obeys the lines the test sends: `hold` (close),
 `step N` (let N more steps or compiles through, then close again), `open`. It answers each with `ok`
 once applied, so the test knows the gate's state when its call returns; `passed` after each step let
@@ -25,27 +26,29 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 GATE_TIMEOUT_S = 60.0  # a closed gate opens itself after this long without a word from the test
-REMOVED = {"delay": "gate:PORT", "grammar": "grammar-gate:PORT"}  # sleeps replaced by gates
+REMOVED = {"delay": "gate:WHERE", "grammar": "grammar-gate:WHERE"}  # sleeps replaced by gates
 
 
 @dataclass(frozen=True)
 class FaultInjection:
     """Test-only faults. `request_seed` makes the runner fail while preparing that request (inside a
     step: attributable); `engine_seed` makes the loop itself fail after the step that follows its
-    arrival (not attributable: the engine dies). `step_gate_port` / `grammar_gate_port`: the
-    127.0.0.1 port of the test that holds the step gate / the grammar-compile gate."""
+    arrival (not attributable: the engine dies). `step_gate` / `grammar_gate`: where the test that
+    holds the step gate / the grammar-compile gate listens (a Unix socket's path or a 127.0.0.1
+    port)."""
 
     request_seed: int | None = None
     engine_seed: int | None = None
-    step_gate_port: int | None = None
-    grammar_gate_port: int | None = None
+    step_gate: str | None = None
+    grammar_gate: str | None = None
 
     @classmethod
     def parse(cls, spec: str | None) -> FaultInjection | None:
-        """`request:SEED`, `engine:SEED`, `gate:PORT`, `grammar-gate:PORT`, comma-separated."""
+        """`request:SEED`, `engine:SEED`, `gate:WHERE`, `grammar-gate:WHERE`, comma-separated; WHERE
+        is an absolute path (a Unix socket) or a port on 127.0.0.1."""
         if not spec:
             return None
-        fields: dict[str, int] = {}
+        fields: dict[str, int | str] = {}
         for part in spec.split(","):
             kind, _, value = part.partition(":")
             if kind in REMOVED:
@@ -56,23 +59,28 @@ class FaultInjection:
             name = {
                 "request": "request_seed",
                 "engine": "engine_seed",
-                "gate": "step_gate_port",
-                "grammar-gate": "grammar_gate_port",
+                "gate": "step_gate",
+                "grammar-gate": "grammar_gate",
             }.get(kind)
             try:
                 if name is None:
                     raise ValueError
-                fields[name] = int(value)
+                if kind in ("request", "engine"):
+                    fields[name] = int(value)
+                elif value.startswith("/") or value.isdigit():
+                    fields[name] = value
+                else:
+                    raise ValueError
             except ValueError:
                 raise ValueError(
-                    "fault injection must be request:SEED, engine:SEED, gate:PORT or "
-                    f"grammar-gate:PORT; got {part!r}"
+                    "fault injection must be request:SEED, engine:SEED, gate:WHERE or "
+                    f"grammar-gate:WHERE (a socket's absolute path or a port); got {part!r}"
                 ) from None
         return cls(**fields)
 
 
 class Gate:
-    """The engine's end of a test's gate on 127.0.0.1:`port` (see the module docstring). `wait` blocks
+    """The engine's end of a test's gate at `address` (see the module docstring). `wait` blocks
     while the gate is closed; `passed` spends one of the steps the test let through.
 
     `condition`: the lock and condition the waiting thread sleeps on (the engine core passes its own,
@@ -81,7 +89,7 @@ class Gate:
 
     def __init__(
         self,
-        port: int,
+        address: str,
         name: str,
         condition: threading.Condition | None = None,
         stopping: Callable[[], bool] = lambda: False,
@@ -94,11 +102,15 @@ class Gate:
         self._is_open = True
         self._num_allowed = 0  # steps let through while closed, not yet passed
         self._send_lock = threading.Lock()
+        where = ("127.0.0.1", int(address)) if address.isdigit() else address
+        self._sock = socket.socket(socket.AF_INET if address.isdigit() else socket.AF_UNIX)
         try:
-            self._sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            self._sock.settimeout(10)
+            self._sock.connect(where)
         except OSError as exc:
+            self._sock.close()
             raise ConnectionError(
-                f"--inject-fault {name}: no test listens on 127.0.0.1:{port} ({exc})"
+                f"--inject-fault {name}: no test listens at {address} ({exc})"
             ) from None
         self._sock.settimeout(None)
         threading.Thread(target=self._follow, name=f"kvserve-{name}", daemon=True).start()
@@ -206,14 +218,14 @@ class DeadEngine:
 def step_gate(
     faults: FaultInjection | None, condition: threading.Condition, stopping: Callable[[], bool]
 ) -> Gate | None:
-    """The engine core's gate before each step (`gate:PORT`), or None."""
-    if faults is None or faults.step_gate_port is None:
+    """The engine core's gate before each step (`gate:WHERE`), or None."""
+    if faults is None or faults.step_gate is None:
         return None
-    return Gate(faults.step_gate_port, "gate", condition, stopping)
+    return Gate(faults.step_gate, "gate", condition, stopping)
 
 
 def grammar_gate(faults: FaultInjection | None) -> Gate | None:
-    """The grammar cache's gate before each compile (`grammar-gate:PORT`), or None."""
-    if faults is None or faults.grammar_gate_port is None:
+    """The grammar cache's gate before each compile (`grammar-gate:WHERE`), or None."""
+    if faults is None or faults.grammar_gate is None:
         return None
-    return Gate(faults.grammar_gate_port, "grammar-gate")
+    return Gate(faults.grammar_gate, "grammar-gate")

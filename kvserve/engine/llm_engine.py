@@ -120,7 +120,7 @@ class LLMEngine:
         return grammars is not None and grammars.is_compiled(structured)
 
     def gate_grammar_compiles(self, gate) -> None:
-        """Tests (`--inject-fault grammar-gate:PORT`): every grammar compile from now on first passes
+        """Tests (`--inject-fault grammar-gate:WHERE`): every grammar compile from now on first passes
         `gate` (a kvserve.engine.faults.Gate; None: no gate)."""
         self.grammar_gate = gate
         if self._grammars is not None:

@@ -83,7 +83,7 @@ class GrammarCache:
         )
         self.vocab_size = vocab_size
         self.on_compile = on_compile
-        # tests (`--inject-fault grammar-gate:PORT`): a kvserve.engine.faults.Gate every compile passes
+        # tests (`--inject-fault grammar-gate:WHERE`): a kvserve.engine.faults.Gate every compile passes
         # first (outside the compile limit)
         self.gate = None
         # least recently used first; a running request's matcher keeps its own grammar alive
