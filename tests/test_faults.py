@@ -122,3 +122,47 @@ def test_a_held_step_gate_says_how_many_requests_it_holds():
         test.step(1)
         thread.join(5)
         assert result == [True]
+
+
+def test_a_held_engine_core_steps_only_when_told_and_still_aborts_and_stops(gpt2_model_dir):
+    """The engine core with `gate:WHERE` (in-process): held, it takes no step; `step(3)` gives exactly
+    three tokens; an abort reaches a held core; shutting down a held core with a running request ends
+    its thread (the gate opens for a stopping core)."""
+    import asyncio
+
+    from kvserve import SamplingParams
+    from kvserve.engine.args import build_engine_config
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.llm_engine import LLMEngine
+
+    config = build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=128)
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    with FaultGate() as steps:
+        engine = AsyncEngine(LLMEngine(config), faults=FaultInjection(step_gate=steps.address))
+
+        def generated() -> int:
+            return engine.call_in_engine_thread(
+                lambda e: sum(len(r.output_token_ids) for r in e.scheduler.requests.values())
+            )
+
+        def unfinished() -> bool:
+            return engine.call_in_engine_thread(lambda e: e.has_unfinished_requests())
+
+        async def main() -> None:
+            stream = engine.add("r", [5, 6, 7], params)
+            await asyncio.to_thread(steps.wait_held, 1)
+            assert await asyncio.to_thread(generated) == 0  # held before its first step
+            await asyncio.to_thread(steps.step, 3)
+            await asyncio.to_thread(steps.wait_passed, 3)
+            await asyncio.to_thread(steps.wait_held, 1)  # and held again after them
+            assert await asyncio.to_thread(generated) == 3
+            await stream.aclose()  # an abort while held
+            assert not await asyncio.to_thread(unfinished)
+            kept = engine.add("s", [5, 6, 8], params)  # running (held) when the engine shuts down
+            await asyncio.to_thread(steps.wait_held, 1)
+            assert kept.request_id == "s"
+
+        steps.hold()
+        asyncio.run(main())
+        engine.shutdown(timeout_s=60)
+        assert not engine._core._thread.is_alive()
