@@ -14,6 +14,7 @@ from kvserve.engine.args import build_engine_config
 from kvserve.engine.async_engine import AsyncEngine, RequestFailedError
 from kvserve.engine.core import EngineCore
 from kvserve.engine.faults import FaultInjection
+from tests.faults import FaultGate
 
 FAULT_SEED = 99
 
@@ -80,13 +81,15 @@ def test_a_grammar_the_core_has_not_compiled_waits_off_the_step_loop(config):
     """A request reaching the core with a grammar it has not compiled (data parallelism routes a request
     away from the core that checked it) waits while a thread compiles it: the step loop goes on (a plain
     request finishes meanwhile), an abort during the compile takes it out of the queue (the waiting
-    count returns to 0) and a grammar that fails to compile fails its request alone. The fault makes each
-    compile take 3 s."""
+    count returns to 0) and a grammar that fails to compile fails its request alone. The test holds
+    the compiles (a grammar gate) until the plain request has finished."""
     from kvserve.core.errors import InvalidRequestError
     from kvserve.core.sampling_params import StructuredOutput
     from tests.server_utils import wait_until
 
-    engine = AsyncEngine(EngineCore(config), faults=FaultInjection(grammar_delay_s=3.0))
+    compiles = FaultGate()
+    engine = AsyncEngine(EngineCore(config), faults=FaultInjection(grammar_gate=compiles.address))
+    compiles.hold()
     digits = StructuredOutput("regex", "[0-9]+")
     constrained = SamplingParams(max_tokens=3, temperature=0, structured=digits)
     plain = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -104,7 +107,11 @@ def test_a_grammar_the_core_has_not_compiled_waits_off_the_step_loop(config):
         aborted = engine.add("aborted", [5, 6, 7], constrained)
         await asyncio.sleep(0)
         await aborted.aclose()  # while its grammar compiles
-        return await asyncio.gather(run("grammar", constrained), run("plain", plain))
+        waiting = asyncio.create_task(run("grammar", constrained))
+        plain_out = await run("plain", plain)
+        assert not waiting.done()  # the compiles are held: it waits, the step loop does not
+        await asyncio.to_thread(compiles.open)
+        return await waiting, plain_out
 
     grammar, plain_out = asyncio.run(main())
     assert finished == ["plain", "grammar"]  # the plain request did not wait for the compile
@@ -122,3 +129,4 @@ def test_a_grammar_the_core_has_not_compiled_waits_off_the_step_loop(config):
     assert engine.call_in_engine_thread(lambda e: e.num_free_blocks()) == 64
     assert not engine.dead
     engine.shutdown()
+    compiles.close()

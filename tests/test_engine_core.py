@@ -15,7 +15,10 @@ from kvserve import SamplingParams
 from kvserve.core.sampling_params import StructuredOutput
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.core import EngineCore
+from kvserve.engine.faults import FaultInjection
 from kvserve.engine.wire import AbortCmd, AddCmd, CoreOutputs
+from tests.faults import FaultGate
+from tests.server_utils import wait_until
 
 TIMEOUT_S = 60.0
 
@@ -101,18 +104,26 @@ def test_the_loop_streams_what_the_core_returns_when_driven_directly(config):
 
 
 def test_an_abort_while_the_grammar_compiles_never_adds_the_request(config):
+    """The compile is held by a grammar gate while the abort and a plain request go through; once
+    it is let through and its result handled, the aborted request was never added."""
     outputs: queue.SimpleQueue = queue.SimpleQueue()
     core = EngineCore(config)
-    core.inject_grammar_delay(1.0)
-    core.start(outputs.put)
-    try:
-        params = SamplingParams(max_tokens=3, structured=StructuredOutput("regex", "[a-c]+"))
-        core.submit(_add("waits", [5, 6, 7], params))
-        core.submit(AbortCmd(["waits"]))
-        core.submit(_add("plain", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
-        got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
-        assert [r for m in got for r in m.accepted] == ["plain"]
-        assert got[-1].num_admitted_samples == 2  # the aborted one left the queue too
-        assert not core.has_unfinished_requests()
-    finally:
-        core.shutdown()
+    with FaultGate() as compiles:
+        compiles.hold()
+        core.start(outputs.put, faults=FaultInjection(grammar_gate=compiles.address))
+        try:
+            params = SamplingParams(max_tokens=3, structured=StructuredOutput("regex", "[a-c]+"))
+            core.submit(_add("waits", [5, 6, 7], params))
+            core.submit(AbortCmd(["waits"]))
+            core.submit(_add("plain", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
+            got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
+            assert got[-1].num_admitted_samples == 2  # the aborted one left the queue too
+            compiles.step(1)
+            compiles.wait_passed(1)
+            wait_until(lambda: not core._compiling, timeout_s=30)  # its result was handled
+            core.submit(_add("after", [5], SamplingParams(max_tokens=1, ignore_eos=True)))
+            got += _until(outputs, lambda m: any(d.finished for d in m.deltas))
+            assert [r for m in got for r in m.accepted] == ["plain", "after"]
+            assert not core.has_unfinished_requests()
+        finally:
+            core.shutdown()

@@ -17,6 +17,7 @@ from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.faults import FaultInjection
 from kvserve.engine.llm import LLM
+from tests.faults import FaultGate
 from tests.server_utils import free_port, running_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -31,8 +32,11 @@ def _status(url: str) -> int | None:
         return None
 
 
-def _stream_then_kill(url: str, pid: int) -> list[str]:
-    """Start a long stream, SIGKILL the core after its first chunk, return the stream's other events."""
+def _stream_then_kill(url: str, pid: int, gate: FaultGate) -> list[str]:
+    """Start a long stream, SIGKILL the core after its first chunk, return the stream's other events.
+    The core is held after a few steps, so the stream is still running when the core dies."""
+    gate.hold()
+    gate.step(5)
     with httpx.Client(timeout=60) as http:
         body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with http.stream("POST", f"{url}/v1/completions", json=body) as in_flight:
@@ -51,8 +55,9 @@ def test_killed_core_fails_requests_with_503_and_health_says_why(gpt2_model_dir)
     from kvserve.server.serving import ServingOptions
 
     config = build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=256)
+    gate = FaultGate()
     app = build_app(
-        lambda: MPClient(config, faults=FaultInjection(step_delay_s=0.02)),
+        lambda: MPClient(config, faults=FaultInjection(step_gate=gate.address)),
         ServingOptions(served_model_name="m"),
     )  # no on_fatal: the server stays up, so what it says can be checked
     port = free_port()
@@ -64,7 +69,7 @@ def test_killed_core_fails_requests_with_503_and_health_says_why(gpt2_model_dir)
         assert wait_until(lambda: _status(f"{url}/ready") == 200, timeout_s=180)
         pid = httpx.get(f"{url}/ready").json()["engines"][0]["pid"]
         assert pid != os.getpid()
-        rest = _stream_then_kill(url, pid)
+        rest = _stream_then_kill(url, pid, gate)
         assert rest[-1] == "[DONE]"
         error = json.loads(rest[-2])["error"]
         assert error["code"] == "engine_dead" and "exited with code -9" in error["message"]
@@ -78,15 +83,17 @@ def test_killed_core_fails_requests_with_503_and_health_says_why(gpt2_model_dir)
     finally:
         server.should_exit = True
         thread.join(30)
+        gate.close()
 
 
 def test_killed_core_makes_the_server_exit_non_zero(gpt2_model_dir):
-    args = (*SMALL, "--engine-core", "process", "--inject-fault", "delay:0.02")
-    with running_server(gpt2_model_dir, *args) as (url, proc):
-        pid = httpx.get(f"{url}/ready").json()["engines"][0]["pid"]
-        rest = _stream_then_kill(url, pid)
-        assert json.loads(rest[-2])["error"]["code"] == "engine_dead"
-        assert proc.wait(timeout=60) == 1
+    with FaultGate() as gate:
+        args = (*SMALL, "--engine-core", "process", "--inject-fault", gate.spec())
+        with running_server(gpt2_model_dir, *args) as (url, proc):
+            pid = httpx.get(f"{url}/ready").json()["engines"][0]["pid"]
+            rest = _stream_then_kill(url, pid, gate)
+            assert json.loads(rest[-2])["error"]["code"] == "engine_dead"
+            assert proc.wait(timeout=60) == 1
 
 
 def test_missed_heartbeat_is_a_dead_core(gpt2_model_dir):

@@ -32,6 +32,7 @@ from kvserve.links import (
     client_handshake,
     server_handshake,
 )
+from tests.faults import FaultGate
 from tests.netns import NetnsUnavailable, hosts
 from tests.server_utils import free_port, wait_until
 
@@ -42,7 +43,6 @@ CORE_PORT = 29600
 HEARTBEAT_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 240  # three processes loading on a busy 2-core machine
 ENGINE = ("--max-model-len", "256", "--num-blocks", "256", "--block-size", "16")
-SLOW_STEPS = ("--inject-fault", "delay:0.02")  # requests stay in flight long enough to kill a core
 PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(20 + 3 * i)] for i in range(8)]
 
 
@@ -104,14 +104,15 @@ def _expected(model_dir: Path, prompts, max_tokens: int) -> list[str]:
 class Cluster:
     """The API server on host A, engine cores on B and C (indices 0 and 1), all started and ready."""
 
-    def __init__(self, model_dir: Path, trio, logs: Path) -> None:
+    def __init__(self, model_dir: Path, trio, logs: Path, gate: FaultGate) -> None:
         self.api, self.b, self.c = trio
+        self.gate = gate  # the cores' steps: held by the tests that kill a core mid-request
         self.url = f"http://{self.api.address}:8000"
         self.logs = logs
         self.cores = []
         for host in (self.b, self.c):
             argv = _kvserve("engine-core", str(model_dir), "--host", host.address,
-                            "--port", str(CORE_PORT), *ENGINE, *SLOW_STEPS)  # fmt: skip
+                            "--port", str(CORE_PORT), *ENGINE, "--inject-fault", gate.spec())  # fmt: skip
             self.cores.append(_start(host.command(*argv), logs / f"{host.address}.log", _env()))
         remote = [f"--remote-engine-core={h.address}:{CORE_PORT}" for h in (self.b, self.c)]
         argv = _kvserve("serve", str(model_dir), "--host", self.api.address, "--port", "8000",
@@ -150,8 +151,14 @@ def trio():
 
 
 @pytest.fixture(scope="module")
-def cluster(gpt2_model_dir, trio, tmp_path_factory):
-    cluster = Cluster(gpt2_model_dir, trio, tmp_path_factory.mktemp("remote-cores"))
+def gate():
+    with FaultGate() as gate:  # a Unix socket: the cores in their namespaces reach it
+        yield gate
+
+
+@pytest.fixture(scope="module")
+def cluster(gpt2_model_dir, trio, tmp_path_factory, gate):
+    cluster = Cluster(gpt2_model_dir, trio, tmp_path_factory.mktemp("remote-cores"), gate)
     try:
         if not wait_until(cluster.ready, timeout_s=START_TIMEOUT_S, interval_s=0.5):
             pytest.fail(f"the API server did not get ready:\n{cluster.log()}")
@@ -240,7 +247,11 @@ def test_killing_a_cores_host_fails_only_its_requests(cluster):
     engine_dead, naming B), C's finish, /ready says which core is gone, and C keeps serving."""
     max_tokens = 150
     before = [e["num_routed"] for e in cluster.engines()]
+    gate = cluster.gate
+    gate.hold()
     futures = [cluster.pool.submit(_complete, cluster.url, p, max_tokens) for p in PROMPTS]
+    gate.wait_held(len(PROMPTS))
+    gate.step(1)  # their prompts, then held: all of them run when B dies
     running = lambda: sum(e["num_running"] for e in cluster.engines())  # noqa: E731
     assert wait_until(lambda: running() == len(PROMPTS), timeout_s=60, interval_s=0.05)
     routed = [a - b for a, b in zip((e["num_routed"] for e in cluster.engines()), before,
@@ -248,6 +259,7 @@ def test_killing_a_cores_host_fails_only_its_requests(cluster):
     assert sum(routed) == len(PROMPTS) and min(routed) > 0, routed
     assert not any(f.done() for f in futures), "requests finished before the core was killed"
     _kill(cluster.cores[0])
+    gate.open()
     results = [f.result(timeout=180) for f in futures]
     failed = [body for status, body in results if status == 503]
     finished = [body for status, body in results if status == 200]
@@ -270,11 +282,14 @@ def test_killing_a_cores_host_fails_only_its_requests(cluster):
 def test_a_cut_link_is_noticed_by_the_heartbeat(cluster):
     """C's link goes down (nothing is closed; packets stop): its request fails and, C being the last
     core, the API server exits 1, within the heartbeat timeout plus a margin."""
+    cluster.gate.hold()
+    cluster.gate.step(1)  # its prompt, then held: it is running when the link goes down
     future = cluster.pool.submit(_complete, cluster.url, PROMPTS[0], 200)
     assert wait_until(lambda: cluster.engines()[1]["num_running"] == 1, timeout_s=30)
     t_cut = time.monotonic()
     cluster.c.set_link(up=False)
     status, body = future.result(timeout=60)
+    cluster.gate.open()
     detected_s = time.monotonic() - t_cut
     assert status == 503 and body["error"]["code"] == "engine_dead", body
     assert "missed its heartbeat" in body["error"]["message"]
@@ -325,7 +340,9 @@ def test_a_remote_core_on_loopback(gpt2_model_dir, tmp_path):
     """No namespaces: one local and one remote core behind one server on 127.0.0.1; a server with the
     wrong secret fails to start with one line and the core goes on waiting for the right one."""
     port, api_port = free_port(), free_port()
-    argv = _kvserve("engine-core", str(gpt2_model_dir), "--port", str(port), *ENGINE, *SLOW_STEPS)
+    gate = FaultGate()
+    held = ("--inject-fault", gate.spec())
+    argv = _kvserve("engine-core", str(gpt2_model_dir), "--port", str(port), *ENGINE, *held)
     core = _start(argv, tmp_path / "core.log", _env())
     remote = f"--remote-engine-core=127.0.0.1:{port}"
     server = None
@@ -339,13 +356,18 @@ def test_a_remote_core_on_loopback(gpt2_model_dir, tmp_path):
         lines = [x for x in wrong.stderr.splitlines() if x.startswith("kvserve serve: error:")]
         assert len(lines) == 1 and "refused this node's secret" in lines[0], wrong.stderr[-3000:]
         argv = _kvserve("serve", str(gpt2_model_dir), "--port", str(api_port), *ENGINE, remote,
-                        "--data-parallel-size", "1", *SLOW_STEPS)  # fmt: skip
+                        "--data-parallel-size", "1", *held)  # fmt: skip
         server = _start(argv, tmp_path / "api.log", _env())
         url = f"http://127.0.0.1:{api_port}"
         ok = wait_until(lambda: _status(url) == 200, timeout_s=START_TIMEOUT_S, interval_s=0.5)
         assert ok, (tmp_path / "api.log").read_text()[-3000:]
-        with ThreadPoolExecutor(4) as pool:  # at once: the least loaded core is not always core 0
-            results = list(pool.map(_complete, [url] * 4, PROMPTS[:4]))
+        assert gate.num_cores == 2
+        with ThreadPoolExecutor(4) as pool, gate.held():
+            # at once, and held until all four have arrived: the least loaded core is not always 0
+            futures = [pool.submit(_complete, url, p) for p in PROMPTS[:4]]
+            gate.wait_held(4)
+            gate.open()
+            results = [f.result(timeout=120) for f in futures]
         assert [status for status, _ in results] == [200] * 4
         engines = _get(url, "/ready").json()["engines"]
         assert all(e["num_routed"] > 0 for e in engines), engines
@@ -355,6 +377,7 @@ def test_a_remote_core_on_loopback(gpt2_model_dir, tmp_path):
         if server is not None:
             _kill(server)
         _kill(core)
+        gate.close()
 
 
 def _status(url: str) -> int | None:

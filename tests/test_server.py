@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve import LLM, SamplingParams
+from tests.faults import FaultGate
 from tests.server_utils import running_server, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,14 @@ MESSAGES = [{"role": "user", "content": "Write one line about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def server(gpt2_model_dir, tmp_path_factory):
+def gate():
+    """Open unless a test holds it: the disconnect tests hold the engine so they never lose a race."""
+    with FaultGate() as gate:
+        yield gate
+
+
+@pytest.fixture(scope="module")
+def server(gpt2_model_dir, tmp_path_factory, gate):
     log = tmp_path_factory.mktemp("server") / "server.log"
     with running_server(
         gpt2_model_dir,
@@ -33,7 +41,7 @@ def server(gpt2_model_dir, tmp_path_factory):
         "--max-model-len",
         "512",
         "--inject-fault",
-        "delay:0.005",  # >= 5 ms a step: the disconnect tests never lose a race with the engine
+        gate.spec(),
         log_path=log,
     ) as (base_url, _):
         yield base_url
@@ -268,7 +276,7 @@ def test_32_concurrent_streams_complete_and_pool_is_free(server):
     assert ready["kv_free_blocks"] == ready["kv_total_blocks"] and ready["num_running"] == 0
 
 
-def test_client_disconnect_aborts_and_frees(server):
+def test_client_disconnect_aborts_and_frees(server, gate):
     before = metric_values(server)
     body = {
         "model": MODEL,
@@ -277,7 +285,8 @@ def test_client_disconnect_aborts_and_frees(server):
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.Client(timeout=60) as http:
+    with gate.held(), httpx.Client(timeout=60) as http:
+        gate.step(10)  # then the engine waits: the stream is running when the client leaves
         with http.stream("POST", f"{server}/v1/completions", json=body) as response:
             received = 0
             for line in response.iter_lines():
@@ -285,11 +294,11 @@ def test_client_disconnect_aborts_and_frees(server):
                     received += 1
                 if received >= 3:
                     break  # leave mid-stream: the connection closes
-    # Aborted within a step or so: no request left, every block free, long before 400 tokens.
-    state = wait_until(
-        lambda: (d := httpx.get(f"{server}/debug/engine").json())["num_requests"] == 0 and d,
-        timeout_s=5,
-    )
+        # Aborted while held (the abort wakes the held core): no request left, every block free.
+        state = wait_until(
+            lambda: (d := httpx.get(f"{server}/debug/engine").json())["num_requests"] == 0 and d,
+            timeout_s=5,
+        )
     assert state, "the disconnected request is still running"
     assert state["num_free_blocks"] == state["num_blocks"]
     after = metric_values(server)
@@ -297,7 +306,7 @@ def test_client_disconnect_aborts_and_frees(server):
         after[("kvserve_generation_tokens_total", ())]
         - before[("kvserve_generation_tokens_total", ())]
     )
-    assert generated < 400
+    assert generated <= 10 < 400
 
 
 def test_metrics_parse_and_count_requests(server, client):
@@ -343,22 +352,23 @@ def test_server_reports_queue_time_and_resets_prefix_cache(server):
     assert final["metrics"]["num_cached_tokens"] == 0 and final["metrics"]["queue_time_s"] >= 0
 
 
-def test_non_streaming_client_disconnect_aborts(server):
+def test_non_streaming_client_disconnect_aborts(server, gate):
     before = metric_values(server)
     body = json.dumps({"model": MODEL, "prompt": "A very long story:", "max_tokens": 450,
                        "ignore_eos": True, "n": 4})  # fmt: skip
     port = int(server.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port)) as sock:
+    with gate.held(), socket.create_connection(("127.0.0.1", port)) as sock:
+        gate.step(1)  # one step (the prompt's) and then the engine waits: 450 tokens cannot finish
         sock.sendall(
             f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n{body}".encode()
         )
-        # 4 x 450 tokens at >= 5 ms a step cannot finish before the socket closes
         assert wait_until(lambda: httpx.get(f"{server}/ready").json()["num_running"] >= 1)
-    state = wait_until(
-        lambda: (d := httpx.get(f"{server}/debug/engine").json())["num_requests"] == 0 and d,
-        timeout_s=10,
-    )
+        sock.close()
+        state = wait_until(
+            lambda: (d := httpx.get(f"{server}/debug/engine").json())["num_requests"] == 0 and d,
+            timeout_s=10,
+        )
     assert state and state["num_free_blocks"] == state["num_blocks"]
     after = metric_values(server)
     closed = ("kvserve_request_errors_total", (("error_type", "client_closed_request"),))

@@ -8,6 +8,7 @@ import asyncio
 import httpx
 import pytest
 
+from tests.faults import FaultGate
 from tests.server_utils import running_server, wait_until
 from tests.test_server import metric_values
 
@@ -16,16 +17,24 @@ pytestmark = pytest.mark.slow
 ALICE = {"Authorization": "Bearer alice-secret"}
 BOB = {"Authorization": "Bearer bob-secret"}
 MAX_WAITING = 3
-# One running at a time and a slow engine (a 20 ms sleep per step): a burst arrives while the first runs.
+# One running at a time, and an engine the tests hold (tests/faults.py): a burst arrives while the
+# first runs.
 ARGS = ("--api-key", "alice:alice-secret", "--api-key", "bob:bob-secret", "--max-num-seqs", "1",
-        "--max-waiting", str(MAX_WAITING), "--inject-fault", "delay:0.02", "--max-model-len", "256",
+        "--max-waiting", str(MAX_WAITING), "--max-model-len", "256",
         "--kv-cache-memory", "16MiB", "--log-level", "info")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def server(gpt2_model_dir, tmp_path_factory):
+def gate():
+    with FaultGate() as gate:
+        yield gate
+
+
+@pytest.fixture(scope="module")
+def server(gpt2_model_dir, tmp_path_factory, gate):
     log = tmp_path_factory.mktemp("access") / "server.log"
-    with running_server(gpt2_model_dir, *ARGS, log_path=log) as (url, _):
+    args = (*ARGS, "--inject-fault", gate.spec())
+    with running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
         yield url, log
 
 
@@ -111,32 +120,35 @@ def test_metering_per_key_with_failed_attempts_and_usage(server):
     assert mine["completion_tokens"] >= 2 and "alice" not in str(mine)
 
 
-def test_aborted_stream_is_metered(server):
+def test_aborted_stream_is_metered(server, gate):
     url, _ = server
     before = httpx.get(f"{url}/v1/usage", headers=BOB).json()
     body = {"prompt": "Long:", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60, headers=BOB) as http:
+    with gate.held(), httpx.Client(timeout=60, headers=BOB) as http:
+        gate.step(10)  # then held: the stream is running when the client leaves
         with http.stream("POST", f"{url}/v1/completions", json=body) as response:
             received = 0
             for line in response.iter_lines():
                 received += line.startswith("data: ")
                 if received >= 3:
                     break
-    after = wait_until(
-        lambda: (
-            (u := httpx.get(f"{url}/v1/usage", headers=BOB).json())["requests"].get("aborted", 0)
-            > before["requests"].get("aborted", 0)
-            and u
+        after = wait_until(
+            lambda: (
+                (u := httpx.get(f"{url}/v1/usage", headers=BOB).json())["requests"].get(
+                    "aborted", 0
+                )
+                > before["requests"].get("aborted", 0)
+                and u
+            )
         )
-    )
     assert after, "the aborted stream was not metered"
     assert after["completion_tokens"] - before["completion_tokens"] >= 2
     assert after["prompt_tokens"] > before["prompt_tokens"]
 
 
-def test_max_waiting_is_exact(server):
+def test_max_waiting_is_exact(server, gate):
     url, _ = server
-    long = {"prompt": "Story:", "max_tokens": 240, "ignore_eos": True}  # 4.8 s at 20 ms a step
+    long = {"prompt": "Story:", "max_tokens": 240, "ignore_eos": True}
     burst = 8
     assert wait_until(
         lambda: httpx.get(f"{url}/ready", headers=ALICE).json()["num_unfinished"] == 0
@@ -150,13 +162,23 @@ def test_max_waiting_is_exact(server):
                 lambda: httpx.get(f"{url}/ready", headers=ALICE).json()["num_running"] == 1,
             )
             others = [
-                http.post(f"{url}/v1/completions", json=long | {"max_tokens": 2})
+                asyncio.create_task(
+                    http.post(f"{url}/v1/completions", json=long | {"max_tokens": 2})
+                )
                 for _ in range(burst)
             ]
-            answers = await asyncio.gather(*others)  # the 429s come at once, the rest after `first`
-            return await first, answers
+            # the 429s come at once, while the engine is held; the rest only after it goes on
+            refused = burst - MAX_WAITING
+            done = await asyncio.to_thread(
+                wait_until, lambda: sum(t.done() for t in others) >= refused and others
+            )
+            assert done and sum(t.done() for t in others) == refused
+            await asyncio.to_thread(gate.open)
+            return await first, await asyncio.gather(*others)
 
-    first, others = asyncio.run(main())
+    with gate.held():
+        gate.step(1)  # the first's prompt, then held: it runs while the burst arrives
+        first, others = asyncio.run(main())
     assert first.status_code == 200
     codes = sorted(r.status_code for r in others)
     assert codes == [200] * MAX_WAITING + [429] * (burst - MAX_WAITING), codes

@@ -1,7 +1,7 @@
 """A grammar that compiles slowly holds up its own request only (a schema of hundreds of
 properties can compile for a minute; requests arriving meanwhile must neither wait for it nor fail
-with it). The compile is slowed by the test-only
-fault `grammar:SECONDS`; the plain request must be answered while it runs."""
+with it). The test holds the compiles with the test-only grammar gate (`grammar-gate:WHERE`,
+tests/faults.py); the plain request must be answered while a compile is held."""
 
 from __future__ import annotations
 
@@ -9,23 +9,27 @@ import contextlib
 import json
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from tests.faults import FaultGate
 from tests.server_utils import running_server, wait_until
 
 pytestmark = pytest.mark.slow
 
-GRAMMAR_DELAY_S = 30
+COMPILING = "compiling a structured-output grammar"  # the core's log line as a compile starts
 
 
 def test_a_slow_grammar_does_not_hold_up_plain_requests(gpt2_model_dir, tmp_path):
     log = tmp_path / "server.log"
+    compiles = FaultGate()
     args = ("--engine-core", "process", "--log-level", "info", "--max-model-len", "256",
-            "--inject-fault", f"grammar:{GRAMMAR_DELAY_S}")  # fmt: skip
-    with running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
+            "--inject-fault", compiles.spec("grammar-gate"))  # fmt: skip
+    with compiles, running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
+        compiles.hold()
         structured: dict = {}
 
         def send_structured() -> None:
@@ -34,12 +38,13 @@ def test_a_slow_grammar_does_not_hold_up_plain_requests(gpt2_model_dir, tmp_path
 
         thread = threading.Thread(target=send_structured)
         thread.start()
-        assert wait_until(lambda: "compiling a structured-output grammar" in log.read_text())
-        # the grammar's check sleeps 30 s in the core: a plain request is served meanwhile
+        assert wait_until(lambda: COMPILING in log.read_text())
+        # the grammar's compile is held in the core: a plain request is served meanwhile
         plain = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2},
-                           timeout=GRAMMAR_DELAY_S / 2)  # fmt: skip
+                           timeout=60)  # fmt: skip
         assert plain.status_code == 200, plain.text
         assert thread.is_alive()  # the structured request is still compiling
+        compiles.open()
         thread.join()
         assert structured["response"].status_code == 200, structured["response"].text
 
@@ -113,13 +118,14 @@ def _waiting_grammars(url: str) -> float:
 def test_slow_grammars_hold_no_worker_and_the_smallest_goes_next(gpt2_model_dir, tmp_path):
     """fuzzing: five 50,000-way choices each held one of the four workers while the core compiled them
     one by one; a plain completion waited 57 s and a tiny regex behind them failed after 60 s. Now they
-    wait for their turn on the event loop, and the smallest grammar waiting is next. The fault makes each
-    new grammar's check take 15 s in the core."""
-    delay_s = 15  # the plain request and the queueing must finish well within the first compile
+    wait for their turn on the event loop, and the smallest grammar waiting is next. The test holds the
+    compiles in the core (a grammar gate) and lets them through one at a time."""
     log = tmp_path / "server.log"
+    compiles = FaultGate()
     args = ("--engine-core", "process", "--log-level", "info", "--max-model-len", "256",
-            "--inject-fault", f"grammar:{delay_s}", "--grace-period", "0")  # fmt: skip
-    with running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
+            "--inject-fault", compiles.spec("grammar-gate"), "--grace-period", "0")  # fmt: skip
+    with compiles, running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
+        compiles.hold()
         finished: list[str] = []
 
         def send(name: str, extra: dict) -> threading.Thread:
@@ -142,27 +148,34 @@ def test_slow_grammars_hold_no_worker_and_the_smallest_goes_next(gpt2_model_dir,
             return {"guided_json": {"type": "integer", "description": f"{i}" + "x" * 100_000}}
 
         send("big0", big(0))
-        assert wait_until(lambda: "compiling a structured-output grammar" in log.read_text())
+        assert wait_until(lambda: COMPILING in log.read_text())
         for i in range(1, 6):  # more than the four workers
             send(f"big{i}", big(i))
         assert wait_until(lambda: _waiting_grammars(url) == 5), _waiting_grammars(url)
         plain = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 2},
-                           timeout=delay_s * 4)  # fmt: skip
+                           timeout=60)  # fmt: skip
         assert plain.status_code == 200, plain.text
         assert finished == []  # served while the first grammar still compiled
         tiny = send("tiny", {"guided_regex": "[0-9]"})
-        tiny.join(timeout=delay_s * 6)
+        assert wait_until(lambda: _waiting_grammars(url) == 6), _waiting_grammars(url)
+        compiles.step(1)  # big0's compile
+        assert wait_until(lambda: finished == ["big0"], timeout_s=60), finished
+        compiles.step(1)  # the next one's: the smallest waiting
+        tiny.join(timeout=60)
         assert finished == ["big0", "tiny"]
 
 
 def test_a_client_that_leaves_takes_its_grammar_out_of_the_queue(gpt2_model_dir, tmp_path):
     """review: a queued grammar whose client had left was still compiled in its turn. The fault holds the
-    first grammar 60 s in the core; the second client leaves while queued behind it, and its place must go
-    at once (the queue polls the connection), not after the 60 s."""
+    first grammar's compile in the core (a grammar gate, never opened); the second client leaves while
+    queued behind it, and its place must go at once (the queue polls the connection), not once the
+    first compile ends."""
     log = tmp_path / "server.log"
+    compiles = FaultGate()
     args = ("--engine-core", "process", "--log-level", "info", "--max-model-len", "256",
-            "--inject-fault", "grammar:60", "--grace-period", "0")  # fmt: skip
-    with running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
+            "--inject-fault", compiles.spec("grammar-gate"), "--grace-period", "0")  # fmt: skip
+    with compiles, running_server(gpt2_model_dir, *args, log_path=log) as (url, _):
+        compiles.hold()
         first = {"prompt": "a", "max_tokens": 2, "guided_regex": "[0-9]+"}
 
         def post_first() -> None:
@@ -170,7 +183,7 @@ def test_a_client_that_leaves_takes_its_grammar_out_of_the_queue(gpt2_model_dir,
                 httpx.post(f"{url}/v1/completions", json=first, timeout=120)
 
         threading.Thread(target=post_first, daemon=True).start()
-        assert wait_until(lambda: "compiling a structured-output grammar" in log.read_text())
+        assert wait_until(lambda: COMPILING in log.read_text())
         body = json.dumps({"prompt": "a", "max_tokens": 2, "guided_regex": "[a-z]+"}).encode()
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as leaving:
@@ -184,25 +197,36 @@ def test_a_client_that_leaves_takes_its_grammar_out_of_the_queue(gpt2_model_dir,
         assert 'kvserve_request_errors_total{error_type="client_closed_request"} 1.0' in metrics
 
 
-def test_a_core_compiling_a_routed_grammar_keeps_stepping(gpt2_model_dir):
+def test_a_core_compiling_a_routed_grammar_keeps_stepping(gpt2_model_dir, tmp_path):
     """fuzzing/review: with data parallelism the front checks a request (compiling its grammar) on
     core 0 and may route it to core 1, which compiled the grammar again inside its step loop: every
     stream on core 1 stalled for the whole compile. Now the core compiles it on a thread of its own and
-    adds the request after. The fault makes each compile take 6 s and each step 20 ms (so the streams
-    below last seconds, not milliseconds)."""
-    delay_s = 6
+    adds the request after. The test holds the steps (a gate) until the requests are where they
+    should be, and C's compile on core 1 (a grammar gate) until B has finished."""
+    log = tmp_path / "server.log"
+    steps, compiles = FaultGate(), FaultGate()
     args = ("--engine-core", "process", "--data-parallel-size", "2", "--max-model-len", "256",
-            "--kv-cache-memory", "16MiB", "--inject-fault", f"grammar:{delay_s},delay:0.02",
+            "--kv-cache-memory", "16MiB", "--log-level", "info",
+            "--inject-fault", f"{steps.spec()},{compiles.spec('grammar-gate')}",
             "--grace-period", "0")  # fmt: skip
     regex = {"guided_regex": "[0-9]+", "max_tokens": 1}
     prompt_b = list(range(300, 348))  # three blocks of 16: C below shares B's first block
-    with running_server(gpt2_model_dir, *args) as (url, _), httpx.Client(timeout=120) as http:
+    with (
+        steps,
+        compiles,
+        running_server(gpt2_model_dir, *args, log_path=log) as (url, _),
+        httpx.Client(timeout=120) as http,
+        ThreadPoolExecutor(1) as pool,
+    ):
         # W: both cores idle, so core 0 runs it, and its check compiles the grammar on core 0
         assert http.post(f"{url}/v1/completions", json={"prompt": [5] * 20, **regex}).is_success
+        assert log.read_text().count(COMPILING) == 1
         long = {"max_tokens": 200, "ignore_eos": True, "stream": True}
+        steps.hold()
+        steps.step(1)  # one step on each core: A's first token, B's first token
         with http.stream("POST", f"{url}/v1/completions", json={"prompt": [9] * 20, **long}) as a:
             a_lines = a.iter_lines()  # keep it: dropping it would close the stream
-            next(a_lines)  # A runs on core 0, so B goes to core 1
+            next(a_lines)  # A runs on core 0 (held there), so B goes to core 1
             finished: list[str] = []
             body_b = {"prompt": prompt_b, "max_tokens": 60, "ignore_eos": True, "stream": True}
 
@@ -220,12 +244,18 @@ def test_a_core_compiling_a_routed_grammar_keeps_stepping(gpt2_model_dir):
             thread.start()
             assert started.wait(60)
             # C: B's first block, so core 1; its check on core 0 is a lookup, then core 1 compiles
-            c = http.post(f"{url}/v1/completions", json={"prompt": prompt_b[:32] + [7], **regex})
-            finished.append("C")
+            compiles.hold()
+            body_c = {"prompt": prompt_b[:32] + [7], **regex}
+            c = pool.submit(http.post, f"{url}/v1/completions", json=body_c)
+            assert wait_until(lambda: log.read_text().count(COMPILING) == 2)
+            steps.open()  # B's other 59 steps run while core 1's compile of C is held
             thread.join(60)
+            assert finished == ["B"], finished
+            compiles.open()
+            c = c.result(timeout=60)
+            finished.append("C")
         assert c.status_code == 200, c.text
         assert c.json()["choices"][0]["text"].isdigit()
-        # B's 60 steps (~1.5 s) ran while core 1 compiled C's grammar (6 s): B ended first
         assert finished == ["B", "C"], finished
         engines = http.get(f"{url}/ready").json()["engines"]
         assert [e["num_routed"] for e in engines] == [2, 2], engines

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from tests.faults import FaultGate
 from tests.server_utils import running_server, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
@@ -18,15 +20,23 @@ FAULT_SEED = (
 )
 MAX_BYTES = 200_000
 ARGS = ("--kv-cache-memory", "16MiB", "--max-model-len", "256", "--max-num-seqs", "4",
-        "--inject-fault", f"request:{FAULT_SEED},delay:0.01", "--max-request-bytes", str(MAX_BYTES),
+        "--max-request-bytes", str(MAX_BYTES),
         "--max-waiting", "32", "--max-request-tokens", "4096", "--log-level", "info")  # fmt: skip
 NORMAL = {"prompt": "hello", "max_tokens": 3}
 
 
 @pytest.fixture(scope="module")
-def server(gpt2_model_dir, tmp_path_factory):
+def gate():
+    """Open unless a test holds the engine (tests/faults.py)."""
+    with FaultGate() as gate:
+        yield gate
+
+
+@pytest.fixture(scope="module")
+def server(gpt2_model_dir, tmp_path_factory, gate):
     log = tmp_path_factory.mktemp("hardening") / "server.log"
-    with running_server(gpt2_model_dir, *ARGS, log_path=log) as (url, _):
+    faults = f"request:{FAULT_SEED},{gate.spec()}"
+    with running_server(gpt2_model_dir, *ARGS, "--inject-fault", faults, log_path=log) as (url, _):
         yield url, log
 
 
@@ -79,15 +89,21 @@ def test_out_of_range_numbers_are_400_naming_the_param(server, body, param):
     assert_still_serving(url)
 
 
-def test_a_request_failing_in_the_engine_fails_alone(server):
+def test_a_request_failing_in_the_engine_fails_alone(server, gate):
     """The injected fault stands for any attributable bug: one 500, the neighbours finish, the loop goes on."""
     url, _ = server
     body = {"prompt": "Count:", "max_tokens": 40, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
+        gate.hold()
+        gate.step(2)  # the neighbour's first tokens, then it waits: it is running when the fault hits
         with http.stream("POST", f"{url}/v1/completions", json=body) as neighbour:
             lines = neighbour.iter_lines()
             next(lines)
-            failed = http.post(f"{url}/v1/completions", json=NORMAL | {"seed": FAULT_SEED, "n": 3})
+            faulty = NORMAL | {"seed": FAULT_SEED, "n": 3}
+            future = pool.submit(http.post, f"{url}/v1/completions", json=faulty)
+            gate.wait_held(2)  # the neighbour and the faulty request have reached the core
+            gate.open()  # the next step admits it and fails
+            failed = future.result(timeout=60)
             error = assert_openai_error(failed, 500, fragment="request id req-")
             assert error["type"] == "internal_error"
             rest = [line for line in lines if line.startswith("data: ")]
@@ -107,20 +123,16 @@ def test_a_request_failing_in_the_engine_fails_alone(server):
     assert_still_serving(url)
 
 
-def test_newcomers_sharing_a_failing_step_are_retried_one_by_one(server):
-    """Several requests admitted in the step that fails: only the culprit fails; the others complete."""
-    import asyncio
-
+def test_newcomers_sharing_a_failing_step_are_retried_one_by_one(server, gate):
+    """Several requests admitted in the step that fails: only the culprit fails; the others complete.
+    The engine is held until all four have reached it, so they share one step."""
     url, _ = server
-
-    async def main():
-        async with httpx.AsyncClient(timeout=60) as http:
-            bodies = [NORMAL | {"seed": 7 + i} for i in range(3)] + [NORMAL | {"seed": FAULT_SEED}]
-            return await asyncio.gather(
-                *(http.post(f"{url}/v1/completions", json=b) for b in bodies)
-            )
-
-    responses = asyncio.run(main())
+    bodies = [NORMAL | {"seed": 7 + i} for i in range(3)] + [NORMAL | {"seed": FAULT_SEED}]
+    with httpx.Client(timeout=60) as http, ThreadPoolExecutor(4) as pool, gate.held():
+        futures = [pool.submit(http.post, f"{url}/v1/completions", json=b) for b in bodies]
+        gate.wait_held(4)
+        gate.open()
+        responses = [f.result(timeout=60) for f in futures]
     assert [r.status_code for r in responses] == [200, 200, 200, 500]
     assert_still_serving(url)
 
@@ -302,18 +314,20 @@ def test_tokenize_routes_refuse_what_cannot_fit_the_context(server):
     assert_still_serving(url)
 
 
-def test_disconnected_non_streaming_request_is_logged_and_query_strings_are_not(server):
+def test_disconnected_non_streaming_request_is_logged_and_query_strings_are_not(server, gate):
     url, log = server
     assert httpx.get(f"{url}/health?note=hunter2-secret").status_code == 200
     body = json.dumps({"prompt": "A long story:", "max_tokens": 200, "ignore_eos": True})
-    with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+    with gate.held(), socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+        gate.step(1)  # then held: the request is unfinished when its client leaves
         sock.sendall(
             f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n{body}".encode()
         )
         assert wait_until(lambda: httpx.get(f"{url}/ready").json()["num_unfinished"] == 1)
-    # closed: the server notices, aborts, and logs the request as client_closed_request
-    assert wait_until(lambda: httpx.get(f"{url}/ready").json()["num_unfinished"] == 0)
+        sock.close()
+        # closed: the server notices, aborts, and logs the request as client_closed_request
+        assert wait_until(lambda: httpx.get(f"{url}/ready").json()["num_unfinished"] == 0)
     assert wait_until(lambda: "client_closed_request" in log.read_text())
     text = log.read_text()
     record = [line for line in text.splitlines() if '"client_closed_request"' in line][-1]

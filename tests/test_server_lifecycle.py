@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.core import EngineCore
 from kvserve.engine.faults import FaultInjection
+from tests.faults import FaultGate
 from tests.server_utils import free_port, running_server, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
@@ -31,7 +33,8 @@ def test_dead_engine_health_ready_and_requests_are_503(gpt2_model_dir, mode):
     from kvserve.server.serving import ServingOptions
 
     config = build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=256)
-    faults = FaultInjection(engine_seed=ENGINE_FAULT_SEED, step_delay_s=0.01)
+    gate = FaultGate()
+    faults = FaultInjection(engine_seed=ENGINE_FAULT_SEED, step_gate=gate.address)
 
     def factory():
         if mode == "in-process":
@@ -48,15 +51,21 @@ def test_dead_engine_health_ready_and_requests_are_503(gpt2_model_dir, mode):
     url = f"http://127.0.0.1:{port}"
     try:
         assert wait_until(lambda: _status(f"{url}/ready") == 200, timeout_s=120)
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
             body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            gate.hold()
+            gate.step(2)  # its first tokens, then held: it is in flight when the engine dies
             with http.stream("POST", f"{url}/v1/completions", json=body) as in_flight:
                 lines = in_flight.iter_lines()
                 next(lines)
-                killer = http.post(
+                killer = pool.submit(
+                    http.post,
                     f"{url}/v1/completions",
                     json={"prompt": "x", "max_tokens": 2, "seed": ENGINE_FAULT_SEED},
                 )
+                gate.wait_held(2)
+                gate.open()  # the step after the killer's arrival fails the loop
+                killer = killer.result(timeout=60)
                 rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert killer.status_code == 503 and killer.json()["error"]["code"] == "engine_dead"
         assert rest[-1] == "[DONE]"
@@ -70,6 +79,7 @@ def test_dead_engine_health_ready_and_requests_are_503(gpt2_model_dir, mode):
     finally:
         server.should_exit = True
         thread.join(30)
+        gate.close()
 
 
 def test_dead_engine_process_answers_then_exits_non_zero(gpt2_model_dir):
@@ -87,11 +97,13 @@ def test_dead_engine_process_answers_then_exits_non_zero(gpt2_model_dir):
 def test_grace_expiry_cuts_open_streams_with_an_error_event(gpt2_model_dir, tmp_path):
     log = tmp_path / "server.log"
     grace_s = 1.0
-    # 0.05 s per step: 400 tokens take 20 s, far beyond the grace period.
-    args = (*SMALL, "--grace-period", str(grace_s), "--inject-fault", "delay:0.05",
+    gate = FaultGate()
+    args = (*SMALL, "--grace-period", str(grace_s), "--inject-fault", gate.spec(),
             "--log-level", "info")  # fmt: skip
-    with running_server(gpt2_model_dir, *args, log_path=log) as (url, proc):
+    with gate, running_server(gpt2_model_dir, *args, log_path=log) as (url, proc):
         body = {"prompt": "Count:", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        gate.hold()
+        gate.step(2)  # its first tokens, then held: the stream outlasts the grace period
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", f"{url}/v1/completions", json=body) as response:
                 lines = response.iter_lines()

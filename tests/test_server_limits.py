@@ -11,6 +11,7 @@ import pytest
 
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.core import EngineCore
+from tests.faults import FaultGate
 from tests.server_utils import NotifyingServer, free_port, running_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -73,11 +74,15 @@ def test_api_key_and_queue_limit(gpt2_model_dir):
 
 
 def test_request_timeout_aborts_and_reports(gpt2_model_dir):
-    # 10 ms a step (injected): 450 tokens take >= 4.5 s, so the 0.3 s budget always runs out first.
-    # A new grammar's check takes 5 s in the core (injected): the budget covers it too.
+    # The engine's steps and grammar compiles are held (tests/faults.py) until the 0.3 s budgets ran
+    # out: a long request always times out first, and so does a new grammar's check in the core.
+    steps, compiles = FaultGate(), FaultGate()
+    faults = f"{steps.spec()},{compiles.spec('grammar-gate')}"
     args = ("--request-timeout", "0.3", "--max-model-len", "512", "--engine-core", "process",
-            "--inject-fault", "delay:0.01,grammar:5")  # fmt: skip
-    with running_server(gpt2_model_dir, *args) as (url, _):
+            "--inject-fault", faults)  # fmt: skip
+    with steps, compiles, running_server(gpt2_model_dir, *args) as (url, _):
+        steps.hold()
+        compiles.hold()
         # fuzzing: the budget started after preparation, so a slow grammar got its 504 only when done
         grammar = {"prompt": "hi", "max_tokens": 2, "guided_regex": "[0-9]+"}
         compiling = httpx.post(f"{url}/v1/completions", json=grammar, timeout=60)
@@ -98,6 +103,8 @@ def test_request_timeout_aborts_and_reports(gpt2_model_dir):
         assert debug["num_free_blocks"] == debug["num_blocks"]
         metrics = httpx.get(f"{url}/metrics").text
         assert 'kvserve_request_errors_total{error_type="timeout_error"} 3.0' in metrics
+        steps.open()
+        compiles.open()
         quick = httpx.post(
             f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60
         )

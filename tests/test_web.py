@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
+from tests.faults import FaultGate
 from tests.server_utils import running_server
 
 pytestmark = pytest.mark.slow
@@ -39,11 +40,16 @@ TIMEOUT_MS = 180_000
 
 
 @pytest.fixture(scope="module")
-def server_url():
-    # every engine step takes at least 20 ms (--inject-fault delay): the dashboard test's 4 x 48-token
-    # load then runs for ~1 s, four of its 250 ms polls, however fast the kernels are (in one full
-    # run without it the dashboard never showed a running request: the load fits between polls)
-    args = ("--kv-cache-memory", "64MiB", "--inject-fault", "delay:0.02")
+def gate():
+    """The dashboard test holds the engine while the page shows its load (tests/faults.py): without
+    that the 4 x 48-token load fits between two of its polls and no running request is ever seen."""
+    with FaultGate() as gate:
+        yield gate
+
+
+@pytest.fixture(scope="module")
+def server_url(gate):
+    args = ("--kv-cache-memory", "64MiB", "--inject-fault", gate.spec())
     with running_server("kvserve-demo", *args) as (url, _):
         yield url
 
@@ -147,7 +153,7 @@ def _number(page, selector: str) -> float:
     return float(page.inner_text(selector).replace(",", ""))
 
 
-def test_dashboard_numbers_follow_the_server_under_load(page, server_url, artifacts):
+def test_dashboard_numbers_follow_the_server_under_load(page, server_url, artifacts, gate):
     page.goto(f"{server_url}/dashboard?interval_ms=250")
     page.wait_for_function("Number(document.body.dataset.polls || 0) >= 2")
     generated_before = _number(page, "#gen-total")
@@ -161,12 +167,15 @@ def test_dashboard_numbers_follow_the_server_under_load(page, server_url, artifa
         results.append(resp.json()["usage"]["completion_tokens"])
 
     threads = [threading.Thread(target=client) for _ in range(num_requests)]
-    for t in threads:
-        t.start()
-    # under load: requests are seen running, and the KV cache is in use
-    page.wait_for_function("Number(document.getElementById('running').textContent) >= 1")
-    page.wait_for_function("document.getElementById('kv-usage').textContent !== '0.0%'")
-    _screenshot(page, artifacts, "dashboard-under-load.png")
+    with gate.held():
+        for t in threads:
+            t.start()
+        gate.wait_held(num_requests)
+        gate.step(1)  # their prompts, then held: under load while the page polls
+        # under load: requests are seen running, and the KV cache is in use
+        page.wait_for_function("Number(document.getElementById('running').textContent) >= 1")
+        page.wait_for_function("document.getElementById('kv-usage').textContent !== '0.0%'")
+        _screenshot(page, artifacts, "dashboard-under-load.png")
     for t in threads:
         t.join()
     assert results == [max_tokens] * num_requests

@@ -57,19 +57,19 @@ class AsyncEngine(EngineClient):
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         done = threading.Event()
-        box: list = []
+        outcome: list[tuple[bool, object]] = []  # (returned, its value or exception), set by `task`
 
         def task(engine: EngineCore) -> None:
             try:
-                box.append((True, fn(engine)))
+                outcome.append((True, fn(engine)))
             except BaseException as exc:  # handed back to the caller
-                box.append((False, exc))
+                outcome.append((False, exc))
             done.set()
 
         self.engine.submit(task)
         if not done.wait(timeout_s):
             raise TimeoutError("the engine thread did not run the call in time")
-        ok, value = box[0]
-        if not ok:
+        returned, value = outcome[0]
+        if not returned:
             raise value
         return value

@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import threading
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from kvserve.config import EngineConfig
 from kvserve.core.errors import KVServeError
@@ -51,6 +52,19 @@ def validate_timeout_s(info: EngineInfo | None) -> float:
         return 2 * EngineConfig.grammar_compile_timeout_s + VALIDATE_MARGIN_S
     compile_s = info.grammar_compile_timeout_s
     return 2 * compile_s + VALIDATE_MARGIN_S
+
+
+@dataclass
+class PendingCall:
+    """A utility call sent to core `core_index`, whose caller waits (`answered`) for its `result`."""
+
+    core_index: int
+    answered: threading.Event = field(default_factory=threading.Event)
+    result: UtilityResult | None = None
+
+    def answer(self, result: UtilityResult) -> None:
+        self.result = result
+        self.answered.set()
 
 
 class CoreHandle:
@@ -85,7 +99,7 @@ class EngineClient:
         self._outputs = OutputProcessor()
         self._num_reserved = 0
         self._call_ids = itertools.count()
-        self._calls: dict[int, list] = {}  # call id -> [event, result]
+        self._calls: dict[int, PendingCall] = {}  # call id -> the caller waiting for its result
         self.dead_reason: str | None = None
         self._on_grammar_compile: Callable[[float], None] | None = None
         self._on_grammar_mask: Callable[[float], None] | None = None
@@ -294,13 +308,13 @@ class EngineClient:
                 handle.dead_reason or self.dead_reason or "the engine core stopped"
             )
         call_id = next(self._call_ids)
-        box = [threading.Event(), None, core]
-        self._calls[call_id] = box
+        pending = PendingCall(core)
+        self._calls[call_id] = pending
         handle.send(command(call_id))
-        if not box[0].wait(timeout_s):
+        if not pending.answered.wait(timeout_s):
             self._calls.pop(call_id, None)
             raise TimeoutError("the engine core did not answer in time")
-        result = box[1]
+        result = pending.result
         if result.error is not None:
             raise error_from_wire(result.error)
         return result.value
@@ -333,10 +347,9 @@ class EngineClient:
 
     def _on_core_outputs(self, core: CoreHandle, out: CoreOutputs) -> None:
         for result in out.results:
-            box = self._calls.pop(result.call_id, None)
-            if box is not None:
-                box[1] = result
-                box[0].set()
+            pending = self._calls.pop(result.call_id, None)
+            if pending is not None:
+                pending.answer(result)
         items: list[tuple[str, object]] = []
         with self._lock:
             if out.stats is not None:
@@ -375,11 +388,10 @@ class EngineClient:
             all_dead = not any(c.alive for c in self._cores)
             if all_dead:
                 self.dead_reason = reason
-        for call_id, box in list(self._calls.items()):  # nobody will answer these calls
-            if box[2] == core.index:
+        for call_id, pending in list(self._calls.items()):  # nobody will answer these calls
+            if pending.core_index == core.index:
                 self._calls.pop(call_id, None)
-                box[1] = UtilityResult(call_id, None, Failure("", "dead", reason))
-                box[0].set()
+                pending.answer(UtilityResult(call_id, None, Failure("", "dead", reason)))
         dead = EngineDeadError(reason)
         self._deliver_all([(request_id, dead) for request_id in orphans])
         if all_dead and self.on_dead is not None:

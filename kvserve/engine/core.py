@@ -50,7 +50,13 @@ from kvserve.core.outputs import ScheduledChunk, StopStringMatch
 from kvserve.core.request import Request, RequestStatus, sample_request_id
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.detokenizer import IncrementalDetokenizer
-from kvserve.engine.faults import DeadEngine, FaultInjection, inject_runner_fault
+from kvserve.engine.faults import (
+    DeadEngine,
+    FaultInjection,
+    grammar_gate,
+    inject_runner_fault,
+    step_gate,
+)
 from kvserve.engine.output_processor import OutputKind, OutputProcessor
 from kvserve.engine.outputs import CompletionOutput, RequestOutput
 from kvserve.engine.request_records import ClientRequest, SampleOutput, ValidatedRequest
@@ -135,7 +141,7 @@ class EngineCore:
         self._grammars = None
         self._grammars_lock = threading.Lock()
         self.on_grammar_compile = None  # callback(seconds), e.g. a metrics histogram
-        self.grammar_delay_s = 0.0  # tests: an injected sleep in every grammar compile
+        self.grammar_gate = None  # tests: a gate passed before every grammar compile (engine/faults.py)
         self.last_scheduler_output = None  # the latest step's decision (calibration, debugging)
         # `step()` accumulates deltas here for callers that drive the core directly; `start` sets it to
         # None: the loop ships `step_deltas()` to its client, which keeps the one accumulator.
@@ -155,6 +161,7 @@ class EngineCore:
         self._results: list[UtilityResult] = []
         self._faults: FaultInjection | None = None
         self._fault_armed = False
+        self._gate = None  # tests (--inject-fault gate:WHERE): one `is None` check a step without it
         # Adds checked and waiting for their grammar to compile on `_grammar_thread`.
         self._compiling: dict[str, tuple[AddCmd, ValidatedRequest]] = {}
         self._grammar_jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -170,11 +177,12 @@ class EngineCore:
         grammars = self._grammars
         return grammars is not None and grammars.is_compiled(structured)
 
-    def inject_grammar_delay(self, seconds: float) -> None:
-        """Tests (`--inject-fault grammar:S`): every grammar compile from now on sleeps `seconds`."""
-        self.grammar_delay_s = seconds
+    def gate_grammar_compiles(self, gate) -> None:
+        """Tests (`--inject-fault grammar-gate:WHERE`): every grammar compile from now on first passes
+        `gate` (a kvserve.engine.faults.Gate; None: no gate)."""
+        self.grammar_gate = gate
         if self._grammars is not None:
-            self._grammars.injected_delay_s = seconds
+            self._grammars.gate = gate
 
     def grammars(self):
         """The grammar compiler cache, built on first use (xgrammar indexes the whole vocabulary)."""
@@ -194,7 +202,7 @@ class EngineCore:
                     on_compile=lambda s: self.on_grammar_compile and self.on_grammar_compile(s),
                     compile_timeout_s=self.config.grammar_compile_timeout_s,
                 )
-                self._grammars.injected_delay_s = self.grammar_delay_s
+                self._grammars.gate = self.grammar_gate
                 self.runner.grammars = self._grammars
             return self._grammars
 
@@ -487,8 +495,8 @@ class EngineCore:
         self._faults = faults
         if faults is not None and faults.request_seed is not None:
             inject_runner_fault(self.runner, faults.request_seed)
-        if faults is not None and faults.grammar_delay_s:
-            self.inject_grammar_delay(faults.grammar_delay_s)
+        self._gate = step_gate(faults, self._wakeup, lambda: self._stopping)
+        self.gate_grammar_compiles(grammar_gate(faults))
         self.on_grammar_compile = self._compile_times.append
         self._thread = threading.Thread(target=self.run, name="kvserve-engine", daemon=True)
         self._thread.start()
@@ -714,14 +722,16 @@ class EngineCore:
                     self._accepted or self._failures
                 ):  # the callers waiting on their checks go on now
                     self._publish_admissions()
+                if self._gate is not None and not self._gate_lets_step_through():
+                    continue  # held by the test: a command that arrives is applied meanwhile
                 t1 = clock()
                 deltas = self._step()
                 t2 = clock()
                 if self._fault_armed:
                     raise RuntimeError("injected engine fault")
-                if self._faults is not None and self._faults.step_delay_s and deltas:
-                    time.sleep(self._faults.step_delay_s)
                 self._publish(deltas, (slept_s, t0, t1, t2))
+                if self._gate is not None and deltas:
+                    self._gate.passed()
         except BaseException as exc:  # not attributable to a request: the core is dead, loudly
             logger.exception("engine loop failed")
             self.dead_reason = f"the engine loop stopped: {exc!r}"
@@ -733,6 +743,13 @@ class EngineCore:
                         UtilityResult(cmd.call_id, None, Failure("", "dead", self.dead_reason))
                     )
             self.emit(CoreOutputs(results=self._take_results(), dead_reason=self.dead_reason))
+
+    def _gate_lets_step_through(self) -> bool:
+        """Tests (`--inject-fault gate:WHERE`): wait while the test holds the next step; utility calls
+        applied meanwhile are answered at once. False: a command arrived first."""
+        if self._results:
+            self.emit(CoreOutputs(results=self._take_results()))
+        return self._gate.wait(lambda: bool(self._commands), lambda: self.num_requests)
 
     def _publish_admissions(self) -> None:
         accepted, self._accepted = self._accepted, []

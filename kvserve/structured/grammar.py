@@ -83,8 +83,9 @@ class GrammarCache:
         )
         self.vocab_size = vocab_size
         self.on_compile = on_compile
-        # tests (`--inject-fault grammar:S`): every compile sleeps this long (before, not under, the limit)
-        self.injected_delay_s = 0.0
+        # tests (`--inject-fault grammar-gate:WHERE`): a kvserve.engine.faults.Gate every compile passes
+        # first (outside the compile limit)
+        self.gate = None
         # least recently used first; a running request's matcher keeps its own grammar alive
         self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
         self._lock = threading.Lock()  # compiled from HTTP threads and from the engine thread
@@ -105,9 +106,9 @@ class GrammarCache:
                 self._compiled.move_to_end(structured)
         if compiled is not None:
             return compiled
+        if self.gate is not None:
+            self.gate.wait_and_pass()
         start = time.perf_counter()
-        if self.injected_delay_s:
-            time.sleep(self.injected_delay_s)
         try:
             serialized = self.compiler.compile(structured.kind, structured.spec)
             compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self.info)
