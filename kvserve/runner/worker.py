@@ -15,7 +15,6 @@ import os
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
