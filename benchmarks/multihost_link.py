@@ -43,12 +43,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.multihost_tp import MESSAGE_ROWS, MODEL_SHAPE, _python, _run_pair  # noqa: E402
+from benchmarks.multihost_tp import (  # noqa: E402
+    MESSAGE_ROWS,
+    MODEL_SHAPE,
+    VOCAB,
+    _python,
+    _run_pair,
+)
 
 RATES_BIT_S = {"veth": None, "10gbit": 10e9, "1gbit": 1e9, "200mbit": 0.2e9}
 BATCHES = (1, 8)
-VOCAB = 50257
 WORLD = 2
+VOCAB_PADDED = -(-VOCAB // WORLD) * WORLD  # the gathered logits: ceil(V / N) per rank
+
+
+def _allreduces(run: dict) -> list[dict]:
+    return [x for x in run["allreduce"] if "op" not in x]
+
+
+def _gather_ms(run: dict) -> list[float]:
+    return [x["ms_median"] for x in run["allreduce"] if x.get("op") == "gather"]
 
 
 def shape(host, rate_bit_s: float | None) -> str:
@@ -135,19 +149,24 @@ def _median(runs: list[dict], name: str, pick) -> list[float]:
 def plan(report: dict) -> dict:
     """Measured (medians over rounds) and planned numbers per setting."""
     from kvserve.lab.plan.model import ModelSpec
-    from kvserve.lab.plan.parallel import Interconnect, TensorParallelComm, allreduce_s
+    from kvserve.lab.plan.parallel import (
+        Interconnect,
+        TensorParallelComm,
+        allreduce_s,
+        gather_s,
+    )
 
     runs = report["runs"]
     d = report["model"]["hidden_size"]
     sizes = [rows * d * 4 for rows in MESSAGE_ROWS]
-    bare = _median(runs, "veth", lambda r: [x["ms_median"] * 1e-3 for x in r["allreduce"]])
+    bare = _median(runs, "veth", lambda r: [x["ms_median"] * 1e-3 for x in _allreduces(r)])
     # least squares: t = a + c x over the three sizes; a = 2 (N-1) L, c = 2 (N-1)/N / BW_sw
     mx, my = statistics.fmean(sizes), statistics.fmean(bare)
     c = sum((x - mx) * (y - my) for x, y in zip(sizes, bare, strict=True)) / sum(
         (x - mx) ** 2 for x in sizes
     )
     c = max(c, 1e-15)  # a flat or falling line: no per-byte software cost measured
-    a = my - c * mx
+    a = max(0.0, my - c * mx)  # a line through noise may cross below zero: no negative latency
     n = report["world_size"]
     latency_s = a / (2 * (n - 1))
     software_bw = 2 * (n - 1) / n / c
@@ -171,7 +190,9 @@ def plan(report: dict) -> dict:
         planned_comm = [comm.step_s(batch, batch) * 1e3 for batch in BATCHES]
         result["settings"][name] = {
             "link_bandwidth_gb_s": bw / 1e9,
-            "allreduce_ms": _median(runs, name, lambda r: [x["ms_median"] for x in r["allreduce"]]),
+            "allreduce_ms": _median(runs, name, lambda r: [x["ms_median"] for x in _allreduces(r)]),
+            "gather_ms": _median(runs, name, _gather_ms),
+            "gather_ms_planned": [gather_s(n, 8 * VOCAB_PADDED * 4, link) * 1e3],
             "allreduce_ms_planned": [allreduce_s(n, s, link) * 1e3 for s in sizes],
             "comm_ms": _median(runs, name, lambda r: [x["comm_ms_per_step"] for x in r["engine"]]),
             "comm_ms_planned": planned_comm,
@@ -188,19 +209,23 @@ def render_table(report: dict) -> str:
     planned = report["planned"]
 
     def cells(measured: list[float], expected: list[float]) -> list[str]:
-        err = " / ".join(f"{(m - e) / e * 100:+.0f}%" for m, e in zip(measured, expected, strict=True))
+        err = " / ".join(
+            f"{(m - e) / e * 100:+.0f}%" for m, e in zip(measured, expected, strict=True)
+        )
         return [" / ".join(f"{v:.2f}" for v in measured), " / ".join(f"{v:.2f}" for v in expected),
                 err]  # fmt: skip
 
     lines = [
         "| link (tbf, each direction) | BW planned | all-reduce 2.3 / 18 / 147 kB, ms: measured | "
-        "planned | error | collectives per step B=1 / B=8, ms: measured | planned | error | "
-        "decode step B=1 / B=8, ms: measured | planned | error | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "planned | error | logits gather 804 kB: measured | planned | error | collectives per step "
+        "B=1 / B=8, ms: measured | planned | error | decode step B=1 / B=8, ms: measured | planned | "
+        "error | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in planned["settings"].items():
         row = [name, f"{s['link_bandwidth_gb_s'] * 8:.2f} Gbit/s"]
         row += cells(s["allreduce_ms"], s["allreduce_ms_planned"])
+        row += cells(s["gather_ms"], s["gather_ms_planned"]) if s["gather_ms"] else ["-"] * 3
         row += cells(s["comm_ms"], s["comm_ms_planned"])
         row += cells(s["step_ms"], s["step_ms_planned"])
         row.append(" / ".join(f"{v:.1f}" for v in s["load_average"]))
