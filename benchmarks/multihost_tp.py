@@ -44,6 +44,7 @@ MODEL_SHAPE = dict(
     hidden_size=576, num_hidden_layers=30, num_attention_heads=6, num_key_value_heads=2,
     head_dim=96, intermediate_size=1536, max_position_embeddings=2048,
 )  # fmt: skip
+VOCAB = 50257
 MESSAGE_ROWS = (1, 8, 64)  # all-reduce messages of [rows, 576] fp32: 2.3 kB, 18 kB, 147 kB
 ENGINE = dict(num_blocks=256, block_size=16, max_model_len=512)
 SECRET = "multihost-benchmark-secret-0123456789"
@@ -81,6 +82,17 @@ def collective_rank(rank: int, address: str, store: str, out: Path) -> None:
         results.append(
             {"rows": rows, "bytes": tensor.numel() * 4, "ms_median": statistics.median(times) * 1e3}
         )
+    # the engine's logits gather onto rank 0 at B = 8: each rank's [8, ceil(V / 2)] fp32 shard
+    shard = torch.ones(8, -(-VOCAB // 2))
+    shards = [torch.empty_like(shard) for _ in range(2)] if rank == 0 else None
+    times = []
+    for i in range(23):
+        t0 = time.perf_counter()
+        dist.gather(shard, shards, dst=0)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    results.append({"op": "gather", "rows": 8, "bytes": shard.numel() * 4 * 2,
+                    "ms_median": statistics.median(times) * 1e3})  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -243,7 +255,7 @@ def render_table(report: dict) -> str:
     ]
     tp1 = report["tp1"]
     for name, entry in report["settings"].items():
-        ar = [r["ms_median"] for r in entry["allreduce"]]
+        ar = [r["ms_median"] for r in entry["allreduce"] if "op" not in r]
         steps = [r["step_ms_median"] for r in entry["engine"]]
         comm = [r["comm_ms_per_step"] for r in entry["engine"]]
         plan = entry["planned"]
@@ -251,7 +263,7 @@ def render_table(report: dict) -> str:
             p_ar = [plan["allreduce_ms"][str(r)] if str(r) in plan["allreduce_ms"]
                     else plan["allreduce_ms"][r] for r in MESSAGE_ROWS]  # fmt: skip
             p_st = [plan["step_comm_ms"].get(str(b), plan["step_comm_ms"].get(b)) for b in (1, 8)]
-            base_ar = [r["ms_median"] for r in bare["allreduce"]]
+            base_ar = [r["ms_median"] for r in bare["allreduce"] if "op" not in r]
             base_st = [r["comm_ms_per_step"] for r in bare["engine"]]
             plus_ar = [p + q for p, q in zip(p_ar, base_ar, strict=True)]
             plus_st = [p + q for p, q in zip(p_st, base_st, strict=True)]

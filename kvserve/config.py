@@ -117,6 +117,31 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict:
         return dict(self.rope_scaling)
 
+    def splits_over(self, world_size: int) -> bool:
+        """Whether `world_size` tensor-parallel ranks can shard this model (docs/parallel.md):
+        whole query heads and FFN columns per rank, KV heads split evenly or one replicated on
+        world_size / n_kv ranks."""
+        n, kv = world_size, self.num_kv_heads
+        if self.num_heads % n or self.intermediate_size % n:
+            return False
+        return kv % n == 0 or n % kv == 0
+
+    @property
+    def tensor_parallel_sizes(self) -> tuple[int, ...]:
+        """Every tensor-parallel size that shards this model (1 always does)."""
+        return tuple(n for n in range(1, self.num_heads + 1) if self.splits_over(n))
+
+    def check_tensor_parallel(self, world_size: int) -> None:
+        """Raise, naming the sizes that work, unless `world_size` ranks can shard this model."""
+        if not self.splits_over(world_size):
+            sizes = ", ".join(str(n) for n in self.tensor_parallel_sizes)
+            raise ModelLoadError(
+                f"--tensor-parallel-size {world_size} does not split this model: it must divide the "
+                f"{self.num_heads} attention heads and the FFN width {self.intermediate_size}, and "
+                f"divide the {self.num_kv_heads} KV heads or be a multiple of them; sizes that "
+                f"work: {sizes}"
+            )
+
     def kv_bytes_per_token(
         self, dtype: str, kv_cache_dtype: str = "auto", num_layers: int | None = None
     ) -> int:
@@ -481,6 +506,8 @@ class EngineConfig:
         check_options(self)
         if self.dist.multi_node:
             self.dist.ranks_per_node(self.tensor_parallel_size)  # raises unless K divides N
+        if self.tensor_parallel_size > 1:
+            self.model.check_tensor_parallel(self.tensor_parallel_size)  # before anything starts
         _ = self.weight_scheme  # parsed once, here: a bad string raises QuantizationError naming it
         self._check_quantization_method()
 

@@ -191,3 +191,27 @@ def test_cli_without_parallel_flags_has_no_parallel_section(capsys):
 def test_cli_bad_parallel_input(capsys, argv, message):
     rc, _, err = run_plan(["Llama-3.1-70B", *argv], capsys)
     assert rc == 2 and message in err
+
+
+def test_a_remote_core_adds_two_messages_to_ttft_and_e2e_not_to_tpot():
+    model = load_model("Llama-3.1-8B")
+    local = make_plan(model, H100, "bf16", parallel=Parallelism(1, 2, NVLINK))
+    remote = make_plan(model, H100, "bf16", parallel=Parallelism(1, 2, NVLINK, 250e-6))
+    a, b = local.latency, remote.latency
+    assert b.ttft_cold_s - a.ttft_cold_s == pytest.approx(500e-6, rel=1e-9)
+    assert b.ttft_cached_s - a.ttft_cached_s == pytest.approx(500e-6, rel=1e-9)
+    assert b.e2e_solo_s - a.e2e_solo_s == pytest.approx(500e-6, rel=1e-9)
+    assert (b.tpot_solo_s, b.tpot_max_batch_s) == (a.tpot_solo_s, a.tpot_max_batch_s)
+    assert any("engine cores on other hosts" in n for n in remote.notes)
+
+
+def test_cli_remote_core_latency(capsys):
+    argv = ["SmolLM2-135M", "--hardware", "h100-sxm", "--json"]
+    _, out, _ = run_plan(argv, capsys)
+    _, remote_out, _ = run_plan([*argv, "--remote-core-latency-us", "150"], capsys)
+    local, remote = json.loads(out), json.loads(remote_out)
+    assert local["parallel"] is None and remote["parallel"]["data_parallel"] == 1
+    gained = remote["latency"]["ttft_cold_s"] - local["latency"]["ttft_cold_s"]
+    assert gained == pytest.approx(300e-6, rel=1e-9)
+    rc, _, err = run_plan([*argv, "--remote-core-latency-us", "-1"], capsys)
+    assert rc == 2 and "message time must be >= 0" in err

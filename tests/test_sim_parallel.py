@@ -244,3 +244,35 @@ def test_capacity_search_on_one_replica_is_the_studys():
     assert ours["trials"] and any(t["passed"] for t in ours["trials"])
     with pytest.raises(SimError, match="objective set"):
         search_capacity_data_parallel(policy, source, shape, smol_cost(), 2, (), **search)
+
+
+def test_remote_cores_shift_every_token_by_two_messages():
+    """Requests far apart (one at a time): each reaches its core `message_s` after arriving and each
+    token reaches the client `message_s` after its step, so TTFT and E2E grow by exactly 2 x
+    message_s and the gaps between tokens do not change."""
+    requests = workload_requests(n=8, rate=2.0)
+    local = simulate_data_parallel(requests, smol_cost(), config(), 60, 2, BLOCK)
+    remote = simulate_data_parallel(requests, smol_cost(), config(), 60, 2, BLOCK, message_s=1e-3)
+    for a, b in zip(local.run.timelines, remote.run.timelines, strict=True):
+        assert len(a.token_times_s) == len(b.token_times_s) > 1
+        arrival = a.request.arrival_s
+        assert b.token_times_s[0] - arrival == pytest.approx(a.token_times_s[0] - arrival + 2e-3)
+        assert [t - b.token_times_s[0] for t in b.token_times_s] == pytest.approx(
+            [t - a.token_times_s[0] for t in a.token_times_s]
+        )
+    with pytest.raises(SimError, match="must be >= 0"):
+        simulate_data_parallel(requests, smol_cost(), config(), 60, 2, BLOCK, message_s=-1.0)
+
+
+def test_cli_remote_core_latency_moves_ttft_not_itl(capsys):
+    argv = [*COMMON, "--parallel", "1x2", "--request-rate", "0.5", "--json"]
+    summaries = []
+    for extra in ([], ["--remote-core-latency-us", "2000"]):
+        rc, out, _ = run_cli(argv + extra, capsys)
+        assert rc == 0
+        doc = json.loads(out)
+        summaries.append(doc["runs"][0]["summary"]["latency_s"])
+    assert doc["deployments"][0]["remote_core_message_s"] == 2e-3
+    local, remote = summaries
+    assert remote["ttft"]["p50"] == pytest.approx(local["ttft"]["p50"] + 4e-3, rel=1e-6)
+    assert remote["itl"]["p50"] == pytest.approx(local["itl"]["p50"], rel=1e-9)

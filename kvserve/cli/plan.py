@@ -200,15 +200,23 @@ def add_link_arguments(g: Any) -> None:
     )
     g.add_argument("--link-bandwidth", type=float, metavar="GB/s", help="per direction, per rank")
     g.add_argument("--link-latency-us", type=float, metavar="US", help="per ring step")
+    g.add_argument(
+        "--remote-core-latency-us",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="engine cores on other hosts: one message's time, one way (0: local cores)",
+    )
 
 
 def _parallel(args: argparse.Namespace) -> Any:
     from kvserve.lab.plan.parallel import Parallelism
 
     flags = (args.tensor_parallel, args.data_parallel, args.link_bandwidth, args.link_latency_us)
-    if flags == (1, 1, None, None) and args.interconnect == "nvlink4":
+    remote_s = args.remote_core_latency_us * 1e-6
+    if flags == (1, 1, None, None) and args.interconnect == "nvlink4" and not remote_s:
         return None
-    return Parallelism(args.tensor_parallel, args.data_parallel, link_from_args(args))
+    return Parallelism(args.tensor_parallel, args.data_parallel, link_from_args(args), remote_s)
 
 
 def _compare_profiles(spec: str) -> list[Any]:

@@ -88,7 +88,9 @@ def run_layouts(args: argparse.Namespace) -> int:
     kv_bytes = args.kv_cache_gb * 1e9 if args.kv_cache_gb is not None else None
     runs, capacity, deployments = [], [], []
     for layout in layouts:
-        parallelism = Parallelism(layout.tensor_parallel, layout.data_parallel, link)
+        parallelism = Parallelism(
+            layout.tensor_parallel, layout.data_parallel, link, args.remote_core_latency_us * 1e-6
+        )
         deployment = tensor_parallel_deployment(
             model,
             hardware,
@@ -117,6 +119,7 @@ def run_layouts(args: argparse.Namespace) -> int:
                     *common,
                     objective_sets,
                     usd,
+                    message_s=parallelism.core_message_s,
                 )
                 runs.append(result | {"policy": f"{policy.name} {layout.name}"})
         if args.find_capacity:
@@ -136,6 +139,7 @@ def run_layouts(args: argparse.Namespace) -> int:
                     args.capacity_tol,
                     args.capacity_max_trials,
                     usd,
+                    message_s=parallelism.core_message_s,
                 )
                 capacity.append(found | {"policy": f"{policy.name} {layout.name}"})
     doc = {

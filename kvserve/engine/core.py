@@ -141,7 +141,8 @@ class EngineCore:
         self._grammars = None
         self._grammars_lock = threading.Lock()
         self.on_grammar_compile = None  # callback(seconds), e.g. a metrics histogram
-        self.grammar_gate = None  # tests: a gate passed before every grammar compile (engine/faults.py)
+        # tests: a gate passed before every grammar compile (engine/faults.py)
+        self.grammar_gate = None
         self.last_scheduler_output = None  # the latest step's decision (calibration, debugging)
         # `step()` accumulates deltas here for callers that drive the core directly; `start` sets it to
         # None: the loop ships `step_deltas()` to its client, which keeps the one accumulator.
@@ -161,7 +162,8 @@ class EngineCore:
         self._results: list[UtilityResult] = []
         self._faults: FaultInjection | None = None
         self._fault_armed = False
-        self._gate = None  # tests (--inject-fault gate:WHERE): one `is None` check a step without it
+        # tests (--inject-fault gate:WHERE): one `is None` check a step without it
+        self._gate = None
         # Adds checked and waiting for their grammar to compile on `_grammar_thread`.
         self._compiling: dict[str, tuple[AddCmd, ValidatedRequest]] = {}
         self._grammar_jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -39,6 +39,9 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.core.errors import ModelLoadError, UnsupportedModelError
+from kvserve.gguf.model_dir import gguf_source
+from kvserve.gguf.reader import open_gguf
+from kvserve.gguf.weights import read_gguf_weights
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.loader import TORCH_DTYPES, read_checkpoint
 from kvserve.model.registry import ArchSpec, get_arch
@@ -56,15 +59,7 @@ class TensorParallelLayout:
         n, c = self.world_size, self.config
         if not 0 <= self.rank < n:
             raise ValueError(f"rank {self.rank} outside a world of {n}")
-        if c.num_heads % n or c.intermediate_size % n:
-            raise ModelLoadError(
-                f"tensor parallel {n} must divide the {c.num_heads} attention heads and the FFN "
-                f"width {c.intermediate_size}"
-            )
-        if c.num_kv_heads % n and n % c.num_kv_heads:
-            raise ModelLoadError(
-                f"tensor parallel {n} must divide the {c.num_kv_heads} KV heads or be a multiple"
-            )
+        c.check_tensor_parallel(n)
 
     @property
     def num_heads(self) -> int:
@@ -232,10 +227,34 @@ def shard_tensor(
     return checkpoint[_hf(name.replace(".linear.", "."))]
 
 
-def shard_state_dict(
-    model_dir: str | Path, layout: TensorParallelLayout, names: list[str], dtype: str = "float32"
+def read_float_checkpoint(
+    model_dir: str | Path, config: ModelConfig, dtype: str = "float32"
 ) -> dict[str, torch.Tensor]:
-    checkpoint = read_checkpoint(Path(model_dir))
+    """The checkpoint's tensors by Hugging Face name, float: a safetensors directory's as stored; a
+    GGUF file's (a directory written by `gguf_model_dir`) dequantised to fp32 exactly as
+    `gguf.quants.dequantize` does, the converter's q/k row order and norm offset undone, so they shard
+    like a safetensors checkpoint (transformers reads a GGUF file the same way, `gguf_file=`)."""
+    gguf_file = gguf_source(model_dir)
+    if gguf_file is None:
+        return read_checkpoint(Path(model_dir))
+    if dtype != "float32":
+        raise ModelLoadError(
+            f"{gguf_file}: a GGUF model runs tensor-parallel with fp32 activations (--dtype "
+            "float32): its weights are dequantised to fp32 at load"
+        )
+    tensors = read_gguf_weights(
+        open_gguf(gguf_file), config.num_heads, config.num_kv_heads, keep_blocks=False
+    )
+    return {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+
+
+def shard_state_dict(
+    model_dir: str | Path,
+    layout: TensorParallelLayout,
+    names: list[str],
+    dtype: str = "float32",
+) -> dict[str, torch.Tensor]:
+    checkpoint = read_float_checkpoint(model_dir, layout.config, dtype)
     try:
         return {
             n: shard_tensor(n, checkpoint, layout).to(TORCH_DTYPES[dtype]).contiguous()

@@ -30,6 +30,7 @@ from kvserve.core.errors import InvalidRequestError
 from kvserve.links import gloo_environment, listen, load_secret
 from kvserve.model.parallel import TensorParallelLayout, check_tensor_parallel_arch
 from kvserve.mp_children import children_allowed
+from kvserve.quant.scheme import QuantizationError
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.runner.nodes import NodeGroup, NodeJoinError, RemoteNode
 from kvserve.runner.worker import (
@@ -101,6 +102,11 @@ class TensorParallelRunner(ModelRunner):
             from kvserve.model.parallel_quant import check_tensor_parallel_scheme
 
             check_tensor_parallel_scheme(config.weight_scheme, layout)
+        if config.gguf_activations != "fp32":
+            raise QuantizationError(
+                f"--gguf-activations {config.gguf_activations} runs a GGUF file's own blocks on one "
+                "rank; tensor parallelism dequantises them to fp32 (drop --gguf-activations)"
+            )
         if dist.is_initialized():
             raise WorkerFailedError(
                 "this process already has a torch.distributed process group; the tensor-parallel "

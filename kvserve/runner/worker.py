@@ -15,14 +15,17 @@ import os
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 
 from kvserve.config import EngineConfig
 from kvserve.model.attention import get_attention_backend
-from kvserve.model.loader import TORCH_DTYPES, read_checkpoint
-from kvserve.model.parallel import TensorParallelDecoderLM, load_tensor_parallel_model
+from kvserve.model.loader import TORCH_DTYPES
+from kvserve.model.parallel import (
+    TensorParallelDecoderLM,
+    load_tensor_parallel_model,
+    read_float_checkpoint,
+)
 from kvserve.runner.forward import allocate_kv_cache, forward_chunks
 
 # Commands rank 0 sends: ("forward", chunks, logit rows) | ("stop",). Replies: ("ready", weight
@@ -100,7 +103,7 @@ def load_rank_model(
         from kvserve.model.parallel_quant import quantize_tensor_parallel
 
         if scheme.is_quantized:
-            checkpoint = read_checkpoint(Path(config.model_dir))
+            checkpoint = read_float_checkpoint(config.model_dir, config.model, config.dtype)
             quantize_tensor_parallel(model, checkpoint, scheme, device)
     if torch.device(device).type == "cpu":
         model.use_cpu_weights()

@@ -213,10 +213,18 @@ class Parallelism:
     tensor_parallel: int = 1
     data_parallel: int = 1
     link: Interconnect = INTERCONNECTS["nvlink4"]
+    # one message between the API server and an engine core on another host, one way (0: the
+    # cores are local): a request's first message in and its first delta out each pay it, so TTFT
+    # and E2E grow by 2 x this; TPOT does not (the core steps without waiting for the client)
+    core_message_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel < 1 or self.data_parallel < 1:
             raise PlanError("tensor and data parallel sizes must be >= 1")
+        if not self.core_message_s >= 0:
+            raise PlanError(
+                f"the remote core's message time must be >= 0, got {self.core_message_s}"
+            )
 
     @property
     def num_devices(self) -> int:

@@ -233,6 +233,17 @@ def _engine_step_note(engine: EngineCost, context: float) -> str:
     )
 
 
+def _remote_core(latency: Latency, message_s: float) -> Latency:
+    """A request served by an engine core on another host: one message in before its prefill, one
+    out with its first token; later deltas are as late as the first, so the gaps between them keep."""
+    return replace(
+        latency,
+        ttft_cold_s=latency.ttft_cold_s + 2 * message_s,
+        ttft_cached_s=latency.ttft_cached_s + 2 * message_s,
+        e2e_solo_s=latency.e2e_solo_s + 2 * message_s,
+    )
+
+
 def _latency(cost: arith.RooflineCost, w: Workload, b_max: int, peak_bw: float) -> Latency:
     t, n_prompt, n_shared = w.mean_decode_context, w.prompt_tokens, w.shared_prefix_tokens
     ttft_cold = cost.prefill_s(n_prompt)
@@ -387,6 +398,13 @@ def make_plan(
         notes.append(f"decode step from {hardware.name}'s measured engine profile ({used})")
         notes.append(_engine_step_note(engine, w.mean_decode_context))
     latency = _latency(cost, w, b_max, hardware.bandwidth_bytes_per_s)
+    if parallel is not None and parallel.core_message_s:
+        latency = _remote_core(latency, parallel.core_message_s)
+        notes.append(
+            f"engine cores on other hosts: TTFT and E2E + 2 x {parallel.core_message_s * 1e3:.3f} "
+            "ms (the request's message in, its first delta out); TPOT unchanged (the core does "
+            "not wait for the client between steps)"
+        )
     load = money = little = None
     if b_max:
         ttft_s = latency.ttft_cached_s if w.shared_prefix_tokens else latency.ttft_cold_s

@@ -89,6 +89,7 @@ def tensor_parallel_deployment(
         "interconnect_bandwidth_bytes_per_s": parallelism.link.bandwidth_bytes_per_s,
         "interconnect_latency_s": parallelism.link.latency_s,
         "interconnect_source": parallelism.link.source,
+        "remote_core_message_s": parallelism.core_message_s,
         "allreduce_bytes_per_layer_per_token": comm.layer_bytes_per_token(),
         "weight_bytes_per_device": base.description["weight_bytes"],
         "kv_bytes_per_token_per_device": base.description["kv_bytes_per_token"],
@@ -149,6 +150,7 @@ class Replica:
     num_steps: int = 0
     peak_kv_usage: float = 0.0
     request_indices: list[int] = field(default_factory=list)
+    message_s: float = 0.0  # a core on another host: each delta reaches the client this much later
 
     @property
     def load(self) -> int:
@@ -171,9 +173,10 @@ class Replica:
         self.peak_kv_usage = max(self.peak_kv_usage, self.kv.usage)
         for update in self.scheduler.update(out, fake_runner_output(out)):
             timeline = self.timelines[update.request_id]
-            timeline.token_times_s.extend([self.now] * len(update.new_token_ids))
+            delivered_s = self.now + self.message_s
+            timeline.token_times_s.extend([delivered_s] * len(update.new_token_ids))
             if update.finish_reason is not None:
-                timeline.finish_s = self.now
+                timeline.finish_s = delivered_s
         return True
 
     def advance_to(self, t: float) -> None:
@@ -256,9 +259,14 @@ def simulate_data_parallel(
     shared_prefixes: SharedPrefixes | None = None,
     policy: str = "continuous",
     layout: KVLayout | None = None,
+    message_s: float = 0.0,
 ) -> DataParallelRun:
     """Continuous batching on `num_replicas` identical cores behind `router` (num_blocks each);
-    `layout`: a hybrid model's KV groups, as the engine keeps them (kv/groups.py)."""
+    `layout`: a hybrid model's KV groups, as the engine keeps them (kv/groups.py). `message_s`:
+    the cores are on other hosts, one message one way takes this long: a request reaches its core
+    that much after it arrives, and each delta reaches the client that much after its step ends."""
+    if not message_s >= 0:
+        raise SimError(f"a message's time must be >= 0, got {message_s}")
     if num_replicas < 1:
         raise SimError("need at least one replica")
     route = make_router(router)
@@ -267,12 +275,14 @@ def simulate_data_parallel(
     replicas = []
     for i in range(num_replicas):
         kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, layout)
-        replicas.append(Replica(i, Scheduler(scheduler_config, kv), kv, cost_model, by_id))
+        replica = Replica(i, Scheduler(scheduler_config, kv), kv, cost_model, by_id)
+        replica.message_s = message_s
+        replicas.append(replica)
     pending = sorted(timelines, key=lambda t: (t.request.arrival_s, t.request.index))
     for arrival_index, timeline in enumerate(pending):
         sim = timeline.request
         for replica in replicas:
-            replica.advance_to(sim.arrival_s)
+            replica.advance_to(sim.arrival_s + message_s)
         timeline.error = validation_error(
             sim,
             scheduler_config.max_model_len,
@@ -335,6 +345,7 @@ def evaluate_data_parallel(
     shared_prefixes: SharedPrefixes | None = None,
     objective_sets: tuple[ObjectiveSet, ...] = (),
     usd_per_hour: float | None = None,
+    message_s: float = 0.0,
 ) -> tuple[dict, DataParallelRun]:
     """`kvserve.lab.sim.study.evaluate` over M replicas: the same bench summary of the pooled
     records, with each replica's statistics under `sim.replicas`. `usd_per_hour` is the fleet's."""
@@ -352,6 +363,7 @@ def evaluate_data_parallel(
         shared_prefixes=shared_prefixes,
         policy=policy.name,
         layout=shape.layout,
+        message_s=message_s,
     )
     # the pooled records (result.run) summarised; each replica's statistics from result.stats()
     out = run_result(policy, result.run, rate, objective_sets, usd_per_hour)
@@ -374,6 +386,7 @@ def search_capacity_data_parallel(
     rel_tol: float = 0.05,
     max_trials: int = 16,
     usd_per_hour: float | None = None,
+    message_s: float = 0.0,
 ) -> dict:
     """`kvserve.lab.sim.study.search_capacity` over M replicas (the same search and pass rule)."""
 
@@ -389,6 +402,7 @@ def search_capacity_data_parallel(
             shared_prefixes,
             objective_sets,
             usd_per_hour,
+            message_s,
         )[0]
 
     return capacity_search(
