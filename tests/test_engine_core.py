@@ -127,3 +127,31 @@ def test_an_abort_while_the_grammar_compiles_never_adds_the_request(config):
             assert not core.has_unfinished_requests()
         finally:
             core.shutdown()
+
+
+def test_a_request_aborted_on_probation_lets_the_quarantine_go_on(config):
+    """After a failing step with several newcomers, they are re-admitted one at a time (the one on
+    probation first). Aborting the one on probation before it ran a step must let the next one in:
+    before the fix, probation stayed on the aborted request and the rest were never re-admitted
+    (and the loop, with a non-empty quarantine, never slept)."""
+    core = EngineCore(config)
+    try:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        core.add_request("a", [5, 6], params)
+        core.add_request("b", [7, 8], params)
+        core._isolate(["a", "b"], RuntimeError("a step failed with both new"))
+        assert not core.has_unfinished_requests()  # both wait in the quarantine
+        core._apply_commands()
+        assert core._probation is not None and core._probation.request_id == "a"
+        core.submit(AbortCmd(["a"]))
+        core._apply_commands()
+        assert core._probation is not None and core._probation.request_id == "b"
+        finished = []
+        for _ in range(20):
+            finished += [d.request_id for d in core.step_deltas() if d.finished]
+            if not core.has_unfinished_requests():
+                break
+        assert finished == ["b"]
+        assert core.num_free_blocks() == 64
+    finally:
+        core.shutdown()

@@ -651,6 +651,8 @@ class EngineCore:
                 self._utility(cmd)
             elif callable(cmd):  # in-process maintenance: fn(core)
                 cmd(self)
+        if self._probation is not None and self._probation.request_id not in self._requests:
+            self._probation = None  # aborted before it ran a step: the next one may come back
         if self._quarantine and self._probation is None:
             self._readmit(self._quarantine.popleft())
 
