@@ -225,7 +225,7 @@ class ThreadPoolSizer:
     cannot see whether the neighbour left, so after `probe_s` it tries one more thread for a window,
     which the same rule keeps or drops; a dropped probe doubles the wait before the next (up to
     `max_probe_s`). The thread count changes the speed, never the numbers: every kernel gives the
-    same bits at any thread count (tests/test_thread_pool_sizer.py).
+    same bits at any thread count (tests/parallel/test_thread_pool_sizer.py).
 
     `clock` and `meter` are injectable (tests drive the policy with a fake clock and CPU times)."""
 

@@ -1,5 +1,5 @@
 """Comparing kvserve on a real GGUF file with a transformers fixture written by
-tools/gguf_fixtures/reference_outputs.py (tests/test_gguf_smollm2.py, tests/test_gguf_gemma3.py)."""
+tools/gguf_fixtures/reference_outputs.py (tests/gguf/test_gguf_smollm2.py, tests/gguf/test_gguf_gemma3.py)."""
 
 from __future__ import annotations
 

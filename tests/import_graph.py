@@ -1,6 +1,6 @@
 """The import graph of the `kvserve` package, read from the source (no module is imported).
 
-The rules, used by tests/test_import_cycles.py and tests/test_layers.py (docs/design.md):
+The rules, used by tests/project/test_import_cycles.py and tests/project/test_layers.py (docs/design.md):
 
 - A node is a module of the package; a package is its `__init__.py` (`kvserve.lab.plan`).
 - Every import statement counts wherever it stands: at module level, inside a function or method,
@@ -12,7 +12,7 @@ The rules, used by tests/test_import_cycles.py and tests/test_layers.py (docs/de
 - The parent packages that Python initialises on the way to `kvserve.a.b` are not edges: a package
   `__init__` that re-exports its submodules (`kvserve.lab.plan`) would otherwise make each of them a
   cycle with their own package. Only `kvserve.lab.plan`, `kvserve.cli` and `kvserve` import anything in
-  their `__init__`, and tests/test_import_cycles.py checks that those imports stay acyclic too.
+  their `__init__`, and tests/project/test_import_cycles.py checks that those imports stay acyclic too.
 - Dynamic imports (`importlib.import_module`) are not seen.
 """
 

@@ -1,5 +1,5 @@
 """docs/options.md, generated: every `kvserve serve` option (flag, name, type with its bound,
-default, help) from the declarations (kvserve/core/options.py). tests/test_options.py fails when the
+default, help) from the declarations (kvserve/core/options.py). tests/cli/test_options.py fails when the
 file and the declarations differ; `python -m kvserve.cli.options_doc --write docs/options.md`
 regenerates it."""
 

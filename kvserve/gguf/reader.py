@@ -9,7 +9,7 @@ package), and so is the reference dequantisation (model/block_weights.py).
 
 Why not `gguf.GGUFReader`: it trusts the header, and it builds a numpy array per metadata item, which
 took 3.2 s for SmolLM2's 49,152-token vocabulary and 16-30 s for Gemma 3's 262,144 on a loaded 2-core
-machine, against about 1 s here (tests/test_gguf_reader.py checks that both read the same values,
+machine, against about 1 s here (tests/gguf/test_gguf_reader.py checks that both read the same values,
 shapes, types and bytes on the real files).
 """
 

@@ -36,7 +36,7 @@ DISPATCH_ROWS = (1, 4, 16)
 FUSED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the fused step's host cost, at those it takes
 # decode_step.c runs the fused step as one OpenMP region (the team step) at every context whenever
 # at least this many threads run (team_step); a test checks the planner's path rule against the
-# kernel's choice (tests/test_plan_engine_overhead.py)
+# kernel's choice (tests/lab/test_plan_engine_overhead.py)
 TEAM_MIN_THREADS = 2
 FIXED_KIND = {
     "dispatch": "dispatch-fixed",

@@ -1,7 +1,7 @@
 """Reference token ids from transformers' own GGUF tokenizer conversion, saved as a test fixture.
 
 transformers rebuilds a GGUF vocabulary in Python (about a minute for Gemma's 262k tokens), too slow
-for CI; this records what it produces once, and tests/test_gguf_tokenizer.py compares
+for CI; this records what it produces once, and tests/gguf/test_gguf_tokenizer.py compares
 `kvserve.gguf.tokenizer` against the record:
 
     python -m tools.gguf_fixtures.tokenizer_ids MODEL.gguf tests/fixtures/gguf_tokenizer/NAME.json.gz

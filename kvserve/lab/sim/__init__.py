@@ -2,7 +2,7 @@
 
 The digital twin of design.md: `kvserve.sched.Scheduler` and `kvserve.kv.KVCacheManager` make every
 decision, exactly as in the engine; a cost model says how long each step takes instead of a model
-runner. Never imports torch, the model or the runner (tests/test_layers.py). Metrics reuse
+runner. Never imports torch, the model or the runner (tests/project/test_layers.py). Metrics reuse
 kvserve.lab.bench's definitions (records -> summary), so a simulation and a load test of the same
 workload report the same quantities.
 
