@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.core.runs import compact_runs
 from kvserve.model import block_linear, fused_decode
 from kvserve.model.block_linear import BlockLinear, dequant_matmul_into
 from kvserve.model.kernel_choice import cpu_flags, probe_matrix_engine, torch_bf16_gemm
@@ -356,16 +357,7 @@ def install(module: nn.Module, cands: Candidates, choices: tuple[str | None, ...
 
 def compact_table(table: dict[str, dict[str, str]]) -> dict[str, str]:
     """{"576x1536/f32": "1-64 panel-f32, 128-512 onednn-f32"}: runs of equal choices."""
-    out = {}
-    for key, per_bucket in table.items():
-        runs: list[list] = []
-        for rows, kernel in per_bucket.items():
-            if runs and runs[-1][2] == kernel:
-                runs[-1][1] = rows
-            else:
-                runs.append([rows, rows, kernel])
-        out[key] = ", ".join(f"{a}-{b} {k}" if a != b else f"{a} {k}" for a, b, k in runs)
-    return out
+    return {key: compact_runs(per_bucket) for key, per_bucket in table.items()}
 
 
 def matrix_engine_label() -> str:

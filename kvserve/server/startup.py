@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from kvserve.core.runs import compact_runs
+
 
 def startup_summary(info, served_model_name: str, url: str, num_cores: int = 1) -> str:
     """A few lines for the terminal once the model is loaded (`info`: an engine core's EngineInfo):
@@ -41,12 +43,5 @@ def _kernel_lines(info) -> list[str]:
     "576x1536/f32  1-64 panel-f32, 128-512 onednn-f32"."""
     lines = [f"  matrix     {info.matrix_engine}"] if info.matrix_engine else []
     for shape, per_bucket in info.kernel_table.items():
-        runs: list[list] = []
-        for rows, kernel in per_bucket.items():
-            if runs and runs[-1][2] == kernel:
-                runs[-1][1] = rows
-            else:
-                runs.append([rows, rows, kernel])
-        text = ", ".join(f"{a}-{b} {k}" if a != b else f"{a} {k}" for a, b, k in runs)
-        lines.append(f"  gemm       {shape}  {text}")
+        lines.append(f"  gemm       {shape}  {compact_runs(per_bucket)}")
     return lines

@@ -292,3 +292,12 @@ def test_the_engine_reports_the_choice_and_the_manifest_shows_it(cache_root):
     assert all(f"  gemm       {shape}  " in banner for shape in info.kernel_table)
     own = engine_info(LLM("kvserve-demo", num_blocks=32, kernel_choice="own").engine)
     assert own.kernel_table == {} and own.matrix_engine == info.matrix_engine
+
+
+def test_runs_of_equal_choices_are_written_as_ranges():
+    from kvserve.core.runs import compact_runs
+
+    assert compact_runs({}) == ""
+    assert compact_runs({"1": "panel"}) == "1 panel"
+    per_bucket = {"1": "panel", "2": "panel", "64": "panel", "128": "onednn", "256": "panel"}
+    assert compact_runs(per_bucket) == "1-64 panel, 128 onednn, 256 panel"
