@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
 from kvserve.core.options import check_options, option
+from kvserve.core.sampling_params import GRAMMAR_COMPILE_TIMEOUT_S
 from kvserve.kv.groups import KVLayout, plan_layout, single_layout
 from kvserve.quant.methods import DEFAULT_METHOD, METHODS, check_method
 from kvserve.quant.scheme import QuantizationError, WeightScheme, parse_weight_scheme
@@ -494,7 +495,7 @@ class EngineConfig:
     )
     # the compile's worker process is killed past it (kvserve.structured.compile_worker)
     grammar_compile_timeout_s: float = option(
-        60.0,
+        GRAMMAR_COMPILE_TIMEOUT_S,
         "seconds a structured-output grammar may compile; past it the compile is stopped and its "
         "request gets a 400 (docs/structured-output.md)",
         gt=0,

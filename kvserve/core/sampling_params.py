@@ -23,6 +23,11 @@ INT64_MAX = 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 
 
+# The default of EngineConfig.grammar_compile_timeout_s (`--grammar-compile-timeout`), here so that the
+# API process, which never imports the engine's configuration, knows it before a core reports its own.
+GRAMMAR_COMPILE_TIMEOUT_S = 60.0
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the output: `spec` is the JSON schema text, the regex, a JSON list of choices or

@@ -22,9 +22,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from kvserve.config import EngineConfig
 from kvserve.core.errors import KVServeError
-from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.sampling_params import GRAMMAR_COMPILE_TIMEOUT_S, SamplingParams
 from kvserve.engine.output_processor import OutputKind, OutputProcessor, Tracked, so_far
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.step_log import StepLog
@@ -49,7 +48,7 @@ VALIDATE_MARGIN_S = 30.0
 
 def validate_timeout_s(info: EngineInfo | None) -> float:
     if info is None:  # the configuration's default
-        return 2 * EngineConfig.grammar_compile_timeout_s + VALIDATE_MARGIN_S
+        return 2 * GRAMMAR_COMPILE_TIMEOUT_S + VALIDATE_MARGIN_S
     compile_s = info.grammar_compile_timeout_s
     return 2 * compile_s + VALIDATE_MARGIN_S
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import msgspec
 
-from kvserve.config import EngineConfig
 from kvserve.core.errors import (
     CapacityError,
     ContextLengthError,
@@ -24,7 +23,7 @@ from kvserve.core.errors import (
     KVServeError,
 )
 from kvserve.core.outputs import TokenLogprob
-from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.sampling_params import GRAMMAR_COMPILE_TIMEOUT_S, SamplingParams
 
 HEARTBEAT_S = 0.5
 
@@ -60,7 +59,7 @@ class EngineInfo(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...] = ()
     threads: str = ""  # the core's OpenMP threads and variables (kvserve.threads.describe_threads)
     # the core abandons a compile past this
-    grammar_compile_timeout_s: float = EngineConfig.grammar_compile_timeout_s
+    grammar_compile_timeout_s: float = GRAMMAR_COMPILE_TIMEOUT_S
     weights: str = ""  # the weights' format (kvserve.quant.describe.describe_weights)
     kv_cache_sizing: str = ""  # how the KV cache's size was chosen (kvserve.kv_sizing)
     kv_cache_bytes: int = 0  # the runner's KV tensors

@@ -34,6 +34,7 @@ def test_texts_are_hashed_per_measured_prompt_and_compared_across_engines(tmp_pa
 def test_each_engine_serves_with_prefix_caching_off(tmp_path):
     class Args:
         model, gguf, llama_bin, llama_parallel, threads = "M", "G.gguf", "/bin", 16, 2
+        llama_ctx = None  # llama-server's -c: 256 tokens a slot unless given
         vllm_python = "/venv/python"
         kvserve_args = "--max-num-batched-tokens 512"
 
@@ -41,6 +42,7 @@ def test_each_engine_serves_with_prefix_caching_off(tmp_path):
     llama, _ = server_command("llamacpp", Args, 1)
     vllm, env = server_command("vllm-bind01", Args, 1)
     assert "--no-prefix-caching" in kv and "--no-cache-prompt" in llama
+    assert llama[llama.index("-c") + 1] == str(16 * 256)
     assert kv[-2:] == ["--max-num-batched-tokens", "512"]  # --kvserve-args, for kvserve only
     assert "--max-num-batched-tokens" not in llama + vllm
     assert "--no-enable-prefix-caching" in vllm and vllm[vllm.index("--dtype") + 1] == "float32"
