@@ -22,6 +22,7 @@ from torch import nn
 
 from kvserve.model import cpu_kernels, fused_decode
 from kvserve.model.block_weights import BlockWeight
+from kvserve.model.kernel_choice import bucket_index
 
 # Rows from which dequantise + torch.matmul beats the native kernel. Measured (benchmarks/block_linear.py,
 # benchmarks/results/zen3_avx2/gguf_blocks_threads1.json; AMD Zen 3, AVX2, 1 thread, load average 0.5,
@@ -31,8 +32,7 @@ from kvserve.model.block_weights import BlockWeight
 #   Q8_0 49152x576  M=4 11.3 vs 20.1   M=16 34.3 vs 25.1
 # M between 4 and 16 is not measured yet; 16 is the smallest measured row count where the matmul wins.
 DEQUANT_MIN_ROWS = 16
-DEQUANT_CHUNK_BYTES = 4 << 20
-_LAST_BUCKET = 9  # kernel_table.ROW_BUCKETS: 1, 2, 4, ... 512 rows  # fp32 weight rows dequantised per matmul (fits L2+L3 comfortably)
+DEQUANT_CHUNK_BYTES = 4 << 20  # fp32 weight rows dequantised per matmul (fits L2+L3 comfortably)
 
 
 class BlockKernelError(RuntimeError):
@@ -168,7 +168,7 @@ class BlockLinear(nn.Module):
         num_rows = x.numel() // self.in_features
         use_kernel = None
         if self.row_kernels is not None:
-            use_kernel = self.row_kernels[min(max(num_rows - 1, 0).bit_length(), _LAST_BUCKET)]
+            use_kernel = self.row_kernels[bucket_index(num_rows)]
         if use_kernel is None:
             use_kernel = num_rows < self.dequant_min_rows
         return self.forward_rule(x, use_kernel)

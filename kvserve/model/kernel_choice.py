@@ -19,6 +19,15 @@ from kvserve.model import fused_decode
 from kvserve.quant.kernels import kernel_isa, set_extension_max_isa
 from kvserve.quant.scheme import WeightScheme
 
+# The row counts the per-shape kernel table (model/kernel_table.py) is measured at: 1, 2, 4, ... 512;
+# a linear's `row_kernels` holds one choice per bucket.
+ROW_BUCKETS = tuple(1 << i for i in range(10))
+
+
+def bucket_index(num_rows: int) -> int:
+    """Index into ROW_BUCKETS of the smallest bucket holding `num_rows` (the last for more)."""
+    return min(max(num_rows - 1, 0).bit_length(), len(ROW_BUCKETS) - 1)
+
 
 def served_kernel_isa() -> str:
     """The instruction set quantised linears run on: the native panel GEMV's (model/csrc/qgemv.c)

@@ -49,22 +49,22 @@ from torch import nn
 from kvserve.core.runs import compact_runs
 from kvserve.model import block_linear, fused_decode
 from kvserve.model.block_linear import BlockLinear, dequant_matmul_into
-from kvserve.model.kernel_choice import cpu_flags, probe_matrix_engine, torch_bf16_gemm
+from kvserve.model.kernel_choice import (
+    ROW_BUCKETS,
+    bucket_index,
+    cpu_flags,
+    probe_matrix_engine,
+    torch_bf16_gemm,
+)
 from kvserve.model.linear import PackedLinear
 from kvserve.paths import cache_dir
 
 logger = logging.getLogger(__name__)
 
-ROW_BUCKETS = tuple(1 << i for i in range(10))  # 1 .. 512
 SWITCH_MARGIN = 1.10  # another kernel must be this much faster than kvserve's own to be chosen
 MEASURE_BUDGET_S = 2.0  # per load; what is left keeps the fixed rule until a later load measures it
 MAX_CALL_S = 0.05  # buckets above one whose call took longer are not timed (table_choices)
 ROUNDS = 3  # alternated rounds per bucket; the minimum of each candidate's calls is kept
-
-
-def bucket_index(num_rows: int) -> int:
-    """Index into ROW_BUCKETS of the smallest bucket holding `num_rows` (the last for more)."""
-    return min(max(num_rows - 1, 0).bit_length(), len(ROW_BUCKETS) - 1)
 
 
 def choose(timings_s: dict[str, float], own: str, margin: float = SWITCH_MARGIN) -> str:

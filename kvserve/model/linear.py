@@ -26,7 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model import fused_decode
-from kvserve.model.kernel_choice import bf16_products_kernel  # the one place that decides
+from kvserve.model.kernel_choice import (  # the one place that decides
+    bf16_products_kernel,
+    bucket_index,
+)
 from kvserve.model.qlinear import QuantEmbedding, QuantLinear, check_token_ids
 from kvserve.quant.convert import concat_rows
 from kvserve.quant.rtn import quantize
@@ -35,7 +38,6 @@ from kvserve.quant.scheme import TensorScheme, WeightScheme
 # oneDNN picks its blocked layout for an expected row count; 16 rows (a decode batch) measured well for
 # 1 to 512 rows.
 _PACK_ROWS_HINT = 16
-_LAST_BUCKET = 9  # kernel_table.ROW_BUCKETS: 1, 2, 4, ... 512 rows
 
 
 @functools.cache
@@ -148,7 +150,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_kernels is not None:
             num_rows = x.numel() // self.in_features
-            run = self.row_kernels[min(max(num_rows - 1, 0).bit_length(), _LAST_BUCKET)]
+            run = self.row_kernels[bucket_index(num_rows)]
             if run is not None:
                 y = run(x.reshape(-1, self.in_features).float())  # [M, in] -> [M, out]
                 return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
