@@ -13,6 +13,7 @@ from pathlib import Path
 from kvserve.core.errors import InvalidRequestError, ModelLoadError
 from kvserve.core.options import check_options, option
 from kvserve.core.sampling_params import GRAMMAR_COMPILE_TIMEOUT_S
+from kvserve.gguf.source import PANEL_FORMATS, gguf_matrix_types
 from kvserve.kv.groups import KVLayout, plan_layout, single_layout
 from kvserve.quant.methods import DEFAULT_METHOD, METHODS, check_method
 from kvserve.quant.scheme import QuantizationError, WeightScheme, parse_weight_scheme
@@ -26,7 +27,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # adaptive: kvserve/threads.py ThreadPoolSizer; fixed: every step on all of torch's threads
 THREAD_POLICIES = ("adaptive", "fixed")
-GGUF_ACTIVATIONS = ("fp32", "int8")  # EngineConfig.gguf_activations
+GGUF_ACTIVATIONS = ("auto", "fp32", "int8")  # EngineConfig.gguf_activations
 # which GEMM runs each linear at each row count (kvserve/model/kernel_table.py): measured on this
 # machine (cached), remeasure (ignoring the cache), own (kvserve's kernels and fixed rules), torch
 KERNEL_CHOICES = ("measured", "remeasure", "own", "torch")
@@ -465,10 +466,13 @@ class EngineConfig:
     )
     # kvserve.model.loader
     gguf_activations: str = option(
-        "fp32",
-        "a GGUF model's products: fp32 (its blocks times fp32 activations, the reference) or int8 "
-        "(Q4_0, Q4_1, Q5_0, Q8_0 blocks on the integer panel kernel, activations rounded to int8 per "
-        "32 inputs as llama.cpp does: faster; docs/gguf.md)",
+        "auto",
+        "a GGUF model's products: int8 (Q4_0, Q4_1, Q5_0, Q8_0 blocks on the integer panel kernel, "
+        "activations rounded to int8 per 32 inputs as llama.cpp rounds them: fast), fp32 (the "
+        "file's blocks times fp32 activations: the exact reference, slower) or auto (int8 where "
+        "every matrix of the file is such a block and the engine runs on one CPU rank in float32, "
+        "else fp32; "
+        "docs/gguf.md)",
         choices=GGUF_ACTIVATIONS,
     )
     tensor_parallel_size: int = option(
@@ -511,6 +515,21 @@ class EngineConfig:
             self.model.check_tensor_parallel(self.tensor_parallel_size)  # before anything starts
         _ = self.weight_scheme  # parsed once, here: a bad string raises QuantizationError naming it
         self._check_quantization_method()
+        if self.gguf_activations == "auto":  # decided once, here: every process reads the decision
+            object.__setattr__(self, "gguf_activations", self._auto_gguf_activations())
+
+    def _auto_gguf_activations(self) -> str:
+        """int8 for a GGUF model run as it is (no --quantization) on one CPU rank in float32 whose
+        every matrix is a type the integer panel kernel runs; fp32 (the exact path) otherwise:
+        tensor parallelism dequantises the blocks, the panel kernel is CPU code, and a file with
+        other types (K-quants) would mix int8 rounding with fp32 kernels whose sums change with a
+        step's row count, so its outputs would change with batching (docs/gguf.md)."""
+        types = gguf_matrix_types(self.model_dir)
+        runs_blocks = self.quantization is None and self.tensor_parallel_size == 1
+        on_cpu_fp32 = self.device == "cpu" and self.dtype == "float32"
+        if runs_blocks and on_cpu_fp32 and types and all(t in PANEL_FORMATS for t in types):
+            return "int8"
+        return "fp32"
 
     @cached_property
     def weight_scheme(self) -> WeightScheme | None:

@@ -67,7 +67,7 @@ def device_memory_reading(device: str) -> MemoryReading | None:
 
 def checkpoint_bytes(model_dir: str | Path) -> int:
     """Bytes of the checkpoint's weight files: what loading them will take, about."""
-    from kvserve.gguf.model_dir import gguf_source
+    from kvserve.gguf.source import gguf_source
 
     source = gguf_source(model_dir)
     if source is not None:  # a GGUF file's directory holds no weights: they stay in the file

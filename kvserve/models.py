@@ -72,7 +72,7 @@ def default_draft_dir() -> Path:
 
 def builtin_name(model_dir: str | Path) -> str | None:
     """The built-in name of a directory (`kvserve-demo` for the embedded target), else None."""
-    from kvserve.gguf.model_dir import gguf_source
+    from kvserve.gguf.source import gguf_source
 
     resolved = Path(model_dir).resolve()
     source = gguf_source(resolved) if resolved.is_dir() else None

@@ -98,7 +98,7 @@ def register(subparsers) -> None:
     cmp.add_argument(
         "--candidate-gguf-activations",
         default="fp32",
-        choices=GGUF_ACTIVATIONS,
+        choices=[a for a in GGUF_ACTIVATIONS if a != "auto"],  # the candidate is named exactly
         help="a GGUF candidate's products: fp32, or int8 activations on the panel kernel "
         "(docs/gguf.md)",
     )

@@ -25,9 +25,9 @@ from pathlib import Path
 from kvserve.core.errors import ModelLoadError
 from kvserve.gguf.config import generation_config, hf_config
 from kvserve.gguf.reader import GGUFFile, open_gguf
+from kvserve.gguf.source import POINTER
 from kvserve.paths import cache_dir
 
-POINTER = "gguf.json"
 FORMAT_VERSION = 2  # bump when the derived files change, so old caches are rebuilt
 
 
@@ -122,20 +122,3 @@ def check_chat_template(template: str, path: Path) -> None:
         ) from None
     except jinja2.TemplateError:
         pass
-
-
-def gguf_source(model_dir: str | Path) -> Path | None:
-    """The GGUF file behind a directory written by `gguf_model_dir`, else None."""
-    pointer = Path(model_dir) / POINTER
-    if not pointer.is_file():
-        return None
-    path = Path(json.loads(pointer.read_text())["file"])
-    if not path.is_file():
-        raise ModelLoadError(f"{model_dir}: its GGUF file {path} is gone")
-    return path
-
-
-def gguf_matrix_types(model_dir: str | Path) -> dict[str, int]:
-    """ggml type -> how many of the file's matrices are in it ({} for a directory of another kind)."""
-    pointer = Path(model_dir) / POINTER
-    return json.loads(pointer.read_text()).get("matrix_types", {}) if pointer.is_file() else {}

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.gguf.source import PANEL_FORMATS
+
 NIBBLE_GROUP_LEN = 32  # nibble codes pack a group of 32: byte j holds elements j and j + 16
 
 
@@ -322,12 +324,10 @@ def float_tensor(raw: np.ndarray, ggml_type: object, shape: tuple[int, ...]) -> 
 
 # --- the panel kernel's integer formats: the file's codes as they are, activations rounded to int8 ------
 
+
 # ggml types whose blocks are one of kvserve's integer formats over groups of 32 (docs/gguf.md, "int8
 # activations"): codes and fp16 scales carried over unchanged; Q4_1's min m enters as the zero-point
 # z = -m / d rounded to fp16, the one value that is not the file's bit for bit.
-PANEL_FORMATS = {"Q4_0": "int4-g32", "Q4_1": "int4-g32-zp", "Q5_0": "int8-g32", "Q8_0": "int8-g32"}
-
-
 def as_quantized_tensor(parts: list[BlockWeight]):
     """The stacked rows of `parts` as a `QuantizedTensor` the panel kernel runs (kvserve/quant/rtn.py),
     or None when a part's type has no such format or its values do not fit it (a zero scale with a

@@ -13,8 +13,8 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.core.errors import ModelLoadError
-from kvserve.gguf.model_dir import gguf_source
 from kvserve.gguf.reader import open_gguf
+from kvserve.gguf.source import gguf_source
 from kvserve.gguf.weights import read_gguf_weights
 from kvserve.model.block_linear import BlockEmbedding, BlockLinear
 from kvserve.model.block_weights import BlockWeight, as_quantized_tensor

@@ -39,8 +39,8 @@ from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.core.errors import ModelLoadError, UnsupportedModelError
-from kvserve.gguf.model_dir import gguf_source
 from kvserve.gguf.reader import open_gguf
+from kvserve.gguf.source import gguf_source
 from kvserve.gguf.weights import read_gguf_weights
 from kvserve.model.decoder import DecoderLM
 from kvserve.model.loader import TORCH_DTYPES, read_checkpoint

@@ -44,7 +44,7 @@ def model_identity(
     its directory's config.json does not hold the weights), the scheme applied at load, for a
     calibrated method at load the method and the calibration text's hash, an 8-bit KV cache, and a
     GGUF model's int8 activations."""
-    from kvserve.gguf.model_dir import gguf_source
+    from kvserve.gguf.source import gguf_source
     from kvserve.paths import sha256_file
 
     identity = {"artifact_sha256": artifact_sha256(model_dir), "quantization": quantization}

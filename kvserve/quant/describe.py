@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvserve.gguf.model_dir import gguf_matrix_types
+from kvserve.gguf.source import gguf_matrix_types
 from kvserve.quant.methods import DEFAULT_METHOD
 from kvserve.quant.scheme import ACT_NONE, ACT_TENSOR, ACT_TOKEN, TensorScheme, parse_weight_scheme
 

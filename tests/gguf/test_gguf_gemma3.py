@@ -37,7 +37,7 @@ def llm():
     from kvserve.engine.llm import LLM
 
     return LLM(str(gemma3_gguf()), max_model_len=2200, max_num_seqs=20,
-               kv_cache_memory_bytes=1 << 30)  # fmt: skip
+               kv_cache_memory_bytes=1 << 30, gguf_activations="fp32")  # fmt: skip
 
 
 def test_the_fixture_exercises_the_window(reference):

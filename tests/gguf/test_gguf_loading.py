@@ -40,7 +40,7 @@ def test_logits_and_greedy_equal_transformers(tiny_model, tmp_path, ggml_type):
 
     path = write_llama_gguf(tmp_path / f"tiny-{ggml_type}.gguf", tiny_model, ggml_type, "Q8_0")
     expected = _transformers_logits(path, PROMPT)
-    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=16 << 20, gguf_activations="fp32")
     got = llm.engine.score(PROMPT)
     assert (got - expected).abs().max().item() <= LOGIT_ATOL
     # greedy continuation, batched beside another prompt, equals transformers' argmax chain
@@ -56,7 +56,8 @@ def test_requantised_with_quantization_fp32_is_the_dequantised_model(tiny_model,
     from kvserve.engine.llm import LLM
 
     path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_model, "Q4_1", "Q8_0")
-    blocks = LLM(str(path), max_model_len=64, kv_cache_memory_bytes=8 << 20).engine.score(PROMPT)
+    exact = LLM(str(path), max_model_len=64, kv_cache_memory_bytes=8 << 20, gguf_activations="fp32")
+    blocks = exact.engine.score(PROMPT)
     dense = LLM(str(path), max_model_len=64, kv_cache_memory_bytes=8 << 20,
                 quantization="fp32").engine.score(PROMPT)  # fmt: skip
     assert (blocks - dense).abs().max().item() <= LOGIT_ATOL
@@ -163,3 +164,36 @@ def test_int8_activations_run_the_file_codes_on_the_panel_kernel(tiny_model, tmp
     assert (got - expected).abs().max().item() <= 1e-3
     with pytest.raises(QuantizationError, match="drop --quantization"):
         LLM(str(path), max_model_len=64, quantization="int8", gguf_activations="int8")
+
+
+def test_auto_gguf_activations_is_int8_where_the_file_runs_on_the_panel_kernel(tiny_model, tmp_path):
+    """The default, --gguf-activations auto, is decided once in the engine's config: int8 (what
+    llama.cpp computes for these types) for a file whose every matrix is a panel-kernel block, run
+    as it is on one CPU rank in float32; fp32, the exact path, where the blocks are requantised or
+    dequantised (tensor parallelism), where a matrix has another type, or in another dtype."""
+    from kvserve.engine.args import build_engine_config
+    from kvserve.model.qlinear import QuantLinear
+
+    q4 = gguf_model_dir(write_llama_gguf(tmp_path / "q4.gguf", tiny_model, "Q4_1", "Q8_0"))
+    f16 = gguf_model_dir(write_llama_gguf(tmp_path / "f16.gguf", tiny_model, "F16", "F16"))
+    options = {"max_model_len": 64, "kv_cache_memory_bytes": 8 << 20}
+
+    def decided(model_dir, **extra) -> str:
+        return build_engine_config(model_dir, **options, **extra).gguf_activations
+
+    assert decided(q4) == "int8"
+    assert decided(q4, gguf_activations="fp32") == "fp32"
+    assert decided(q4, quantization="int8") == "fp32"
+    assert decided(q4, dtype="bfloat16") == "fp32"
+    assert decided(q4, tensor_parallel_size=2) == "fp32"
+    assert decided(f16) == "fp32"
+    mixed = gguf_model_dir(write_llama_gguf(tmp_path / "mixed.gguf", tiny_model, "Q4_1", "F16"))
+    assert decided(mixed) == "fp32"  # one matrix the panel kernel does not run: all stay exact
+    # what was decided is what runs: the linears on the panel kernel, and the same logits as asking
+    from kvserve.engine.llm import LLM
+
+    auto = LLM(str(q4), **options)
+    assert all(m.layout == "panel" for m in auto.engine.runner.model.modules()
+               if isinstance(m, QuantLinear))  # fmt: skip
+    int8 = LLM(str(q4), **options, gguf_activations="int8")
+    assert torch.equal(auto.engine.score(PROMPT), int8.engine.score(PROMPT))

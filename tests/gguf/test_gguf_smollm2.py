@@ -39,7 +39,7 @@ def reference():
 def llm():
     from kvserve.engine.llm import LLM
 
-    return LLM(str(smollm2_gguf()), max_model_len=512, max_num_seqs=32)
+    return LLM(str(smollm2_gguf()), max_model_len=512, max_num_seqs=32, gguf_activations="fp32")
 
 
 def test_greedy_ids_equal_transformers_batched(llm, reference):

@@ -98,7 +98,7 @@ def test_default_model_tp3_across_three_namespaces_equals_tp1_and_transformers(
             _kill(follower)
     got = [json.loads(line)["token_ids"] for line in out.splitlines()]
 
-    llm = LLM(model, num_blocks=256, block_size=16, max_model_len=1024)
+    llm = LLM(model, num_blocks=256, block_size=16, max_model_len=1024, gguf_activations="fp32")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     want = llm.generate(PROMPTS, params)
     from transformers import AutoModelForCausalLM

@@ -20,7 +20,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     **{leaf: set() for leaf in LEAVES},
     "core": set(),
     "kv": {"core"},
-    "config": {"core", "kv", "quant"},  # quant.scheme and quant.methods only (torch-free): below
+    "config": {"core", "kv", "quant", "gguf"},  # torch-free modules of quant and gguf only: below
     "sched": {"core", "kv", "config"},
     "plan": {"core", "kv", "config", "paths", "quant"},
     "evaluation": {"core"},
@@ -72,7 +72,10 @@ EXCEPTIONS = {
 }
 # Inside an allowed layer, only these modules: the rest of that layer is above the importer.
 ONLY = {
-    "config": {"quant": ("kvserve.quant.scheme", "kvserve.quant.methods")},
+    "config": {
+        "quant": ("kvserve.quant.scheme", "kvserve.quant.methods"),
+        "gguf": ("kvserve.gguf.source",),  # what a GGUF model directory points at (json only)
+    },
     "plan": {"quant": ("kvserve.quant.scheme",)},  # the one reader of format strings
     "gguf": {"model": ("kvserve.model.block_weights",)},
     "server": {
