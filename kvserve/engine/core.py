@@ -460,14 +460,14 @@ class EngineCore:
             step = chunk_size or len(token_ids)
             parts = []
             for start in range(0, len(token_ids), step):
-                chunk = ScheduledChunk(
+                chunk = ScheduledChunk(  # block_offset 0: the tables whole
                     request.request_id,
                     token_ids[start : start + step],
                     start,
                     block_ids,
                     False,
                     0,
-                    group_block_ids=tuple(group_ids),
+                    group_new_block_ids=tuple(group_ids),
                 )
                 parts.append(self.runner.score((chunk,)))
             return torch.cat(parts)
