@@ -40,6 +40,7 @@ class TableSender:
         """`windowed[g]`: group g is a sliding-window group (only those hold null entries; block 0
         is an ordinary block of a model with one group)."""
         self.windowed = tuple(windowed)
+        self._any_window = any(self.windowed)
         self._none_new = tuple(() for _ in self.windowed)
         self._sent: dict[str, tuple[int, tuple[int, ...]]] = {}
 
@@ -53,6 +54,8 @@ class TableSender:
         sent = self._sent.get(request_id)
         if sent is None:
             return self.whole(request_id, tables)
+        if not self._any_window and len(tables[0]) == sent[0]:
+            return sent[0], self._none_new, ()  # most decode steps: nothing changed
         return self._change(request_id, tables, *sent)
 
     def _change(
@@ -72,7 +75,7 @@ class TableSender:
             new = self._none_new
         else:
             new = tuple(tuple(table[offset:]) for table in tables)
-        if any(self.windowed):
+        if self._any_window:
             now = []
             for windowed, table, start in zip(self.windowed, tables, released, strict=True):
                 if windowed:
@@ -150,6 +153,16 @@ class BlockTables:
 
     def apply_chunk(self, chunk) -> list[list[int]]:
         """Apply a `ScheduledChunk`'s change (core/outputs.py); returns the request's tables."""
+        tables = self._tables.get(chunk.request_id)
+        if (
+            tables is not None
+            and not chunk.new_block_ids
+            and not chunk.group_new_block_ids
+            and not chunk.num_released_blocks
+            and len(tables[0]) == chunk.block_offset
+            and self.num_groups == 1
+        ):
+            return tables  # most decode steps of a model with one group: nothing changed
         return self.apply(
             chunk.request_id, chunk.block_offset, chunk.new_tables, chunk.num_released_blocks
         )
