@@ -391,8 +391,10 @@ class EngineCore:
             self._samples[new.request_id].first_scheduled_time = now
         for request_id in scheduler_output.preempted_request_ids:
             self._samples[request_id].num_preemptions += 1
-        if scheduler_output.empty and not scheduler_output.finished_request_ids:
-            return []
+        if scheduler_output.empty and not (
+            scheduler_output.finished_request_ids or scheduler_output.preempted_request_ids
+        ):
+            return []  # the runner hears of every end and preemption (its tables and draft cache)
         runner_output = self.runner.execute(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output, self._detokenize)
         now = self.clock()
