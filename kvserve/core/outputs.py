@@ -25,24 +25,30 @@ class NewRequestData:
 class ScheduledChunk:
     """Compute `token_ids` at positions [start_position, start_position + len(token_ids)) of one request.
 
-    `block_ids` is the request's whole block table after this step's allocation; a hybrid model's other KV
-    groups' tables (kv/groups.py) are in `group_block_ids`, in group order. `sample` is true when the
-    chunk reaches the end of the known tokens, so its last position yields the next token.
+    Its block tables travel as a change (core/block_tables.py): the runner keeps each request's tables
+    and appends `new_block_ids` (the first group's) and `group_new_block_ids` (a hybrid model's other
+    KV groups', kv/groups.py, in group order) at index `block_offset`, the tables' length when it last
+    saw them; `block_offset` 0 sends the tables whole (a request the runner holds none for: admitted
+    or resumed). `num_released_blocks[g]` is the length of group g's leading run of null entries (a
+    sliding window's returned blocks; empty: none anywhere). `sample` is true when the chunk reaches
+    the end of the known tokens, so its last position yields the next token.
     """
 
     request_id: str
     token_ids: tuple[int, ...]
     start_position: int
-    block_ids: tuple[int, ...]
+    new_block_ids: tuple[int, ...]
     sample: bool
     num_output_tokens: int  # output tokens the request had when scheduled (min_tokens, penalties)
     num_spec_tokens: int = 0  # the last num_spec_tokens of token_ids are proposals to verify
-    group_block_ids: tuple[tuple[int, ...], ...] = ()  # groups 1.. of a hybrid model
+    block_offset: int = 0
+    group_new_block_ids: tuple[tuple[int, ...], ...] = ()  # groups 1.. of a hybrid model
+    num_released_blocks: tuple[int, ...] = ()
 
     @property
-    def tables(self) -> tuple[tuple[int, ...], ...]:
-        """Every group's block table, the first group's (`block_ids`) first."""
-        return (self.block_ids, *self.group_block_ids)
+    def new_tables(self) -> tuple[tuple[int, ...], ...]:
+        """Every group's new blocks, the first group's (`new_block_ids`) first."""
+        return (self.new_block_ids, *self.group_new_block_ids)
 
     @property
     def num_tokens(self) -> int:

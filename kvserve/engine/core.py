@@ -391,8 +391,10 @@ class EngineCore:
             self._samples[new.request_id].first_scheduled_time = now
         for request_id in scheduler_output.preempted_request_ids:
             self._samples[request_id].num_preemptions += 1
-        if scheduler_output.empty and not scheduler_output.finished_request_ids:
-            return []
+        if scheduler_output.empty and not (
+            scheduler_output.finished_request_ids or scheduler_output.preempted_request_ids
+        ):
+            return []  # the runner hears of every end and preemption (its tables and draft cache)
         runner_output = self.runner.execute(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output, self._detokenize)
         now = self.clock()
@@ -460,14 +462,14 @@ class EngineCore:
             step = chunk_size or len(token_ids)
             parts = []
             for start in range(0, len(token_ids), step):
-                chunk = ScheduledChunk(
+                chunk = ScheduledChunk(  # block_offset 0: the tables whole
                     request.request_id,
                     token_ids[start : start + step],
                     start,
                     block_ids,
                     False,
                     0,
-                    group_block_ids=tuple(group_ids),
+                    group_new_block_ids=tuple(group_ids),
                 )
                 parts.append(self.runner.score((chunk,)))
             return torch.cat(parts)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NULL_BLOCK = 0  # a hybrid pool's reserved block: the entry of a window block already returned
+from kvserve.core.block_tables import NULL_BLOCK as NULL_BLOCK  # defined where the runner reads it
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 `make_runner` gives the engine a plain `ModelRunner` for one rank, else a `TensorParallelRunner`:
 a ModelRunner whose target model is rank 0's shard, which starts ranks 1..N-1 as worker processes
 (`kvserve.runner.worker`, torch.multiprocessing spawn; gloo on CPU, NCCL on CUDA) and, before each
-target forward, sends the forward's input to them. The scheduler, the KV manager, sampling
-(rank 0 gathers the logits), speculative proposers (the draft model runs whole on rank 0) and
-structured-output masks stay in the engine process, unchanged.
+target forward, sends the forward's input to them: each chunk's request, positions and tokens, and
+the block-table changes since the last forward (each rank keeps every request's tables, as rank 0
+does). The scheduler, the KV manager, sampling (rank 0 gathers the logits), speculative proposers
+(the draft model runs whole on rank 0) and structured-output masks stay in the engine process,
+unchanged.
 
 Failure: a worker that exits, or a collective that fails or times out, raises `WorkerFailedError`
 from the step (the engine dies loudly, never hangs), and every later step raises it again. Workers
@@ -26,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvserve.config import EngineConfig
+from kvserve.core.block_tables import CHANGE, DROP
 from kvserve.core.errors import InvalidRequestError
 from kvserve.links import gloo_environment, listen, load_secret
 from kvserve.model.parallel import TensorParallelLayout, check_tensor_parallel_arch
@@ -120,6 +123,7 @@ class TensorParallelRunner(ModelRunner):
         threads = 1 if cuda else threads_per_rank(len(local_ranks))
         timeout_s = config.dist.timeout_s if multi else COLLECTIVE_TIMEOUT_S
         self._error: WorkerFailedError | None = None
+        self._rank_table_ops: list[tuple] = []  # block-table operations the other ranks still need
         self._workers, self._conns, self._nodes = [], [], []
         self._store = self._node_group = None
         rendezvous_dir = None
@@ -232,11 +236,31 @@ class TensorParallelRunner(ModelRunner):
 
     # --- each step ------------------------------------------------------------------------------
 
-    def _forward(self, chunks, rows):
+    def _apply_tables(self, scheduler_output):
+        """Rank 0's tables, and the same operations queued for the other ranks, which receive them
+        with the next forward (in order, so a step that fails before its forward loses none)."""
+        super()._apply_tables(scheduler_output)
+        ops = self._rank_table_ops
+        for request_id in scheduler_output.finished_request_ids:
+            ops.append((DROP, request_id))
+        for request_id in scheduler_output.preempted_request_ids:
+            ops.append((DROP, request_id))
+        ops.extend(_change_op(chunk) for chunk in scheduler_output.chunks)
+
+    def score(self, chunks):
+        self._rank_table_ops.extend(_change_op(chunk) for chunk in chunks)
+        try:
+            return super().score(chunks)
+        finally:
+            self._rank_table_ops.extend((DROP, c.request_id) for c in chunks)
+
+    def _forward(self, chunks, tables, rows):
         if self._error is not None:
             raise self._error
-        chunks = [(start, tuple(tokens), tuple(blocks)) for start, tokens, blocks in chunks]
+        ops, self._rank_table_ops = self._rank_table_ops, []
+        spans = [(c.request_id, c.start_position, c.token_ids) for c in chunks]
         rows = None if rows is None else list(rows)
+        message = (FORWARD, ops, spans, rows)
         try:
             for rank, (process, conn) in enumerate(
                 zip(self._workers, self._conns, strict=True), start=1
@@ -245,13 +269,13 @@ class TensorParallelRunner(ModelRunner):
                     raise WorkerFailedError(
                         f"tensor-parallel rank {rank} exited with code {process.exitcode}"
                     )
-                conn.send((FORWARD, chunks, rows))
+                conn.send(message)
             for node in self._nodes:
                 reason = node.failure()
                 if reason is not None:
                     raise WorkerFailedError(f"tensor-parallel {reason}")
-                node.send([FORWARD, chunks, rows])
-            return super()._forward(chunks, rows)
+                node.send(message)
+            return super()._forward(chunks, tables, rows)
         except (OSError, RuntimeError) as exc:  # a broken pipe; gloo/NCCL errors and timeouts
             self._error = self._failure(exc)
             raise self._error from exc
@@ -283,6 +307,17 @@ class TensorParallelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         self._finalizer()  # idempotent
+
+
+def _change_op(chunk) -> tuple:
+    """A chunk's block-table change as a `BlockTables.apply_ops` operation (plain data)."""
+    return (
+        CHANGE,
+        chunk.request_id,
+        chunk.block_offset,
+        chunk.new_tables,
+        chunk.num_released_blocks,
+    )
 
 
 def _first_line(exc: BaseException) -> str:

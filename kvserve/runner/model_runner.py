@@ -2,7 +2,8 @@
 
 It turns a `SchedulerOutput` into input tensors once per step, runs the forward pass, computes logits only for
 the rows that sample, and samples (or verifies proposals, then proposes again). It never imports the
-scheduler: block ids arrive in the output it is given.
+scheduler: each request's block tables are rebuilt here from the changes that arrive in the output it is
+given (core/block_tables.py).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.core.block_tables import BlockTables
 from kvserve.core.outputs import (
     NewRequestData,
     RunnerOutput,
@@ -69,6 +72,7 @@ class ModelRunner:
             self.model.use_cpu_kernels(False)
         self.vocab_size = config.model.vocab_size
         self.layout = config.kv_layout  # kv/groups.py: one block table, or one per group
+        self.block_tables = BlockTables(len(self.layout.groups))  # per request, from the changes
         self.kv_tensors, self.kv_caches = allocate_kv_cache(
             self.model,
             num_blocks,
@@ -144,26 +148,25 @@ class ModelRunner:
         )
 
     def _forward(
-        self, chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]], rows: list[int] | None
+        self, chunks: Sequence[ScheduledChunk], tables: BlockTables, rows: list[int] | None
     ) -> torch.Tensor:
-        """The target's forward over (start position, token ids, block ids) per chunk -> logits
-        [len(rows), V] (rows None: every row). A tensor-parallel runner sends the same input to
-        its other ranks first."""
+        """The target's forward over the chunks, through their requests' block tables in `tables` ->
+        logits [len(rows), V] (rows None: every row). A tensor-parallel runner sends the same input
+        to its other ranks first."""
         return forward_chunks(
             self.model,
             self.kv_caches,
             self.attention,
-            chunks,
+            [self._span(c, tables.get(c.request_id)) for c in chunks],
             self.block_size,
             self.device,
             rows,
             self.layout,
         )
 
-    def _span(self, chunk: ScheduledChunk) -> tuple:
+    def _span(self, chunk: ScheduledChunk, tables: list[list[int]]) -> tuple:
         """What `forward_chunks` takes of a chunk: its block table, or every group's (hybrid)."""
-        tables = chunk.tables if self.layout.hybrid else chunk.block_ids
-        return (chunk.start_position, chunk.token_ids, tables)
+        return (chunk.start_position, chunk.token_ids, tables if self.layout.hybrid else tables[0])
 
     def shutdown(self) -> None:
         """Release what outlives the runner object (worker processes, in a tensor-parallel one)."""
@@ -194,6 +197,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        # The block tables first: the scheduler counts this step's changes as seen even if preparing
+        # a request below fails the step.
+        self._apply_tables(scheduler_output)
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
         for new in scheduler_output.new_requests:
@@ -213,6 +219,16 @@ class ModelRunner:
                 if threads != self.last_step_threads:
                     torch.set_num_threads(threads)
 
+    def _apply_tables(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop the tables of finished and preempted requests, then apply each chunk's change."""
+        tables = self.block_tables
+        for request_id in scheduler_output.finished_request_ids:
+            tables.drop(request_id)
+        for request_id in scheduler_output.preempted_request_ids:
+            tables.drop(request_id)
+        for chunk in scheduler_output.chunks:
+            tables.apply_chunk(chunk)
+
     def _execute(self, chunks: tuple[ScheduledChunk, ...]) -> RunnerOutput:
         sampling = [c for c in chunks if c.sample]
         rows, row = [], 0
@@ -221,7 +237,7 @@ class ModelRunner:
             if chunk.sample:  # the last committed token and each proposal predict a token
                 rows.extend(range(row - 1 - chunk.num_spec_tokens, row))
         start = time.perf_counter()
-        logits = self._forward([self._span(c) for c in chunks], rows)
+        logits = self._forward(chunks, self.block_tables, rows)
         if any(c.num_spec_tokens for c in sampling):
             self.spec_stats.target_time_s += time.perf_counter() - start
         results = self._sample(logits, sampling)
@@ -364,7 +380,8 @@ class ModelRunner:
                 self.max_model_len - len(tokens),  # the verifying chunk must fit the context
             )
             if num > 0:
-                jobs.append(DraftJob(tokens, state.draft_num_computed, list(chunk.block_ids), num))
+                table = self.block_tables.get(chunk.request_id)[0]  # read in this step only
+                jobs.append(DraftJob(tokens, state.draft_num_computed, table, num))
                 keys.append(chunk.request_id)
         proposals: dict[str, list[int]] = {}
         if self.ngram is not None:
@@ -440,8 +457,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score(self, chunks: tuple[ScheduledChunk, ...]) -> torch.Tensor:
-        """Logits [T, V] for every position of the chunks (evaluation and cache-equivalence checks)."""
-        return self._forward([self._span(c) for c in chunks], None)
+        """Logits [T, V] for every position of the chunks (evaluation and cache-equivalence checks),
+        outside any step: each chunk sends its tables whole, kept for this call only."""
+        tables = BlockTables(self.block_tables.num_groups)
+        for chunk in chunks:
+            tables.apply_chunk(chunk)
+        return self._forward(chunks, tables, None)
 
 
 def _grammar_prefix(matcher, token_ids: list[int]) -> list[int]:

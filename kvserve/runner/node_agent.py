@@ -115,10 +115,9 @@ def _relay(channel: Channel, workers: list, conns: list, ranks: range, where: st
                     raise NodeError(f"{where}: lost node 0 ({exc}); stopping") from None
                 if command[0] == STOP:
                     return
-                _, chunks, rows = command
-                chunks = [(start, tuple(tokens), tuple(blocks)) for start, tokens, blocks in chunks]
+                _, ops, chunks, rows = command  # block-table operations first, then the chunks
                 for conn in conns:
-                    conn.send((FORWARD, chunks, rows))
+                    conn.send((FORWARD, ops, chunks, rows))
             elif isinstance(ready, int):  # a rank's process ended
                 rank = sentinels[ready]
                 code = workers[rank - ranks.start].exitcode

@@ -1,10 +1,11 @@
 """Tensor-parallel ranks (docs/parallel.md): how every rank loads its shard, and the loop of ranks
 1..N-1, which run in worker processes started by `kvserve.runner.executor`.
 
-A worker owns its shard of the weights and its KV heads of the cache. It receives each target
-forward's input, (start position, token ids, block ids) per chunk and the logit rows, over a pipe
-from rank 0, runs the same forward (meeting rank 0 at every all-reduce and at the logits gather)
-and waits for the next. It never samples: rank 0 does, beside the scheduler. Commands travel over
+A worker owns its shard of the weights and its KV heads of the cache, and keeps each request's block
+tables (core/block_tables.py). It receives each target forward's input over a pipe from rank 0: the
+block-table changes since the last forward, (request id, start position, token ids) per chunk, and
+the logit rows. It runs the same forward (meeting rank 0 at every all-reduce and at the logits
+gather) and waits for the next. It never samples: rank 0 does, beside the scheduler. Commands travel over
 the pipe rather than a collective so that an idle engine is not a collective timing out, and so that
 a worker sees the engine process end (the pipe's EOF) and exits.
 """
@@ -19,6 +20,7 @@ from datetime import timedelta
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.core.block_tables import BlockTables
 from kvserve.model.attention import get_attention_backend
 from kvserve.model.loader import TORCH_DTYPES
 from kvserve.model.parallel import (
@@ -28,8 +30,9 @@ from kvserve.model.parallel import (
 )
 from kvserve.runner.forward import allocate_kv_cache, forward_chunks
 
-# Commands rank 0 sends: ("forward", chunks, logit rows) | ("stop",). Replies: ("ready", weight
-# bytes, KV bytes) once loaded, ("error", traceback text) before a failing worker exits.
+# Commands rank 0 sends: ("forward", block-table operations, chunks, logit rows) | ("stop",).
+# Replies: ("ready", weight bytes, KV bytes) once loaded, ("error", traceback text) before a failing
+# worker exits.
 FORWARD, STOP, READY, ERROR = "forward", "stop", "ready", "error"
 
 
@@ -127,6 +130,7 @@ def worker_main(spec: RankSpec, config: EngineConfig, num_blocks: int, conn) -> 
         kv_tensors, kv_caches = allocate_kv_cache(
             model, num_blocks, block_size, dtype, device, config.cache.kv_cache_dtype
         )
+        tables = BlockTables(len(config.kv_layout.groups))
         conn.send((READY, weight_bytes, sum(t.numel() * t.element_size() for t in kv_tensors)))
         with torch.inference_mode():
             while True:
@@ -136,8 +140,10 @@ def worker_main(spec: RankSpec, config: EngineConfig, num_blocks: int, conn) -> 
                     break
                 if command[0] == STOP:
                     break
-                _, chunks, rows = command
-                forward_chunks(model, kv_caches, attention, chunks, block_size, device, rows)
+                _, ops, chunks, rows = command
+                tables.apply_ops(ops)
+                spans = [(start, tokens, tables.get(rid)[0]) for rid, start, tokens in chunks]
+                forward_chunks(model, kv_caches, attention, spans, block_size, device, rows)
     except BaseException:
         try:
             conn.send((ERROR, f"rank {spec.rank} (pid {os.getpid()}): {traceback.format_exc()}"))

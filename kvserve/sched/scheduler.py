@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.block_tables import TableSender
 from kvserve.core.outputs import (
     NewRequestData,
     RequestUpdate,
@@ -50,6 +51,8 @@ class Scheduler:
         # n > 1: samples 1..n-1 by sample 0's id, until sample 0 has sampled its first token
         self._held: dict[str, list[Request]] = {}
         self._finished_ids: list[str] = []  # told to the runner with the next step
+        # what the runner holds of each request's block tables: a step sends only the change
+        self.tables_sent = TableSender([g.window is not None for g in kv_manager.groups])
         self.stats = SchedulerStats()
 
     # --- queue ------------------------------------------------------------------------------------------
@@ -93,6 +96,7 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv.free(request)
+        self.tables_sent.forget(request.request_id)
         del self.requests[request.request_id]
         self._release_held(request.request_id)
         if request.first_scheduled_time is not None:
@@ -202,7 +206,7 @@ class Scheduler:
                     )
                 )
             self.running.append(request)
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(self._chunk(request, num_new, whole=True))
             budget -= num_new
             if num_left > 1:
                 prompt_budget -= num_new
@@ -264,25 +268,34 @@ class Scheduler:
     def _lookahead(self, request: Request) -> int:
         return self.config.num_lookahead_tokens if request.sampling_params.speculate else 0
 
-    def _chunk(self, request: Request, num_new: int, num_spec: int = 0) -> ScheduledChunk:
+    def _chunk(
+        self, request: Request, num_new: int, num_spec: int = 0, whole: bool = False
+    ) -> ScheduledChunk:
+        """The chunk of `num_new` tokens (+ `num_spec` proposals); its block tables whole when the
+        request was just admitted (the runner holds none for it), else what changed since the last."""
         start = request.num_computed_tokens
         token_ids = request.token_ids(start, start + num_new)
         tables = self.kv.group_block_ids(request.request_id)
+        sent = self.tables_sent
+        offset, new, released = (sent.whole if whole else sent.change)(request.request_id, tables)
         if num_spec:
             token_ids += tuple(request.spec_token_ids[:num_spec])
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=token_ids,
             start_position=start,
-            block_ids=tuple(tables[0]),
-            group_block_ids=tuple(tuple(t) for t in tables[1:]),
+            new_block_ids=new[0],
             sample=start + num_new == request.num_tokens,
             num_output_tokens=request.num_output_tokens,
             num_spec_tokens=num_spec,
+            block_offset=offset,
+            group_new_block_ids=new[1:],
+            num_released_blocks=released,
         )
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
+        self.tables_sent.forget(request.request_id)  # the runner drops its tables
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

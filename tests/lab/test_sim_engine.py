@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvserve.core.block_tables import BlockTables
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.lab.sim.loop import simulate_continuous
 from kvserve.lab.sim.workload import SimRequest
@@ -41,18 +42,26 @@ def make_engine(model_dir, admission: str):
 
 
 def decisions(outputs) -> list[tuple]:
-    """What the scheduler decided, without the sampled token values (the model's, or fake)."""
-    return [
-        (
-            tuple(
-                (c.request_id, c.start_position, c.num_tokens, c.block_ids, c.sample)
-                for c in o.chunks
-            ),
-            o.preempted_request_ids,
+    """What the scheduler decided, without the sampled token values (the model's, or fake); each
+    chunk with its block table as a runner rebuilds it from the steps' changes."""
+    tables = BlockTables(1)
+    out = []
+    for o in outputs:
+        for request_id in o.finished_request_ids + o.preempted_request_ids:
+            tables.drop(request_id)
+        chunks = tuple(
+            (
+                c.request_id,
+                c.start_position,
+                c.num_tokens,
+                tuple(tables.apply_chunk(c)[0]),
+                c.sample,
+            )
+            for c in o.chunks
         )
-        for o in outputs
-        if not o.empty
-    ]
+        if not o.empty:
+            out.append((chunks, o.preempted_request_ids))
+    return out
 
 
 @pytest.mark.parametrize("admission", ["on_demand", "reserve"])

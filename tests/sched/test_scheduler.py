@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.block_tables import BlockTables
 from kvserve.core.errors import InvalidRequestError
 from kvserve.core.outputs import RunnerOutput, SampledTokens, StopStringMatch
 from kvserve.core.request import Request, sample_request_id
@@ -62,13 +63,16 @@ def test_the_scheduler_fans_out_n_samples_and_holds_the_siblings():
     samples = [scheduler.requests[i] for i in ids]
     assert [s.sampling_params.seed for s in samples] == [10, 11, 12]
     assert [s.prompt_source_id for s in samples] == [None, "r-0", "r-0"]
+    tables = BlockTables(1)  # what the runner rebuilds from the steps' changes
     out, _ = _step(scheduler, {})
     assert [n.request_id for n in out.new_requests] == ["r-0"]  # siblings wait for the prompt
     assert scheduler.num_waiting == 2
+    for chunk in out.chunks:
+        tables.apply_chunk(chunk)
     out, _ = _step(scheduler, {})
     assert [n.request_id for n in out.new_requests] == ["r-1", "r-2"]
     # they share sample 0's full prompt block by reference (no prefix caching here)
-    blocks = {c.request_id: c.block_ids for c in out.chunks}
+    blocks = {c.request_id: tables.apply_chunk(c)[0] for c in out.chunks}
     assert blocks["r-1"][0] == blocks["r-2"][0] == blocks["r-0"][0]
     assert {c.request_id: c.start_position for c in out.chunks}["r-1"] == 16
 

@@ -66,7 +66,7 @@ def _step(
             request_id=t.request_id,
             token_ids=(FAKE_TOKEN_ID,) * num_new,
             start_position=start,
-            block_ids=tuple(kv.block_ids(t.request_id)),
+            new_block_ids=tuple(kv.block_ids(t.request_id)),  # whole (block_offset 0): no runner
             sample=True,
             num_output_tokens=num_output,
         )
