@@ -154,7 +154,7 @@ def test_measure_overhead_times_the_real_engine_and_puts_a_slow_sampler_in_its_p
 def test_the_planners_path_rule_matches_the_kernels_choice(threads):
     """The profile fields `kvserve plan --measure` writes (measure_engine.fused_profile_fields)
     and EngineCost.path give the step shape the kernel takes, read from its own counters: the
-    fused step or not (the decoder's step count), one OpenMP region or not (team_steps())."""
+    fused step or not (the decoder's step count), pooled (one OpenMP region) or not (pooled_steps())."""
     import torch
 
     from kvserve.lab.measure_engine import fused_profile_fields, fused_rows, tiny_decoder
@@ -175,12 +175,12 @@ def test_the_planners_path_rule_matches_the_kernels_choice(threads):
                   (fused_rows(), 600), (fused_rows() + 1, 40)]  # fmt: skip
         for rows, context in shapes:
             make_step, model = tiny_decoder(1, True, context=context, max_batch=rows)
-            team_before = fused_decode.team_steps()
+            pooled_before = fused_decode.pooled_steps()
             with torch.inference_mode():
                 make_step(rows)()
             ran_fused = model.fused is not None and model.fused.num_steps == 1
-            ran_team = fused_decode.team_steps() > team_before
-            kernel = "team" if ran_team else "fused" if ran_fused else "per-op"
+            ran_pooled = fused_decode.pooled_steps() > pooled_before
+            kernel = "team" if ran_pooled else "fused" if ran_fused else "per-op"
             assert cost.path(rows, context) == kernel, (rows, context, threads)
         assert cost.path(fused_rows(), 40) == ("team" if threads > 1 else "fused")
     finally:
