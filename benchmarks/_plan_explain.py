@@ -88,7 +88,7 @@ def machine_drift(row: dict) -> str | None:
 
 
 def retimed(row: dict) -> str | None:
-    """The same plan with its team layers and head timed again beside the steps
+    """The same plan with its pooled layers and head timed again beside the steps
     (plan_vs_measured.retimed_profile): what is left of the gap at one machine speed."""
     if not row.get("plan_now_s"):
         return None
@@ -96,7 +96,7 @@ def retimed(row: dict) -> str | None:
     row["measured_over_plan_now"] = ratio
     verdict = "within" if abs(ratio - 1) <= TOLERANCE else "still outside"
     return (
-        f"with the plan's team layers and head timed again beside these steps: measured / plan "
+        f"with the plan's pooled layers and head timed again beside these steps: measured / plan "
         f"{ratio:.2f} ({verdict} 15%)"
     )
 

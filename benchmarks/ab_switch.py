@@ -7,7 +7,8 @@ each alternation gives one paired ratio A / B. docs/performance.md, "Measuring a
 
 Switches (A / B):
   guided               each thread a fixed half of a linear's panels / panels claimed in chunks
-  team                 the step forks and joins per linear / one parallel region for the whole step
+  pooled               the step forks and joins per linear / the pooled step (one parallel region
+                       whose thread pool stays up for the whole step)
   isa:LEVEL,LEVEL      the kernels capped at an ISA level (scalar, avx2, avx512), e.g. isa:avx2,avx512
   sources:DIR          the package's C sources / the C files in DIR, a modified copy of
                        kvserve/model/csrc with the same structs (both builds loaded side by side);
@@ -66,11 +67,11 @@ class Switch:
                           "b": lambda: self.lib.decode_set_guided(1)}  # fmt: skip
             self.labels = ("fixed shares", "guided")
             self._restore = lambda: self.lib.decode_set_guided(1)
-        elif name == "team":
-            self.sides = {"a": lambda: self.lib.decode_set_team_step(0),
-                          "b": lambda: self.lib.decode_set_team_step(1)}  # fmt: skip
-            self.labels = ("forking", "team")
-            self._restore = lambda: self.lib.decode_set_team_step(1)
+        elif name == "pooled":
+            self.sides = {"a": lambda: self.lib.decode_set_pooled_step(0),
+                          "b": lambda: self.lib.decode_set_pooled_step(1)}  # fmt: skip
+            self.labels = ("forking", "pooled")
+            self._restore = lambda: self.lib.decode_set_pooled_step(1)
         elif name == "isa":
             levels = arg.split(",")
             if len(levels) != 2 or any(v not in fused_decode.available_isas() for v in levels):
@@ -96,7 +97,7 @@ class Switch:
             self._restore = lambda: setattr(cpu_kernels, "load_kernel", self.loader)
         else:
             raise SystemExit(
-                f"unknown switch {spec!r} (guided, team, isa:A,B, sources:[DIR_A,]DIR_B)"
+                f"unknown switch {spec!r} (guided, pooled, isa:A,B, sources:[DIR_A,]DIR_B)"
             )
 
     def apply(self, side: str) -> None:
@@ -168,7 +169,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="checkpoint directory")
     parser.add_argument(
-        "--switch", required=True, help="guided, team, isa:A,B or sources:[DIR_A,]DIR_B"
+        "--switch", required=True, help="guided, pooled, isa:A,B or sources:[DIR_A,]DIR_B"
     )
     parser.add_argument("--target", choices=["step", "head", "decode"], default="step")
     parser.add_argument("--batch", type=int, default=1, help="rows (requests) in the step")

@@ -22,7 +22,7 @@ kvserve's default stays out); `kvserve` is what the `kvserve` command line appli
 are unset (kvserve.threads.THREAD_DEFAULTS) with the engine's default thread policy (adaptive: a step
 runs on one thread fewer while a neighbour takes CPU time from the OpenMP thread pool, kvserve.threads.ThreadPoolSizer);
 `fixed` is the same with `--thread-policy fixed` (every step on all threads); the others set one
-variable each (adaptive policy). `thread_changes` counts the team's changes of size.
+variable each (adaptive policy). `thread_changes` counts the thread pool's changes of size.
 
     PYTHONPATH=$PWD kv-bench .venv/bin/python benchmarks/neighbour.py --model /tmp/kv/smol-gpt2 \
         [--rounds 2] [--settings libgomp,kvserve] [--target server] [--quantization FMT] [--out FILE]

@@ -51,7 +51,7 @@ def kvserve_point(llm, batch: int, prompt_len: int, new_tokens: int) -> dict:
         "batch": batch,
         "prefill_tok_s": batch * prompt_len / prefill_s,
         "decode_tok_s": batch * (new_tokens - 1) / (decode_end - decode_start),
-        # the adaptive thread policy's changes of team size so far (0: every step on all threads)
+        # the adaptive thread policy's changes of pool size so far (0: every step on all threads)
         "thread_changes": llm.engine.runner.num_thread_changes,
     }
 

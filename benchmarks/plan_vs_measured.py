@@ -171,9 +171,9 @@ def plan_step(spec, profile, weights: str, batch: int, context: float) -> dict:
 
 
 def retimed_profile(profile, spec, weights: str, batches: list[int], contexts: list[int]):
-    """`profile` with the plan's largest terms timed again now, beside the steps: the team step's
-    layers (`team-layer:FMT`, at 16 and the longest context) and the head (`head:FMT`) at the
-    rows these steps ran, as `--measure` times them (kvserve/lab/measure_team.py). The machine's
+    """`profile` with the plan's largest terms timed again now, beside the steps: the pooled step's
+    layers (`pool-layer:FMT`, at 16 and the longest context) and the head (`head:FMT`) at the
+    rows these steps ran, as `--measure` times them (kvserve/lab/measure_pool.py). The machine's
     speed moves between the profile and the steps (the probes drifted 1.4-4x over one run here);
     the plan from these points holds the planner's arithmetic against the steps at one speed."""
     import dataclasses
@@ -181,14 +181,14 @@ def retimed_profile(profile, spec, weights: str, batches: list[int], contexts: l
     import torch
 
     from kvserve.lab.measure import MeasureConfig
-    from kvserve.lab.measure_team import measure_head, measure_team_layers
+    from kvserve.lab.measure_pool import measure_head, measure_pool_layers
 
     parts = plan_parts(weights, spec)
     fixed = [(p.num_columns, p.median_s) for p in profile.points if p.kind == "fused-fixed"]
     cfg = MeasureConfig(attention_contexts=(16, max(contexts)))
     rows = tuple(sorted(batches))
     with torch.inference_mode():
-        fresh = measure_team_layers(cfg, spec, parts["linear"], fixed, rows=rows)
+        fresh = measure_pool_layers(cfg, spec, parts["linear"], fixed, rows=rows)
         fresh += measure_head(cfg, spec, parts["head"], rows=rows)
     kinds = {p.kind for p in fresh}
     kept = [p for p in profile.points if p.kind not in kinds]
@@ -226,7 +226,7 @@ def main() -> int:
     p.add_argument(
         "--no-retime",
         action="store_true",
-        help="skip timing the plan's team layers and head again beside each format's steps",
+        help="skip timing the plan's pooled layers and head again beside each format's steps",
     )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tmp" / "plan"))
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "plan_vs_measured.json"))

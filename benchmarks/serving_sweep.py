@@ -164,7 +164,7 @@ def run_engine(engine: str, args) -> dict:
         subprocess.run(cmd, check=True)
         wall_s = time.time() - started
         thread_changes = None
-        if engine.startswith("kvserve"):  # the adaptive thread policy's changes of team size
+        if engine.startswith("kvserve"):  # the adaptive thread policy's changes of pool size
             steps = httpx.get(f"{url}/debug/steps", params={"since": 0}, timeout=30).json()
             (out / "steps.json").write_text(json.dumps(steps))  # the server's own step log
             metrics = httpx.get(f"{url}/metrics", timeout=10).text.splitlines()

@@ -265,7 +265,7 @@ def _measure(args: argparse.Namespace) -> Any:
                 f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer", file=out
             )
             return
-        if p.kind.startswith("team-layer:"):
+        if p.kind.startswith("pool-layer:"):
             what = f"{p.kind} at {p.context_tokens}"
             print(
                 f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10} per layer "
@@ -278,7 +278,7 @@ def _measure(args: argparse.Namespace) -> Any:
             print(f"  {what:<24} {p.num_columns:>3} rows {fmt_s(p.median_s):>10}", file=out)
             return
         if "dispatch" in p.kind or p.kind.endswith("-fixed"):
-            path = {"fused": "team step", "fork": "fused, forking"}.get(
+            path = {"fused": "pooled step", "fork": "fused, forking"}.get(
                 p.kind.split("-")[0], "per-op"
             )
             what = "per layer" if p.kind.endswith("dispatch") else "per step"
@@ -298,8 +298,8 @@ def _measure(args: argparse.Namespace) -> Any:
     if args.device == "cpu" and args.measure_formats != "none":
         # the engine's own kernels and host cost (docs/planning.md, a measured engine profile)
         formats = tuple(f for f in args.measure_formats.split(",") if f)
-        if args.measure_model:  # the team step's host cost on the model's own layer shapes
-            from kvserve.lab.measure_team import measure_engine_on_model
+        if args.measure_model:  # the pooled step's host cost on the model's own layer shapes
+            from kvserve.lab.measure_pool import measure_engine_on_model
             from kvserve.lab.plan import load_model
 
             spec = load_model(_builtin_to_dir(args.measure_model))

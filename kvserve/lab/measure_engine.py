@@ -34,10 +34,10 @@ from kvserve.lab.plan.hardware import MeasuredPoint
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32)
 DISPATCH_ROWS = (1, 4, 16)
 FUSED_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the fused step's host cost, at those it takes
-# decode_step.c runs the fused step as one OpenMP region (the team step) at every context whenever
-# at least this many threads run (team_step); a test checks the planner's path rule against the
+# decode_step.c runs the fused step as one OpenMP region (the pooled step) at every context whenever
+# at least this many threads run (use_pooled_step); a test checks the planner's path rule against the
 # kernel's choice (tests/lab/test_plan_engine_overhead.py)
-TEAM_MIN_THREADS = 2
+POOL_MIN_THREADS = 2
 FIXED_KIND = {
     "dispatch": "dispatch-fixed",
     "fused-dispatch": "fused-fixed",
@@ -352,9 +352,9 @@ def fused_profile_fields(points: list[MeasuredPoint], num_threads: int) -> dict[
     """The HardwareProfile fields that say which step shape the engine runs (docs/planning.md):
     the fused step's rows with quantised projections (`decode_fused_rows`: the per-op fp32 linear
     changes kernel there too) and with fp32 ones (`decode_fused_f32_rows`: the most rows its
-    fixed host cost was measured at, every row count the step takes), and whether it is the team
+    fixed host cost was measured at, every row count the step takes), and whether it is the pooled
     step at every context (`num_threads`, the threads the engine runs with). Not the per-layer
-    points' rows: with a model those are the team host's, at 1, 4 and 16 rows only, and a
+    points' rows: with a model those are the pooled step's host points, at 1, 4 and 16 rows only, and a
     profile said 16 while the engine fused steps of up to 64 rows."""
     from kvserve.model import fused_decode
 
@@ -363,13 +363,13 @@ def fused_profile_fields(points: list[MeasuredPoint], num_threads: int) -> dict[
         return {
             "decode_fused_rows": 0,
             "decode_fused_f32_rows": 0,
-            "decode_team_any_context": False,
+            "decode_pooled_any_context": False,
         }
     fixed = [p.num_columns for p in points if p.kind == "fused-fixed"]
     return {
         "decode_fused_rows": min(fused_decode.max_rows(), max(fused)),
         "decode_fused_f32_rows": max(fixed or fused),
-        "decode_team_any_context": num_threads >= TEAM_MIN_THREADS,
+        "decode_pooled_any_context": num_threads >= POOL_MIN_THREADS,
     }
 
 
@@ -383,11 +383,11 @@ def measure_dispatch(
     (its fused step off) at `rows`: `dispatch` (seconds per decoder layer) and `dispatch-fixed`
     (the rest of a forward); the fused step at `FUSED_ROWS` up to `fused_rows()`, where it runs:
     `fused-dispatch` and `fused-fixed` (its cost per layer inside the native call, and the rest
-    of the step: embedding, RoPE tables, metadata, the call, the head: the team step, one
+    of the step: embedding, RoPE tables, metadata, the call, the head: the pooled step, one
     OpenMP region, with more than one thread); `fused_shape_rows` overrides those rows (a quick
     probe). Each point is the median over `cfg.dispatch_rounds` rounds of the two decoders'
     difference. (The forking path of older kernels, `fork-dispatch`, is no step shape now: the
-    kernel runs the team step at every context.)"""
+    kernel runs the pooled step at every context.)"""
     max_fused = fused_rows()
     shapes = [("dispatch", False, rows)]
     if max_fused:
@@ -432,7 +432,7 @@ def measure_engine(
 ) -> list[MeasuredPoint]:
     """The dispatch and attention points and each format's linear points (CPU only: the engine's
     CPU layouts); the linears over `model`'s own matrices when given (a kvserve.lab.plan.ModelSpec).
-    kvserve.lab.measure_team.measure_engine_on_model adds the fused step's host per layer on its layer
+    kvserve.lab.measure_pool.measure_engine_on_model adds the fused step's host per layer on its layer
     shapes."""
     deadline = time.perf_counter() + budget_s
     points: list[MeasuredPoint] = []

@@ -131,21 +131,22 @@ def reset_isa() -> None:
     set_max_isa("avx512")
 
 
-def set_team_step(enabled: bool) -> None:
-    """Run a fused step's layers in one OpenMP region (the default, any context) or fork and join per
-    linear (the same arithmetic and bits; tests compare the two)."""
-    cpu_kernels.load_kernel().decode_set_team_step(int(enabled))
+def set_pooled_step(enabled: bool) -> None:
+    """Run a fused step's layers as the pooled step, in one OpenMP region whose thread pool stays up
+    for the whole step (the default, any context), or fork and join per linear (the same arithmetic
+    and bits; tests compare the two)."""
+    cpu_kernels.load_kernel().decode_set_pooled_step(int(enabled))
 
 
 def set_guided(enabled: bool) -> None:
-    """In the one-region step, hand each linear's panels to the threads in shrinking chunks (the
+    """In the pooled step, hand each linear's panels to the threads in shrinking chunks (the
     default) or give each thread a fixed share (the same bits; tests compare the two)."""
     cpu_kernels.load_kernel().decode_set_guided(int(enabled))
 
 
-def team_steps() -> int:
-    """Steps run as one region so far in this process (tests check it is taken)."""
-    return int(cpu_kernels.load_kernel().decode_team_steps())
+def pooled_steps() -> int:
+    """Pooled steps (one region each) run so far in this process (tests check it is taken)."""
+    return int(cpu_kernels.load_kernel().decode_pooled_steps())
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1,6 +1,6 @@
 """The engine probes of `kvserve plan --measure` stream their weights from memory, as a decode
 step does, not from the last-level cache (docs/planning.md, "Probes stream from memory"): the
-cache size from sysfs, the copies each probe cycles through, and the head and team-layer probes
+cache size from sysfs, the copies each probe cycles through, and the head and pool-layer probes
 built on them."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_the_head_probe_cycles_through_copies_that_span_the_steps_weights(monkey
     """One head called over and over stays in the last-level cache (an int8 head of 28 MB ran
     1.7x faster so on a 32 MiB L3); the probe calls copies in turn, as many as make the step's
     weights, up to 8x the cache."""
-    import kvserve.lab.measure_team as mt
+    import kvserve.lab.measure_pool as mt
 
     model = _shape(2)
     head_bytes, step_bytes = _head_bytes(model, fmt), step_weight_bytes(model, fmt)
@@ -98,10 +98,10 @@ def test_the_head_probe_cycles_through_copies_that_span_the_steps_weights(monkey
 
 
 @pytest.mark.skipif(not fused_rows(), reason="no fused step here")
-def test_the_team_layer_probe_takes_enough_of_the_models_layers_to_leave_the_cache(monkeypatch):
+def test_the_pool_layer_probe_takes_enough_of_the_models_layers_to_leave_the_cache(monkeypatch):
     """12 layers of int4 fit in a 32 MiB cache: the probe's decoder has as many of the model's
     layers as make the step's weights (up to 8x the cache), never more than the model has."""
-    import kvserve.lab.measure_team as mt
+    import kvserve.lab.measure_pool as mt
 
     model = _shape(40)
     layer_bytes, _ = mt._layer_bytes(model, "int8")
@@ -115,15 +115,15 @@ def test_the_team_layer_probe_takes_enough_of_the_models_layers_to_leave_the_cac
     monkeypatch.setattr(
         measure, "last_level_cache_bytes", lambda device="cpu": int(2 * layer_bytes)
     )
-    points = mt.measure_team_layers(QUICK, model, "int8", [(1, 1e-3)], rows=(1,))
+    points = mt.measure_pool_layers(QUICK, model, "int8", [(1, 1e-3)], rows=(1,))
     # (step - fixed) / layers: 16 layers, 8x the cache, not the 12 the probe took before
     assert points[0].median_s == pytest.approx((4e-3 - 1e-3) / 16)
     monkeypatch.setattr(
         measure, "last_level_cache_bytes", lambda device="cpu": int(8 * layer_bytes)
     )
-    points = mt.measure_team_layers(QUICK, model, "int8", [(1, 1e-3)], rows=(1,))
+    points = mt.measure_pool_layers(QUICK, model, "int8", [(1, 1e-3)], rows=(1,))
     assert points[0].median_s == pytest.approx((4e-3 - 1e-3) / 40)  # all of the model's 40
-    points = mt.measure_team_layers(QUICK, _shape(3), "int8", [(1, 1e-3)], rows=(1,))
+    points = mt.measure_pool_layers(QUICK, _shape(3), "int8", [(1, 1e-3)], rows=(1,))
     assert points[0].median_s == pytest.approx((4e-3 - 1e-3) / 3)  # a small model: its own 3
 
 

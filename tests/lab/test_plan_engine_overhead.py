@@ -1,6 +1,6 @@
 """The engine outside the forward and the fused step's two paths in the planner's decode step
 (kvserve.lab.plan.engine_cost, kvserve/lab/measure_overhead.py, docs/planning.md): a synthetic profile
-gives the expected sum and the term is in `kvserve plan`'s output; the team step vs the forking
+gives the expected sum and the term is in `kvserve plan`'s output; the pooled step vs the forking
 path by rows x context; the real engine's parts add up and land where the time is spent."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ FORK = (
 )
 
 
-def hw(points, team_values: int = 0) -> HardwareProfile:
+def hw(points, pooled_values: int = 0) -> HardwareProfile:
     return HardwareProfile(
         "m", 1e12, 1e9, 1e15, "fp32", measured=True, points=points, decode_fused_rows=4,
-        decode_team_values=team_values,
+        decode_pooled_values=pooled_values,
     )  # fmt: skip
 
 
@@ -77,17 +77,17 @@ def test_the_term_is_in_the_plan_and_in_kvserve_plans_output(tmp_path, capsys):
     assert "engine outside the forward" in out and "the scheduler" in out
 
 
-def test_the_fused_step_runs_as_a_team_at_short_contexts_and_forks_above():
-    # SPEC: 2 KV heads x head_dim 16 = 32 cached values per token; the team step below 4096
-    cost = EngineCost.from_profile(SPEC, FP32, 0.0, hw(PER_OP + FUSED + FORK, team_values=4096))
-    assert cost.path(1, 100) == "team" and cost.path(4, 30) == "team"
+def test_the_fused_step_runs_pooled_at_short_contexts_and_forks_above():
+    # SPEC: 2 KV heads x head_dim 16 = 32 cached values per token; the pooled step below 4096
+    cost = EngineCost.from_profile(SPEC, FP32, 0.0, hw(PER_OP + FUSED + FORK, pooled_values=4096))
+    assert cost.path(1, 100) == "pooled" and cost.path(4, 30) == "pooled"
     assert cost.path(4, 100) == "fork" and cost.path(1, 200) == "fork"
     assert cost.path(16, 10) == "per-op"
     assert cost.terms_s(1, 100)["dispatch"] == pytest.approx(3 * 2e-5 + 1e-4)
     assert cost.terms_s(1, 200)["dispatch"] == pytest.approx(3 * 2e-4 + 5e-4)
     assert cost.terms_s(4, 100)["dispatch"] == pytest.approx(3 * 3e-4 + 6e-4)
     assert "as one region below 4096" in cost.sources()["dispatch"]
-    # a profile from before the team step told apart: one fused path, priced as measured
+    # a profile from before the pooled step told apart: one fused path, priced as measured
     old = EngineCost.from_profile(SPEC, FP32, 0.0, hw(PER_OP + FUSED))
     assert old.path(1, 200) == "fused"
     assert old.terms_s(1, 200)["dispatch"] == pytest.approx(3 * 2e-5 + 1e-4)
@@ -154,7 +154,7 @@ def test_measure_overhead_times_the_real_engine_and_puts_a_slow_sampler_in_its_p
 def test_the_planners_path_rule_matches_the_kernels_choice(threads):
     """The profile fields `kvserve plan --measure` writes (measure_engine.fused_profile_fields)
     and EngineCost.path give the step shape the kernel takes, read from its own counters: the
-    fused step or not (the decoder's step count), one OpenMP region or not (team_steps())."""
+    fused step or not (the decoder's step count), pooled (one OpenMP region) or not (pooled_steps())."""
     import torch
 
     from kvserve.lab.measure_engine import fused_profile_fields, fused_rows, tiny_decoder
@@ -175,20 +175,20 @@ def test_the_planners_path_rule_matches_the_kernels_choice(threads):
                   (fused_rows(), 600), (fused_rows() + 1, 40)]  # fmt: skip
         for rows, context in shapes:
             make_step, model = tiny_decoder(1, True, context=context, max_batch=rows)
-            team_before = fused_decode.team_steps()
+            pooled_before = fused_decode.pooled_steps()
             with torch.inference_mode():
                 make_step(rows)()
             ran_fused = model.fused is not None and model.fused.num_steps == 1
-            ran_team = fused_decode.team_steps() > team_before
-            kernel = "team" if ran_team else "fused" if ran_fused else "per-op"
+            ran_pooled = fused_decode.pooled_steps() > pooled_before
+            kernel = "pooled" if ran_pooled else "fused" if ran_fused else "per-op"
             assert cost.path(rows, context) == kernel, (rows, context, threads)
-        assert cost.path(fused_rows(), 40) == ("team" if threads > 1 else "fused")
+        assert cost.path(fused_rows(), 40) == ("pooled" if threads > 1 else "fused")
     finally:
         torch.set_num_threads(saved)
 
 
-def test_the_fused_rows_are_the_fixed_points_rows_not_the_team_hosts():
-    """With --measure-model the per-layer fused points are the team host's, at 1, 4 and 16 rows;
+def test_the_fused_rows_are_the_fixed_points_rows_not_the_pooled_host_points():
+    """With --measure-model the per-layer fused points are the pooled step's host points, at 1, 4 and 16 rows;
     the fixed part is timed at every row count the step takes (up to 64). The profile said 16,
     and the planner priced steps of 17-64 rows per-op although the engine ran them fused."""
     from kvserve.lab.measure_engine import FUSED_ROWS, fused_profile_fields
@@ -206,12 +206,12 @@ def test_quantised_steps_are_fused_up_to_sixteen_rows_as_fp32_ones_are():
     the same 16 rows as an fp32 one (it was 4 before; `decode_fused_rows` keeps the GEMV tile)."""
     profile = replace(
         hw(PER_OP + FUSED), decode_fused_rows=4, decode_fused_f32_rows=16,
-        decode_team_any_context=True,
+        decode_pooled_any_context=True,
     )  # fmt: skip
     fp32 = EngineCost.from_profile(SPEC, FP32, 0.0, profile)
     int8 = EngineCost.from_profile(SPEC, parse_weight_format("int8"), 0.0, profile)
-    assert fp32.path(16, 5000) == "team" and fp32.path(17, 10) == "per-op"
-    assert int8.path(16, 5000) == "team" and int8.path(17, 10) == "per-op"
+    assert fp32.path(16, 5000) == "pooled" and fp32.path(17, 10) == "per-op"
+    assert int8.path(16, 5000) == "pooled" and int8.path(17, 10) == "per-op"
     assert "as one region at every context" in fp32.sources()["dispatch"]
     # not for every cache (the planner passes fused_eligible=False for a bf16 / fp16 one)
     no_kv = EngineCost.from_profile(SPEC, FP32, 0.0, profile, fused_eligible=False)
@@ -226,7 +226,7 @@ def test_fused_fp32_steps_above_four_rows_stream_at_the_panel_gemvs_rate():
     )  # fmt: skip
     profile = replace(
         hw(PER_OP + FUSED + rates), decode_fused_rows=4, decode_fused_f32_rows=16,
-        decode_team_any_context=True,
+        decode_pooled_any_context=True,
     )  # fmt: skip
     cost = EngineCost.from_profile(SPEC, FP32, 0.0, profile)
     w = sum(num_bytes for _, num_bytes in cost.bytes_by_format)  # every tensor fp32

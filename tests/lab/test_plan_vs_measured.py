@@ -89,9 +89,9 @@ def test_the_plan_with_its_kernels_timed_again_beside_the_steps_is_named_not_swa
     assert inside["cause"] == "memory-bound, within 15%"
 
 
-def test_the_retimed_profile_replaces_the_team_layers_and_head_of_the_plans_formats(monkeypatch):
+def test_the_retimed_profile_replaces_the_pooled_layers_and_head_of_the_plans_formats(monkeypatch):
     import benchmarks.plan_vs_measured as pvm
-    import kvserve.lab.measure_team as mt
+    import kvserve.lab.measure_pool as mt
     from kvserve.lab.plan.hardware import HardwareProfile, MeasuredPoint
     from kvserve.lab.plan.model import ModelSpec
 
@@ -102,38 +102,38 @@ def test_the_retimed_profile_replaces_the_team_layers_and_head_of_the_plans_form
     )  # fmt: skip
     seen = []
 
-    def team(cfg, model, fmt, fixed, rows):
-        seen.append(("team", fmt, rows, max(cfg.attention_contexts), tuple(fixed)))
-        return [MeasuredPoint(f"team-layer:{fmt}", n, 0.0, 1.0, 0.0, 9.0, c)
+    def pooled(cfg, model, fmt, fixed, rows):
+        seen.append(("pooled", fmt, rows, max(cfg.attention_contexts), tuple(fixed)))
+        return [MeasuredPoint(f"pool-layer:{fmt}", n, 0.0, 1.0, 0.0, 9.0, c)
                 for n in rows for c in (16, max(cfg.attention_contexts))]  # fmt: skip
 
     def head(cfg, model, fmt, rows):
         seen.append(("head", fmt, rows))
         return [MeasuredPoint(f"head:{fmt}", n, 0.0, 2.0, 0.0, 9.0) for n in rows]
 
-    monkeypatch.setattr(mt, "measure_team_layers", team)
+    monkeypatch.setattr(mt, "measure_pool_layers", pooled)
     monkeypatch.setattr(mt, "measure_head", head)
     old = (
         MeasuredPoint("fused-fixed", 1, 0.0, 0.0, 0.0, 1e-4),
-        MeasuredPoint("team-layer:int4-g32", 1, 0.0, 5.0, 0.0, 1e-3, 16),
-        MeasuredPoint("team-layer:int4-g32", 16, 0.0, 5.0, 0.0, 1e-3, 16),
-        MeasuredPoint("team-layer:fp32", 1, 0.0, 5.0, 0.0, 1e-3, 16),
+        MeasuredPoint("pool-layer:int4-g32", 1, 0.0, 5.0, 0.0, 1e-3, 16),
+        MeasuredPoint("pool-layer:int4-g32", 16, 0.0, 5.0, 0.0, 1e-3, 16),
+        MeasuredPoint("pool-layer:fp32", 1, 0.0, 5.0, 0.0, 1e-3, 16),
         MeasuredPoint("head:int8", 1, 0.0, 5.0, 0.0, 1e-3),
         MeasuredPoint("head:fp32", 1, 0.0, 5.0, 0.0, 1e-3),
     )
     profile = HardwareProfile("m", 1e12, 1e9, 1e15, "fp32", measured=True, points=old)
     new = pvm.retimed_profile(profile, spec, "linear=int4-g32,head=int8", [4, 1], [128, 2000])
-    assert seen == [("team", "int4-g32", (1, 4), 2000, ((1, 1e-4),)), ("head", "int8", (1, 4))]
+    assert seen == [("pooled", "int4-g32", (1, 4), 2000, ((1, 1e-4),)), ("head", "int8", (1, 4))]
     kinds = sorted((p.kind, p.num_columns, p.context_tokens) for p in new.points)
     assert kinds == sorted([
-        ("fused-fixed", 1, 0), ("team-layer:fp32", 1, 16), ("head:fp32", 1, 0),
-        ("team-layer:int4-g32", 1, 16), ("team-layer:int4-g32", 1, 2000),
-        ("team-layer:int4-g32", 4, 16), ("team-layer:int4-g32", 4, 2000),
+        ("fused-fixed", 1, 0), ("pool-layer:fp32", 1, 16), ("head:fp32", 1, 0),
+        ("pool-layer:int4-g32", 1, 16), ("pool-layer:int4-g32", 1, 2000),
+        ("pool-layer:int4-g32", 4, 16), ("pool-layer:int4-g32", 4, 2000),
         ("head:int8", 1, 0), ("head:int8", 4, 0),
     ])  # fmt: skip
     seen.clear()
     pvm.retimed_profile(profile, spec, "fp32", [1], [128])
-    assert [(kind, fmt) for kind, fmt, *_ in seen] == [("team", "fp32"), ("head", "fp32")]
+    assert [(kind, fmt) for kind, fmt, *_ in seen] == [("pooled", "fp32"), ("head", "fp32")]
 
 
 def test_the_benchmark_process_runs_with_the_engines_thread_settings():

@@ -145,7 +145,7 @@ def test_a_model_with_bf16_products_matches_transformers_with_bf16_linears(check
 
 
 @needs_kernel
-def test_the_fused_step_and_the_team_take_bf16_products_with_the_per_op_bits(llama_dir):
+def test_the_fused_step_and_the_pooled_step_take_bf16_products_with_the_per_op_bits(llama_dir):
     llm = LLM(str(llama_dir), num_blocks=64, quantization=BF16)
     model = llm.engine.runner.model
     fused = llm.engine.score(PROMPT, chunk_size=1)  # every position a decode row
@@ -158,12 +158,12 @@ def test_the_fused_step_and_the_team_take_bf16_products_with_the_per_op_bits(lla
     torch.set_num_threads(2)
     try:
         model.fused_decode, model.fused = True, None
-        teams = fused_decode.team_steps()
-        team = llm.engine.score(PROMPT, chunk_size=1)
-        assert fused_decode.team_steps() > teams
+        before = fused_decode.pooled_steps()
+        pooled = llm.engine.score(PROMPT, chunk_size=1)
+        assert fused_decode.pooled_steps() > before
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(team, fused)
+    assert torch.equal(pooled, fused)
 
 
 def test_bf16_names_the_products_and_tensor_parallel_refuses_them():

@@ -329,7 +329,7 @@ def test_the_8bit_kv_writer_gives_kv_cache_quantises_bits(kind):
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_an_8bit_kv_cache_runs_the_fused_step(llama_dir, isa, kv_cache_dtype, quantization):
     """With an int8 / fp8 cache the step is fused too (it writes the codes and scales the per-op
-    path writes, and its attention reads them in place): the same bits as the per-op path, team and
+    path writes, and its attention reads them in place): the same bits as the per-op path, pooled and
     forking steps alike. (test_paged_attention's 8-bit cache test holds these logits, now from the
     fused step, against an fp32 recompute.)"""
     if quantization and not kernels_available():
@@ -344,16 +344,16 @@ def test_an_8bit_kv_cache_runs_the_fused_step(llama_dir, isa, kv_cache_dtype, qu
     try:
         llm = LLM(str(llama_dir), num_blocks=64, quantization=quantization,
                   kv_cache_dtype=kv_cache_dtype, thread_policy="fixed")  # fmt: skip
-        team, forked = _team_then_forked(llm, LONG_PROMPT)  # 2 attention splits
-        assert torch.equal(team, forked)
+        pooled, forked = _pooled_then_forked(llm, LONG_PROMPT)  # 2 attention splits
+        assert torch.equal(pooled, forked)
     finally:
         torch.set_num_threads(threads)
 
 
 @needs_kernel
 @pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
-def test_team_step_equals_the_step_that_forks_per_linear(llama_dir, isa, quantization):
-    """The one-region step (csrc/decode_step.c decode_layers_team: its own barrier, norms and
+def test_pooled_step_equals_the_step_that_forks_per_linear(llama_dir, isa, quantization):
+    """The pooled step (csrc/decode_step.c decode_layers_pooled: its own barrier, norms and
     activation rounding per thread) and the fork/join-per-linear step give the same bits on 2
     threads; both are taken."""
     if quantization and not kernels_available():
@@ -362,32 +362,32 @@ def test_team_step_equals_the_step_that_forks_per_linear(llama_dir, isa, quantiz
     torch.set_num_threads(2)
     try:
         llm = LLM(str(llama_dir), num_blocks=64, quantization=quantization, thread_policy="fixed")
-        team, forked = _team_then_forked(llm, PROMPT)
+        pooled, forked = _pooled_then_forked(llm, PROMPT)
         assert llm.engine.runner.model.fused.num_steps == 2 * len(PROMPT)
-        assert torch.equal(team, forked)
+        assert torch.equal(pooled, forked)
     finally:
         torch.set_num_threads(threads)
 
 
-def _team_then_forked(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`prompt` scored one token a step twice: by the team step (checked taken at every step), then
+def _pooled_then_forked(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prompt` scored one token a step twice: by the pooled step (checked taken at every step), then
     with it switched off (checked not taken)."""
-    before = fused_decode.team_steps()
-    team = llm.engine.score(prompt, chunk_size=1)
-    assert fused_decode.team_steps() - before == len(prompt)
-    fused_decode.set_team_step(False)
+    before = fused_decode.pooled_steps()
+    pooled = llm.engine.score(prompt, chunk_size=1)
+    assert fused_decode.pooled_steps() - before == len(prompt)
+    fused_decode.set_pooled_step(False)
     try:
         forked = llm.engine.score(prompt, chunk_size=1)
     finally:
-        fused_decode.set_team_step(True)
-    assert fused_decode.team_steps() - before == len(prompt)  # the second pass forked
-    return team, forked
+        fused_decode.set_pooled_step(True)
+    assert fused_decode.pooled_steps() - before == len(prompt)  # the second pass forked
+    return pooled, forked
 
 
 @needs_kernel
 @pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
 def test_guided_panels_give_the_bits_of_fixed_shares(llama_dir, isa, quantization):
-    """The team step's linears, their panels claimed in shrinking chunks (decode_step.c
+    """The pooled step's linears, their panels claimed in shrinking chunks (decode_step.c
     linear_guided, the default) or split in fixed halves, give the same bits at 1 and 16 rows."""
     if quantization and not kernels_available():
         pytest.skip("the quantised GEMM extension did not build")
@@ -398,14 +398,14 @@ def test_guided_panels_give_the_bits_of_fixed_shares(llama_dir, isa, quantizatio
             str(llama_dir), num_blocks=128, max_num_seqs=16, enable_prefix_caching=False,
             quantization=quantization, thread_policy="fixed",
         )  # fmt: skip
-        before = fused_decode.team_steps()
+        before = fused_decode.pooled_steps()
         guided = llm.engine.score(PROMPT, chunk_size=1), _batch_logprobs(llm, 16)
         fused_decode.set_guided(False)
         try:
             fixed = llm.engine.score(PROMPT, chunk_size=1), _batch_logprobs(llm, 16)
         finally:
             fused_decode.set_guided(True)
-        assert fused_decode.team_steps() - before >= 2 * (len(PROMPT) + 7)  # all as one region
+        assert fused_decode.pooled_steps() - before >= 2 * (len(PROMPT) + 7)  # all as one region
         assert torch.equal(guided[0], fixed[0]) and guided[1] == fixed[1]
     finally:
         torch.set_num_threads(threads)
@@ -487,19 +487,19 @@ LONG_PROMPT = [(i * 53 + 7) % 250 + 3 for i in range(400)]  # 2 attention splits
 
 
 @needs_kernel
-def test_team_step_splits_a_long_context_with_the_same_bits_as_the_forking_step(llama_dir, isa):
-    """Past one attention split (256 positions) the team still runs the step (no context limit): it
+def test_pooled_step_splits_a_long_context_with_the_same_bits_as_the_forking_step(llama_dir, isa):
+    """Past one attention split (256 positions) the pooled step still runs (no context limit): it
     cuts the attention's items over its threads and merges the splits itself, with the same bits as
     paged_decode_attention forking over its threads; both close to a one-pass torch recompute."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         llm = LLM(str(llama_dir), num_blocks=64, thread_policy="fixed")
-        team, forked = _team_then_forked(llm, LONG_PROMPT)
-        assert torch.equal(team, forked)
+        pooled, forked = _pooled_then_forked(llm, LONG_PROMPT)
+        assert torch.equal(pooled, forked)
         reference = LLM(str(llama_dir), num_blocks=64, attention_backend="torch")
         expected = reference.engine.score(LONG_PROMPT)
-        assert_logits_close(team, expected, 1e-4, f"team step at 400 positions ({isa})")
+        assert_logits_close(pooled, expected, 1e-4, f"pooled step at 400 positions ({isa})")
     finally:
         torch.set_num_threads(threads)
 
@@ -515,7 +515,7 @@ def _batch_logprobs(llm: LLM, count: int) -> list:
 
 @needs_kernel
 @pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
-def test_team_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa, quantization):
+def test_pooled_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa, quantization):
     """Steps of up to 16 rows, fp32 or quantised, run fused (decode_step_max_rows: the quantised GEMV
     takes pairs of panels above 4 rows), as one region, with the same bits as the forking step;
     capped at 4 rows, those steps take the per-op path instead, with the same tokens."""
@@ -532,16 +532,16 @@ def test_team_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa, quan
         _batch_logprobs(llm, 2)  # builds the fused step
         fused = llm.engine.runner.model.fused
         assert fused is not None and fused.max_rows() == 64
-        steps, team = fused.num_steps, fused_decode.team_steps()
-        team_run = _batch_logprobs(llm, 16)
+        steps, pooled = fused.num_steps, fused_decode.pooled_steps()
+        pooled_run = _batch_logprobs(llm, 16)
         big_steps = fused.num_steps - steps
-        assert big_steps >= 7 and fused_decode.team_steps() - team == big_steps
-        fused_decode.set_team_step(False)
+        assert big_steps >= 7 and fused_decode.pooled_steps() - pooled == big_steps
+        fused_decode.set_pooled_step(False)
         try:
             forked_run = _batch_logprobs(llm, 16)
         finally:
-            fused_decode.set_team_step(True)
-        assert team_run == forked_run
+            fused_decode.set_pooled_step(True)
+        assert pooled_run == forked_run
         fused_decode.set_f32_max_rows(4)
         try:
             steps = fused.num_steps
@@ -549,9 +549,9 @@ def test_team_step_runs_16_rows_with_the_forking_steps_bits(llama_dir, isa, quan
             assert fused.num_steps - steps < big_steps  # the 16-row steps went per-op
         finally:
             fused_decode.set_f32_max_rows(64)
-        for team_req, per_op_req in zip(team_run, per_op_run, strict=True):
-            assert [t for t, _ in team_req] == [t for t, _ in per_op_req]
-            diffs = [abs(a - b) for (_, a), (_, b) in zip(team_req, per_op_req, strict=True)]
+        for pooled_req, per_op_req in zip(pooled_run, per_op_run, strict=True):
+            assert [t for t, _ in pooled_req] == [t for t, _ in per_op_req]
+            diffs = [abs(a - b) for (_, a), (_, b) in zip(pooled_req, per_op_req, strict=True)]
             assert max(diffs) < 1e-4
     finally:
         torch.set_num_threads(threads)

@@ -48,7 +48,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "measure": {"plan"},
     "measure_engine": {"config", "measure", "model", "plan", "quant"},
     "measure_forward": {"config", "measure", "model"},
-    "measure_team": {"measure", "measure_engine", "model", "plan", "quant"},
+    "measure_pool": {"measure", "measure_engine", "model", "plan", "quant"},
     "measure_overhead": {"core", "engine", "plan", "runner"},
     "calibration": {"core", "config", "engine", "sim"},
     "kvserve": {"_version", "core", "engine", "threads"},

@@ -13,20 +13,20 @@ with those points the planner's step is
 
 floored by the FLOPs at the measured peak. Three step shapes (the path the engine takes):
 
-- **team** (B <= the fused step's rows: the profile's `decode_fused_f32_rows` (64 since the small-steps change; 16 in older profiles), for fp32 and
+- **pooled** (B <= the fused step's rows: the profile's `decode_fused_f32_rows` (64 since the small-steps change; 16 in older profiles), for fp32 and
   quantised projections alike; an fp32 or 8-bit KV cache; more than one
-  thread): every layer in one native call running as one OpenMP region (decode_step.c's team
-  step, at every context: the team splits the attention itself); host cost `fused-dispatch`,
+  thread): every layer in one native call running as one OpenMP region (decode_step.c's pooled
+  step, at every context: the pool's threads split the attention themselves); host cost `fused-dispatch`,
   `fused-fixed`;
-- **fork** (profiles of an older kernel, `decode_team_values`: the fused step above that many
+- **fork** (profiles of an older kernel, `decode_pooled_values`: the fused step above that many
   cached values forked its own threads): one native call that opens a parallel region per
   linear; host cost `fork-dispatch`, `fork-fixed`; both fused paths stream fp32 weights with the
   panel GEMV (the `linear:FMT` points at <= decode_fused_rows rows, `linear-fused:fp32` above);
 - **per-op** (larger B, or a quantised KV cache): one dispatched call per op (`dispatch`,
   `dispatch-fixed`), the batched linear kernels (the `linear:FMT` points above those rows).
 
-On the team path a profile measured with a model (`team-layer:FMT`, kvserve/lab/measure_team.py) prices
-the block linears and the cache read from the team step's own time per layer on the model's shapes
+On the pooled path a profile measured with a model (`pool-layer:FMT`, kvserve/lab/measure_pool.py) prices
+the block linears and the cache read from the pooled step's own time per layer on the model's shapes
 (the line through two contexts: its no-context value and its slope per cached token), host cost
 included, instead of from kernels timed alone; the head streams at `head:FMT` (the head module
 itself) where measured.
@@ -52,8 +52,8 @@ from kvserve.lab.plan import arith
 from kvserve.lab.plan.engine_points import (
     Points,
     _interp_log2,
+    _pool_layer_fit,
     _side,
-    _team_layer_fit,
     _timed_as_planned,
     attention_excess_s,
 )
@@ -94,18 +94,18 @@ class EngineCost:
     small_rows: int = 0  # the linear kernels change above this many rows (0: one kernel)
     fork_layer_s: Points = ()  # fused step, forking path: (rows, seconds per layer)
     fork_fixed_s: Points = ()  # fused step, forking path: (rows, seconds per step)
-    team_values: int = 0  # team step while rows x context x KV heads x head_dim < this (0: none)
+    pooled_values: int = 0  # pooled while rows x context x KV heads x head_dim < this (0: none)
     engine_parts: tuple[tuple[str, Points], ...] = ()  # (engine-* kind, (rows, s per step))
-    team_any_context: bool = False  # the fused step is the team step at every context
+    pooled_any_context: bool = False  # the fused step is the pooled step at every context
     fused_linear_rates: tuple[tuple[str, Points], ...] = ()  # panel GEMV above small_rows
     category_bytes: tuple[tuple[str, str, float], ...] = ()  # (category, format name, bytes)
-    # the team step's own layers on the model's shapes, per block-linear format: (rows, seconds
+    # the pooled step's own layers on the model's shapes, per block-linear format: (rows, seconds
     # per layer at no context, seconds per layer per cached token), scaled to this model
-    team_layers: tuple[tuple[str, tuple[tuple[int, float, float], ...]], ...] = ()
+    pool_layers: tuple[tuple[str, tuple[tuple[int, float, float], ...]], ...] = ()
     head_rates: tuple[tuple[str, Points], ...] = ()  # the head module: format -> (rows, bytes/s)
-    # block-linear formats whose team layers were timed on this plan's own layer and K/V bytes
+    # block-linear formats whose pooled layers were timed on this plan's own layer and K/V bytes
     # (not scaled from another model's shapes or KV dtype): their steps were timed whole
-    team_as_planned: tuple[str, ...] = ()
+    pool_as_planned: tuple[str, ...] = ()
 
     @classmethod
     def from_profile(
@@ -126,7 +126,7 @@ class EngineCost:
         fused_rates: dict[str, list[tuple[int, float]]] = {}
         by_kind: dict[str, list[tuple[int, float]]] = {}
         times: dict[int, list[tuple[int, float]]] = {}
-        team_raw: dict[str, list] = {}
+        pool_raw: dict[str, list] = {}
         head: dict[str, list[tuple[int, float]]] = {}
         for p in hardware.points:
             if p.kind.startswith("linear:"):
@@ -143,8 +143,8 @@ class EngineCost:
                     else 1.0
                 )
                 times.setdefault(p.num_columns, []).append((p.context_tokens, p.median_s * scale))
-            elif p.kind.startswith("team-layer:"):
-                team_raw.setdefault(p.kind.removeprefix("team-layer:"), []).append(p)
+            elif p.kind.startswith("pool-layer:"):
+                pool_raw.setdefault(p.kind.removeprefix("pool-layer:"), []).append(p)
             elif p.kind.startswith("head:"):
                 head.setdefault(p.kind.removeprefix("head:"), []).append(
                     (p.num_columns, p.bytes_per_s)
@@ -169,11 +169,13 @@ class EngineCost:
             category_bytes.append((category, name, num_bytes))
         layer_bytes = fmt.bytes_by_category(model)["linear"] / model.num_layers
         kv_layer = kv_bytes_per_token / model.num_layers
-        team = {name: _team_layer_fit(pts, layer_bytes, kv_layer) for name, pts in team_raw.items()}
+        pooled = {
+            name: _pool_layer_fit(pts, layer_bytes, kv_layer) for name, pts in pool_raw.items()
+        }
         as_planned = tuple(
             sorted(
                 name
-                for name, pts in team_raw.items()
+                for name, pts in pool_raw.items()
                 if _timed_as_planned(pts, layer_bytes, kv_layer)
             )
         )
@@ -194,33 +196,33 @@ class EngineCost:
             hardware.decode_fused_rows,
             tuple(by_kind.get("fork-dispatch", [])),
             tuple(by_kind.get("fork-fixed", [])),
-            hardware.decode_team_values,
+            hardware.decode_pooled_values,
             parts,
-            hardware.decode_team_any_context,
+            hardware.decode_pooled_any_context,
             tuple((k, tuple(v)) for k, v in sorted(fused_rates.items())),
             tuple(category_bytes),
-            tuple(sorted((k, v) for k, v in team.items() if v)),
+            tuple(sorted((k, v) for k, v in pooled.items() if v)),
             tuple((k, tuple(sorted(v))) for k, v in sorted(head.items())),
             as_planned,
         )
 
     def path(self, batch: float, mean_context: float | None = None) -> str:
-        """The step shape the engine runs for `batch` decode rows at `mean_context`: "team" (the
+        """The step shape the engine runs for `batch` decode rows at `mean_context`: "pooled" (the
         fused step as one region), "fork" (the fused step, a region per linear), "per-op", or
         "fused" (a profile that does not tell the fused step's two paths apart)."""
         if not (self.fused_rows and batch <= self.fused_rows):
             return "per-op"
-        if self.team_any_context:
-            return "team"
-        if not self.team_values or mean_context is None:
+        if self.pooled_any_context:
+            return "pooled"
+        if not self.pooled_values or mean_context is None:
             return "fused"
         values = batch * mean_context * self.model.num_kv_heads * self.model.head_dim
-        return "team" if values < self.team_values else "fork"
+        return "pooled" if values < self.pooled_values else "fork"
 
     def _host_points(self, path: str) -> tuple[Points, Points]:
         if path == "fork" and self.fork_layer_s and self.fork_fixed_s:
             return self.fork_layer_s, self.fork_fixed_s
-        if path in ("team", "fork", "fused"):
+        if path in ("pooled", "fork", "fused"):
             return self.fused_layer_s, self.fused_fixed_s
         return self.layer_dispatch_s, self.forward_fixed_s  # all per-op points
 
@@ -229,12 +231,12 @@ class EngineCost:
         """This plan's block-linear format (None in a profile without categories)."""
         return next((n for c, n, _ in self.category_bytes if c == "linear"), None)
 
-    def _team_layer(self, path: str) -> tuple[tuple[int, float, float], ...]:
-        """The team step's measured layers for this plan's block-linear format on the team path
+    def _pool_layer(self, path: str) -> tuple[tuple[int, float, float], ...]:
+        """The pooled step's measured layers for this plan's block-linear format on the pooled path
         (() otherwise, or in a profile without them)."""
-        if path != "team":
+        if path != "pooled":
             return ()
-        return dict(self.team_layers).get(self._linear_format, ())
+        return dict(self.pool_layers).get(self._linear_format, ())
 
     def engine_terms_s(self, batch: float) -> dict[str, float]:
         """The engine's per-step work outside the forward, by part (seconds; {} if not measured)."""
@@ -259,14 +261,14 @@ class EngineCost:
         `engine`: the engine outside the forward (0 when the profile did not measure it)."""
         path = self.path(batch, mean_context)
         fused_rates = dict(self.fused_linear_rates)
-        team = self._team_layer(path)
+        pooled = self._pool_layer(path)
         heads = dict(self.head_rates)
         weights, kv = 0.0, None
         parts = self.category_bytes or tuple(("", n, b) for n, b in self.bytes_by_format)
         for category, name, num_bytes in parts:
-            if team and category == "linear":  # the team step's own layers (docs/planning.md)
-                w_s = _interp_log2(tuple((r, w) for r, w, _ in team), batch)
-                per_token = _interp_log2(tuple((r, k) for r, _, k in team), batch)
+            if pooled and category == "linear":  # the pooled step's own layers (docs/planning.md)
+                w_s = _interp_log2(tuple((r, w) for r, w, _ in pooled), batch)
+                per_token = _interp_log2(tuple((r, k) for r, _, k in pooled), batch)
                 weights += self.model.num_layers * w_s
                 kv = self.model.num_layers * per_token * mean_context
                 continue
@@ -290,8 +292,8 @@ class EngineCost:
                 else self.bandwidth_bytes_per_s
             )
         layer, fixed = self._host_points(path)
-        # the team layers' times hold their host cost: only the step's fixed part is added
-        per_layer = 0.0 if team else _interp_log2(layer, batch)
+        # the pooled layers' times hold their host cost: only the step's fixed part is added
+        per_layer = 0.0 if pooled else _interp_log2(layer, batch)
         dispatch = self.model.num_layers * per_layer + _interp_log2(fixed, batch)
         flops = arith.decode_step_flops(self.model, batch, mean_context)
         total_bytes = sum(b for _, b in self.bytes_by_format)
@@ -306,15 +308,15 @@ class EngineCost:
         }
 
     def _measured_whole(self, batch: float, mean_context: float) -> bool:
-        """Whether the step's layers are the team step's own times on the model's shapes at no
+        """Whether the step's layers are the pooled step's own times on the model's shapes at no
         more rows than were timed, on this plan's own layer and K/V bytes: the FLOPs are then in
         the measurement, and the floor at the GEMM probe's peak (which the engine's int8, int4 and
         bf16-product kernels outrun) does not apply. Past the timed rows the points are held
         constant, and times scaled from other shapes or another KV dtype scale bytes, not FLOPs:
         the floor bounds those."""
-        team = self._team_layer(self.path(batch, mean_context))
-        timed = bool(team) and self._linear_format in self.team_as_planned
-        return timed and batch <= max(r for r, _, _ in team)
+        pooled = self._pool_layer(self.path(batch, mean_context))
+        timed = bool(pooled) and self._linear_format in self.pool_as_planned
+        return timed and batch <= max(r for r, _, _ in pooled)
 
     def decode_step_s(self, batch: float, mean_context: float) -> float:
         t = self.terms_s(batch, mean_context)
@@ -325,7 +327,7 @@ class EngineCost:
         """The largest part of the step: "memory" (the weights and cache at the GEMV bandwidth),
         "kernel" (what the measured kernels take beyond that: kernel efficiency), "dispatch"
         (the forward's host cost), "engine" (the engine's work outside the forward), or
-        "compute" (the FLOPs floor sets the step; never where the team step was timed whole at
+        "compute" (the FLOPs floor sets the step; never where the pooled step was timed whole at
         these rows)."""
         t = self.terms_s(batch, mean_context)
         streaming = t["weights"] + t["kv"]
@@ -354,9 +356,9 @@ class EngineCost:
                 )
             else:
                 out[f"weights ({name})"] = "the engine's linear kernel, measured per batch size"
-        for name, pts in self.team_layers:
-            out[f"team step ({name})"] = (
-                f"on the team path the block linears ({name}) and the cache read are the team "
+        for name, pts in self.pool_layers:
+            out[f"pooled step ({name})"] = (
+                f"on the pooled path the block linears ({name}) and the cache read are the pooled "
                 "step's own time per layer on the model's shapes at rows "
                 + ", ".join(str(r) for r, _, _ in pts)
                 + " (its no-context part and its slope per cached token; host cost included)"
@@ -377,11 +379,11 @@ class EngineCost:
         else:
             out["kv"] = "GEMV bandwidth"
         if self.fused_rows:
-            if self.team_any_context:
+            if self.pooled_any_context:
                 paths = "as one region at every context"
-            elif self.team_values:
+            elif self.pooled_values:
                 paths = (
-                    f"as one region below {self.team_values} cached values (rows x context x KV "
+                    f"as one region below {self.pooled_values} cached values (rows x context x KV "
                     "heads x head_dim), "
                     + ("its forking path above" if self.fork_layer_s else "priced the same above")
                 )

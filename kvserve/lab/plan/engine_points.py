@@ -1,5 +1,5 @@
 """Interpolation over measured engine points (kvserve/lab/plan/engine_cost.py, docs/planning.md "A
-measured engine profile"): in log2 of the rows, linear in context, and the team step's layer line."""
+measured engine profile"): in log2 of the rows, linear in context, and the pooled step's layer line."""
 
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def attention_excess_s(points: Points, context: float) -> float:
     return max(0.0, _interp_linear(pts, context) - intercept)
 
 
-def _team_scales(point, layer_bytes: float, kv_token_bytes: float) -> tuple[float | None, ...]:
+def _pool_scales(point, layer_bytes: float, kv_token_bytes: float) -> tuple[float | None, ...]:
     """(a layer of `layer_bytes` weight bytes over the timed layer's, `kv_token_bytes` K and V bytes
-    a token over the timed cache's) for a `team-layer:FMT` point; None where the point does not
+    a token over the timed cache's) for a `pool-layer:FMT` point; None where the point does not
     say (an older profile)."""
     measured_bytes = point.bytes_per_s * point.median_s  # the timed layer's weight bytes
     return (
@@ -66,17 +66,17 @@ def _team_scales(point, layer_bytes: float, kv_token_bytes: float) -> tuple[floa
 
 
 def _timed_as_planned(points: list, layer_bytes: float, kv_token_bytes: float) -> bool:
-    """Whether `team-layer` points were timed on a layer of `layer_bytes` weight bytes and
+    """Whether `pool-layer` points were timed on a layer of `layer_bytes` weight bytes and
     `kv_token_bytes` K and V bytes a token (within 1%: the planner's own arithmetic)."""
-    scales = _team_scales(points[0], layer_bytes, kv_token_bytes)
+    scales = _pool_scales(points[0], layer_bytes, kv_token_bytes)
     return all(s is not None and abs(s - 1) < 0.01 for s in scales)
 
 
-def _team_layer_fit(
+def _pool_layer_fit(
     points: list, layer_bytes: float, kv_token_bytes: float
 ) -> tuple[tuple[int, float, float], ...]:
     """(rows, seconds per layer at no context, seconds per layer per cached token) from
-    `team-layer:FMT` points (the team step's time per layer at two or more contexts), the line
+    `pool-layer:FMT` points (the pooled step's time per layer at two or more contexts), the line
     through the shortest and the longest context, scaled to a layer of `layer_bytes` weight bytes
     and `kv_token_bytes` K and V bytes a token (the measured shapes' are in each point)."""
     by_rows: dict[int, list] = {}
@@ -90,7 +90,7 @@ def _team_layer_fit(
         slope = max(0.0, (last.median_s - first.median_s) / span) if span else 0.0
         intercept = max(0.0, first.median_s - slope * first.context_tokens)
         w_scale, kv_scale = (
-            1.0 if s is None else s for s in _team_scales(first, layer_bytes, kv_token_bytes)
+            1.0 if s is None else s for s in _pool_scales(first, layer_bytes, kv_token_bytes)
         )
         out.append((rows, intercept * w_scale, slope * kv_scale))
     return tuple(out)

@@ -21,7 +21,7 @@ class MeasuredPoint:
     matrix), a GEMM over `num_columns` batch columns, or an engine point (kvserve.lab.measure_engine,
     docs/planning.md: num_columns = the step's rows; `context_tokens` for attention-time)."""
 
-    kind: str  # "gemv" | "gemm" | "linear:FMT" | "dispatch" | "fused-dispatch" | ...
+    kind: str  # "gemv" | "gemm" | "linear:FMT" | "dispatch" | "fused-dispatch" | "pool-layer:FMT" | ...
     num_columns: int
     flops_per_s: float
     bytes_per_s: float
@@ -52,12 +52,13 @@ class HardwareProfile:
     # the most rows of a fused step whose projections are all fp32 (decode_step.c
     # decode_step_max_rows: the panel GEMV takes 16); 0: decode_fused_rows (an older profile)
     decode_fused_f32_rows: int = 0
-    # the fused step runs as one OpenMP region (the team step) at every context: measured with
-    # more than one thread on a kernel whose team splits the attention itself (decode_step.c)
-    decode_team_any_context: bool = False
-    # an older kernel's rule: the team step while rows x context x KV heads x head_dim stay below
-    # this, a region per linear above; 0: not measured or no team step
-    decode_team_values: int = 0
+    # the fused step is the pooled step (one OpenMP region whose thread pool stays up for the whole
+    # step) at every context: measured with more than one thread on a kernel whose pool splits the
+    # attention itself (decode_step.c)
+    decode_pooled_any_context: bool = False
+    # an older kernel's rule: the pooled step while rows x context x KV heads x head_dim stay below
+    # this, a region per linear above; 0: not measured or no pooled step
+    decode_pooled_values: int = 0
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "bandwidth_bytes_per_s", "peak_flops_per_s"):
@@ -74,10 +75,35 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        """A profile from its JSON, today's or an earlier version's (`_EARLIER_FIELDS`,
+        `_EARLIER_KINDS`: read here and nowhere else)."""
         data = dict(data)
-        data["points"] = tuple(MeasuredPoint(**p) for p in data.get("points", ()))
+        for earlier, field_name in _EARLIER_FIELDS.items():
+            if earlier in data:
+                value = data.pop(earlier)
+                data.setdefault(field_name, value)
+        data["points"] = tuple(MeasuredPoint(**_current_kind(p)) for p in data.get("points", ()))
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# Profiles saved by earlier versions call the pooled step (decode_step.c: the fused step as one
+# OpenMP region whose thread pool stays up for the whole step) the "team" step; from_dict reads
+# their names as these.
+_EARLIER_FIELDS = {
+    "decode_team_any_context": "decode_pooled_any_context",
+    "decode_team_values": "decode_pooled_values",
+}
+_EARLIER_KINDS = {"team-layer:": "pool-layer:"}  # kind prefix -> today's
+
+
+def _current_kind(point: dict[str, Any]) -> dict[str, Any]:
+    """A MeasuredPoint's JSON with an earlier version's kind under today's name."""
+    kind = point.get("kind", "")
+    for earlier, current in _EARLIER_KINDS.items():
+        if kind.startswith(earlier):
+            return {**point, "kind": current + kind.removeprefix(earlier)}
+    return point
 
 
 def _gpu(

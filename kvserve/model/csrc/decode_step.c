@@ -121,10 +121,10 @@ int decode_isa(void) {
     return cpu < cap ? cpu : cap;
 }
 void decode_set_max_isa(int level) { g_max_isa = level; }
-static int g_team_step = 1; /* 0: the step forks and joins per linear (tests compare both) */
-void decode_set_team_step(int enabled) { g_team_step = enabled; }
-static atomic_llong g_team_steps; /* steps run by decode_layers_team (tests check it is taken) */
-int64_t decode_team_steps(void) { return atomic_load(&g_team_steps); }
+static int g_pooled_step = 1; /* 0: the step forks and joins per linear (tests compare both) */
+void decode_set_pooled_step(int enabled) { g_pooled_step = enabled; }
+static atomic_llong g_pooled_steps; /* steps run by decode_layers_pooled (tests check it is taken) */
+int64_t decode_pooled_steps(void) { return atomic_load(&g_pooled_steps); }
 int decode_max_rows(void) { return DECODE_MAX_ROWS; }
 /* Rows a fused step may have (fp32 or quantised projections): the panel GEMVs reuse each panel for
  * all rows (row tiles while it is in cache), so the step needs no other kernel; tests and benchmarks
@@ -582,10 +582,12 @@ int small_linear(const Linear *L, const float *x, int M, float *y, int num_threa
     return M < 1 ? -1 : run_linear(L, x, M, y, num_threads);
 }
 
-/* ---- one OpenMP region for the whole step (any context) --------------------------------------
- * Under OMP_WAIT_POLICY=PASSIVE (kvserve's default, docs/performance.md "Threads") every parallel
- * region and every libgomp barrier puts the other threads to sleep in the kernel and wakes them again
- * (tens of us each on this VM); a step of ~5 regions per layer paid that 150 times. The team step
+/* ---- the pooled step: one OpenMP region for the whole step (any context) -----------------------
+ * The pooled step runs every layer inside one parallel region, so its thread pool stays up for the
+ * whole step instead of one region per linear. Under OMP_WAIT_POLICY=PASSIVE (kvserve's default,
+ * docs/performance.md "Threads") every parallel region and every libgomp barrier puts the other
+ * threads to sleep in the kernel and wakes them again (tens of us each on this VM); a step of ~5
+ * regions per layer paid that 150 times. The pooled step
  * opens one region and synchronises with step_barrier: it spins briefly (the waits inside a step are
  * short: work imbalance and the small ops of thread 0), then sleeps on a futex, so a thread whose core
  * was taken by a neighbour does not hold the other core spinning. Each thread computes the RMSNorms
@@ -593,8 +595,8 @@ int small_linear(const Linear *L, const float *x, int M, float *y, int num_threa
  * (the same code on the same inputs: the same bits),
  * so only the GEMVs' outputs, thread 0's RoPE and KV write, and the attention need a barrier: 6 per
  * layer, 7 when a context is longer than one attention split (the splits' merge). The attention's items
- * (paged_attention.h: row, kv head, q-head chunk, context split) are cut over the team the way the
- * forking call cuts them over its threads; a q head's numbers do not depend on the cut, so both steps
+ * (paged_attention.h: row, kv head, q-head chunk, context split) are cut over the pool's threads
+ * the way the forking call cuts them over its threads; a q head's numbers do not depend on the cut, so both steps
  * give the same bits at any context length. A linear's panels are claimed in shrinking chunks
  * (linear_guided), not split in fixed halves: the two threads do not stream memory at the same speed,
  * and with fixed halves the faster one waited at every linear's barrier (docs/performance.md, "The
@@ -606,10 +608,10 @@ typedef struct {
     atomic_int arrived, generation, sleepers;
 } StepBarrier;
 
-/* all `team` threads of the region meet here */
-static void step_barrier(StepBarrier *b, int team) {
+/* all `num_threads` threads of the region meet here */
+static void step_barrier(StepBarrier *b, int num_threads) {
     const int gen = atomic_load(&b->generation);
-    if (atomic_fetch_add(&b->arrived, 1) == team - 1) {
+    if (atomic_fetch_add(&b->arrived, 1) == num_threads - 1) {
         atomic_store(&b->arrived, 0);
         atomic_fetch_add(&b->generation, 1);
         if (atomic_load(&b->sleepers) > 0) {
@@ -656,7 +658,7 @@ static void linear_share(const Linear *L, const float *x, int M, float *y, Acts 
     q_linear_panels(L, acts, M, y, isa, p0, p1);
 }
 
-/* The team's share of y = x W^T + b, handed out in shrinking chunks (guided scheduling) from `next`, a
+/* The pool's share of y = x W^T + b, handed out in shrinking chunks (guided scheduling) from `next`, a
  * counter over the step's panels, linear after linear: this linear owns [*base, *base + panels). Every
  * thread calls it for the same linears in the same order, so `base` is the same on each; the barrier
  * after a linear makes sure every panel of it was claimed before any thread claims the next one's.
@@ -678,7 +680,7 @@ static void linear_guided(const Linear *L, const float *x, int M, float *y, Acts
 }
 
 /* the widest padded input of the model's quantised and bf16-product linears; *pairs: whether any
- * linear takes bf16 products (the team's Acts then hold a pairs buffer) */
+ * linear takes bf16 products (the pool's Acts then hold a pairs buffer) */
 static int max_kp_of(const Model *mdl, int *pairs) {
     int max_kp = QBLOCK;
     *pairs = 0;
@@ -693,7 +695,7 @@ static int max_kp_of(const Model *mdl, int *pairs) {
     return max_kp;
 }
 
-static int decode_layers_team(const Model *mdl, float *hidden, int M, const float *cos_rows,
+static int decode_layers_pooled(const Model *mdl, float *hidden, int M, const float *cos_rows,
                               const float *sin_rows, const int64_t *slots, const int32_t *block_table,
                               int max_blocks, const int32_t *context_lens, int num_threads) {
     const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;
@@ -783,7 +785,7 @@ static int decode_layers_team(const Model *mdl, float *hidden, int M, const floa
         }
     }
 #undef LINEAR
-    atomic_fetch_add(&g_team_steps, 1);
+    atomic_fetch_add(&g_pooled_steps, 1);
 done:
     if (acts)
         for (int t = 0; t < num_threads; t++) free_acts(&acts[t]);
@@ -800,9 +802,9 @@ int decode_step_max_rows(const Model *mdl) {
     return g_f32_max_rows > DECODE_MAX_ROWS ? g_f32_max_rows : DECODE_MAX_ROWS;
 }
 
-/* Whether the step runs as one region: whenever there is more than one thread (any context length:
- * the team splits the attention itself). */
-static int team_step(int num_threads) { return num_threads >= 2; }
+/* Whether the step runs pooled (one region): whenever there is more than one thread (any context
+ * length: the pool's threads split the attention themselves). */
+static int use_pooled_step(int num_threads) { return num_threads >= 2; }
 
 /* The decoder layers for M single-token rows, then the final norm.
  * hidden: [M, D] in: the embedded tokens; out: the final norm of the residual stream.
@@ -812,8 +814,8 @@ int decode_layers(const Model *mdl, float *hidden, int M, const float *cos_rows,
                   const int64_t *slots, const int32_t *block_table, int max_blocks,
                   const int32_t *context_lens, int num_threads) {
     if (M < 1 || M > decode_step_max_rows(mdl)) return -1;
-    if (g_team_step && team_step(num_threads))
-        return decode_layers_team(mdl, hidden, M, cos_rows, sin_rows, slots, block_table, max_blocks,
+    if (g_pooled_step && use_pooled_step(num_threads))
+        return decode_layers_pooled(mdl, hidden, M, cos_rows, sin_rows, slots, block_table, max_blocks,
                                   context_lens, num_threads);
     const int D = mdl->hidden, H = mdl->num_heads, KVH = mdl->num_kv_heads, Dh = mdl->head_dim;
     const int q_size = H * Dh, kv_size = KVH * Dh, qkv_width = q_size + 2 * kv_size;

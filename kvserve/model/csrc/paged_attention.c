@@ -15,7 +15,7 @@
  * q heads cut into chunks. Each item keeps a partial softmax
  * (max, sum, weighted values) per q head, and a second pass merges the splits (flash-decoding). A q head's
  * numbers do not depend on how the items are cut or which thread runs them: the forking call
- * (paged_decode_attention) and the fused step's team (decode_step.c, attention_items / attention_merge)
+ * (paged_decode_attention) and the pooled fused step (decode_step.c, attention_items / attention_merge)
  * give the same bits. With one split the item writes its normalised output itself (the merge's arithmetic:
  * (0 + acc * exp(0)) / (0 + l * exp(0)), the same bits).
  *

@@ -1,5 +1,5 @@
 /* Decode attention over the paged cache, cut into items (paged_attention.c): shared by the forking
- * call (paged_decode_attention) and the fused step's one-region team (decode_step.c). */
+ * call (paged_decode_attention) and the pooled fused step (decode_step.c). */
 #ifndef KVSERVE_PAGED_ATTENTION_H
 #define KVSERVE_PAGED_ATTENTION_H
 #include <stdint.h>

@@ -1,8 +1,8 @@
-"""The team step's host cost on a model's own layer shapes (docs/planning.md, "The team step's
+"""The pooled step's host cost on a model's own layer shapes (docs/planning.md, "The pooled step's
 host cost on the model's shapes"), for `kvserve plan --measure --measure-model M`.
 
 The tiny decoder's `fused-dispatch` slope (kvserve/lab/measure_engine.py) times layers whose work is
-a few microseconds: between them the team threads give up spinning at the step's barriers and
+a few microseconds: between them the pool's threads give up spinning at the step's barriers and
 sleep on a futex, so the slope swings between ~15-50 us and 570-900 us a layer from run to run.
 A model's layers take hundreds of microseconds of GEMV each, and the barriers wait as the real
 step's do. So, at each row count, three calls in interleaved rounds (`interleaved_medians_s`):
@@ -38,10 +38,10 @@ from kvserve.lab.measure_engine import (
 from kvserve.lab.plan.engine_points import _interp_log2
 from kvserve.lab.plan.hardware import MeasuredPoint
 
-TEAM_HOST_ROWS = (1, 4, 16)
-# the team layers and the head up to the fused step's rows (fused_rows(): 64), so that steps of
+POOL_HOST_ROWS = (1, 4, 16)
+# the pooled layers and the head up to the fused step's rows (fused_rows(): 64), so that steps of
 # 17-64 rows are priced from their own rows, not held at 16 and bounded by the FLOPs floor
-TEAM_LAYER_ROWS = (1, 4, 16, 32, 64)
+POOL_LAYER_ROWS = (1, 4, 16, 32, 64)
 
 
 def _gemv_calls(modules: list, rows: int) -> Callable[[], None]:
@@ -64,11 +64,11 @@ def _gemv_calls(modules: list, rows: int) -> Callable[[], None]:
     return call
 
 
-def measure_team_host(
+def measure_pool_host(
     cfg: MeasureConfig,
     model,
     fused_fixed: list[tuple[int, float]],
-    rows: tuple[int, ...] = TEAM_HOST_ROWS,
+    rows: tuple[int, ...] = POOL_HOST_ROWS,
     max_layers: int = 12,
     context: int = 16,
 ) -> list[MeasuredPoint]:
@@ -109,10 +109,10 @@ def measure_team_host(
     return points
 
 
-TEAM_LAYER_KIND = "team-layer:"  # + the block linears' format
+POOL_LAYER_KIND = "pool-layer:"  # + the block linears' format
 HEAD_KIND = "head:"  # + the head's format
 SHORT_CONTEXT = 16
-# the team layers' cache holds this many rows at the longest context; more rows are timed at the
+# the pooled layers' cache holds this many rows at the longest context; more rows are timed at the
 # longest context that many rows' cache holds (64 rows x 2,048 tokens of a 3B model's layers
 # would not fit 24 GB)
 LONG_CONTEXT_ROWS = 16
@@ -137,22 +137,22 @@ def _layer_bytes(model, fmt: str) -> tuple[float, int]:
     return num_bytes, 2 * model.num_kv_heads * model.head_dim * 4
 
 
-def measure_team_layers(
+def measure_pool_layers(
     cfg: MeasureConfig,
     model,
     fmt: str,
     fused_fixed: list[tuple[int, float]],
-    rows: tuple[int, ...] = TEAM_LAYER_ROWS,
+    rows: tuple[int, ...] = POOL_LAYER_ROWS,
     max_layers: int = 12,
     contexts: tuple[int, ...] | None = None,
 ) -> list[MeasuredPoint]:
-    """`team-layer:FMT` points: the team step's own time per layer on `model`'s layer shapes with
+    """`pool-layer:FMT` points: the pooled step's own time per layer on `model`'s layer shapes with
     block linears in `fmt` (fp32, or quantised by RTN: a quantised decoder of the same shapes), at
     each row count it takes and at `SHORT_CONTEXT` and the longest of `cfg.attention_contexts`
     cached tokens (interleaved rounds; past `LONG_CONTEXT_ROWS` rows the longest context that
     many rows' cache holds: `row_contexts`): (step - `fused-fixed`) / layers. Everything the step
-    does in a layer (its GEMVs inside the one OpenMP region, the attention split across the team,
-    the barriers, the host work) is in it, so the planner prices the team path's linears and cache
+    does in a layer (its GEMVs inside the one OpenMP region, the attention split across the pool's threads,
+    the barriers, the host work) is in it, so the planner prices the pooled path's linears and cache
     read from these, not from kernels called alone (docs/planning.md). `bytes_per_s`: the layer's
     weight bytes in `fmt` over the time; `kv_token_bytes`: the K and V bytes of a token of a layer
     (for a plan of another model's shapes). [] when the fused step does not run here."""
@@ -194,7 +194,7 @@ def measure_team_layers(
                 per_layer = max(med[c] - fixed_s, 1e-9) / layers
                 points.append(
                     MeasuredPoint(
-                        TEAM_LAYER_KIND + fmt,
+                        POOL_LAYER_KIND + fmt,
                         n,
                         0.0,
                         layer_bytes / per_layer,
@@ -208,7 +208,7 @@ def measure_team_layers(
 
 
 def measure_head(
-    cfg: MeasureConfig, model, fmt: str, rows: tuple[int, ...] = TEAM_LAYER_ROWS
+    cfg: MeasureConfig, model, fmt: str, rows: tuple[int, ...] = POOL_LAYER_ROWS
 ) -> list[MeasuredPoint]:
     """`head:FMT` points: the engine's head module (`make_linear`, as the loader builds
     `cpu_head`) over `model`'s vocabulary x hidden matrix in `fmt`, at each row count: its
@@ -262,19 +262,19 @@ def measure_engine_on_model(
     progress: Callable[[MeasuredPoint], None] | None = None,
 ) -> list[MeasuredPoint]:
     """`measure_engine` over `model`'s own attention shape and matrices (a kvserve.lab.plan.ModelSpec),
-    then the team step's host cost per layer on its layer shapes, which replaces the tiny
-    decoder's `fused-dispatch` slope (docs/planning.md), and the team step's own layers and head
+    then the pooled step's host cost per layer on its layer shapes, which replaces the tiny
+    decoder's `fused-dispatch` slope (docs/planning.md), and the pooled step's own layers and head
     per format."""
     points = measure_engine(cfg, formats, budget_s, progress, model=model)
     with torch.inference_mode():
         fixed = [(p.num_columns, p.median_s) for p in points if p.kind == "fused-fixed"]
-        team = measure_team_host(cfg, model, fixed)
-        if team:  # replaces the tiny decoder's slope (docs/planning.md)
-            points = [p for p in points if p.kind != "fused-dispatch"] + team
-        for fmt in formats:  # the team step's own layers and the head, per format
-            team += measure_team_layers(cfg, model, fmt, fixed) + measure_head(cfg, model, fmt)
-        points += [p for p in team if p.kind != "fused-dispatch"]
-        for p in team:
+        pooled = measure_pool_host(cfg, model, fixed)
+        if pooled:  # replaces the tiny decoder's slope (docs/planning.md)
+            points = [p for p in points if p.kind != "fused-dispatch"] + pooled
+        for fmt in formats:  # the pooled step's own layers and the head, per format
+            pooled += measure_pool_layers(cfg, model, fmt, fixed) + measure_head(cfg, model, fmt)
+        points += [p for p in pooled if p.kind != "fused-dispatch"]
+        for p in pooled:
             if progress:
                 progress(p)
     return points

@@ -1,4 +1,4 @@
-"""The team step's host cost on a model's own layer shapes (kvserve/lab/measure_team.py,
+"""The pooled step's host cost on a model's own layer shapes (kvserve/lab/measure_pool.py,
 docs/planning.md): the arithmetic on known timings, the real measurement's shape, and
 `measure_engine` with a model putting it in place of the tiny decoder's slope."""
 
@@ -20,7 +20,7 @@ needs_fused = pytest.mark.skipif(not fused_rows(), reason="no fused step here")
 
 @needs_fused
 def test_the_host_per_layer_is_the_step_less_its_gemvs_and_the_fixed_part(monkeypatch):
-    import kvserve.lab.measure_team as mt
+    import kvserve.lab.measure_pool as mt
 
     seen = []
 
@@ -34,7 +34,7 @@ def test_the_host_per_layer_is_the_step_less_its_gemvs_and_the_fixed_part(monkey
 
     monkeypatch.setattr(mt, "interleaved_medians_s", fake_medians)
     fixed = [(1, 2e-3), (4, 3e-3)]
-    points = mt.measure_team_host(QUICK, WIDE, fixed, rows=(1, 4))
+    points = mt.measure_pool_host(QUICK, WIDE, fixed, rows=(1, 4))
     assert seen == [[0, 1, 2], [0, 1, 2]]
     got = {p.num_columns: p.median_s for p in points}
     assert all(p.kind == "fused-dispatch" for p in points)
@@ -45,7 +45,7 @@ def test_the_host_per_layer_is_the_step_less_its_gemvs_and_the_fixed_part(monkey
 
 @needs_fused
 def test_the_host_is_never_negative(monkeypatch):
-    import kvserve.lab.measure_team as mt
+    import kvserve.lab.measure_pool as mt
 
     def fake_medians(calls, cfg, rounds):
         for call in calls.values():
@@ -53,22 +53,22 @@ def test_the_host_is_never_negative(monkeypatch):
         return {0: 1e-3, 1: 9e-3, 2: 1e-3}  # GEMVs slower than the step: a noisy pair
 
     monkeypatch.setattr(mt, "interleaved_medians_s", fake_medians)
-    (point,) = mt.measure_team_host(QUICK, WIDE, [(1, 1e-3)], rows=(1,))
+    (point,) = mt.measure_pool_host(QUICK, WIDE, [(1, 1e-3)], rows=(1,))
     assert point.median_s == 0.0
 
 
 @needs_fused
-def test_measure_engine_with_a_model_takes_the_team_host_from_its_shapes(monkeypatch):
-    import kvserve.lab.measure_team as mt
+def test_measure_engine_with_a_model_takes_the_pooled_host_from_its_shapes(monkeypatch):
+    import kvserve.lab.measure_pool as mt
 
     calls = []
-    real = mt.measure_team_host
+    real = mt.measure_pool_host
 
     def spy(cfg, model, fused_fixed, **kwargs):
         calls.append((model.name, sorted(fused_fixed)))
         return real(cfg, model, fused_fixed, rows=(1, 2), **kwargs)
 
-    monkeypatch.setattr(mt, "measure_team_host", spy)
+    monkeypatch.setattr(mt, "measure_pool_host", spy)
     cfg = MeasureConfig(gemv_rows=128, gemv_cols=64, warmup=1, min_samples=2, min_time_s=0.0,
                         attention_contexts=(16, 64), attention_cache_bytes=1e5,
                         dispatch_rounds=1)  # fmt: skip
