@@ -2,7 +2,7 @@
 change to the serving path (issue 47: the serving benchmark, before vs after, ratio >= 0.97).
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/serving_ab.py \
-        --a /tmp/wt-before --b . [--model smollm2-135m-instruct] [--rounds 2] \
+        --a /tmp/wt-before --b . [--model smollm2-135m-instruct] [--rounds 2] [--server-args "..."] \
         --out benchmarks/results/zen3_avx2/serving_ab.json
 
 Each round starts `kvserve serve MODEL` from one tree (PYTHONPATH), waits for /ready, runs
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from tests.server_utils import free_port  # noqa: E402
 
 
-def serve(tree: Path, model: str, port: int) -> subprocess.Popen:
+def serve(tree: Path, model: str, port: int, extra: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     cmd = [
         sys.executable,
@@ -42,6 +42,7 @@ def serve(tree: Path, model: str, port: int) -> subprocess.Popen:
         "--port",
         str(port),
         "--no-prefix-caching",
+        *extra,
     ]
     server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -113,12 +114,18 @@ def main() -> None:
     parser.add_argument("--rate", default="2", help="the fixed rate, requests/s")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/serving_ab.json"))
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="more `kvserve serve` flags for both trees, one string (e.g. '--gguf-activations fp32' "
+        "to compare two trees whose defaults differ on the same products)",
+    )
     args = parser.parse_args()
     rounds = []
     for i in range(args.rounds):
         for name, tree in (("A", args.a), ("B", args.b)):
             port = free_port()
-            server = serve(tree, args.model, port)
+            server = serve(tree, args.model, port, args.server_args.split())
             try:
                 row = {"round": i, "tree": name, "path": str(tree), "load_average": os.getloadavg()}
                 for rate in ("inf", args.rate):
@@ -131,7 +138,8 @@ def main() -> None:
                 server.send_signal(signal.SIGTERM)
                 server.wait(60)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "rounds": rounds}, indent=1))
+    summary = {"model": args.model, "server_args": args.server_args, "rounds": rounds}
+    args.out.write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
