@@ -23,59 +23,53 @@ from tests.netns import NetnsUnavailable, two_hosts
 DELAY_US = 500.0
 
 
-def test_delay_adds_at_least_d_and_the_rule_goes_with_it(monkeypatch):
+@pytest.fixture
+def hosts():
     try:
         check_available()
     except DelayUnavailable as exc:
         pytest.skip(f"cannot delay a link here: {exc}")
+    try:
+        pair = two_hosts()
+        a, b = pair.__enter__()
+    except NetnsUnavailable as exc:
+        pytest.skip(f"network namespaces: {exc}")
+    try:
+        yield a, b
+    finally:
+        pair.__exit__(None, None, None)
+
+
+def test_delay_adds_at_least_d_and_the_rule_goes_with_it(hosts, monkeypatch):
+    a, b = hosts
     monkeypatch.setattr(link_calibrate, "NUM_PINGS", 60)
     monkeypatch.setattr(link_calibrate, "NUM_WARMUP", 10)
+    script = str(REPO_ROOT / "benchmarks" / "link_calibrate.py")
+    echo = subprocess.Popen(b.command(sys.executable, script, "--serve"),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        hosts = two_hosts()
-        a, b = hosts.__enter__()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"network namespaces: {exc}")
-    try:
-        script = str(REPO_ROOT / "benchmarks" / "link_calibrate.py")
-        echo = subprocess.Popen(b.command(sys.executable, script, "--serve"),
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-        try:
-            assert echo.stdout.readline().strip() == "ready"
-            with a.executor(1) as pool:
-                bare = pool.submit(link_calibrate.ping_pong, b.address).result(timeout=60)
-                with Delayer(a, DELAY_US, 31) as delayer:
-                    delayed = pool.submit(link_calibrate.ping_pong, b.address).result(timeout=60)
-                after = pool.submit(link_calibrate.ping_pong, b.address).result(timeout=60)
-        finally:
-            echo.stdin.close()
-            echo.wait(timeout=20)
-        # every one of the pings' packets from A waited at least D: even the fastest round trip
-        assert delayed["rtt_us_p10"] >= DELAY_US
-        assert delayed["rtt_us_median"] >= bare["rtt_us_median"] + DELAY_US * 0.9
-        assert delayer.counts["packets"] >= 60  # the pings' packets at least (each way: A's)
-        assert delayer.counts["late_us_median"] >= 0
-        rules = subprocess.run(a.command("iptables-legacy", "-S", "OUTPUT"), capture_output=True,
-                               text=True, timeout=20).stdout  # fmt: skip
-        assert "NFQUEUE" not in rules  # the rule left with the delayer: the link is bare again
-        assert after["rtt_us_median"] < delayed["rtt_us_median"]
+        assert echo.stdout.readline().strip() == "ready"
+        with a.executor(1) as pool:
+            bare = pool.submit(link_calibrate.ping_pong, b.address).result(timeout=60)
+            with Delayer(a, DELAY_US, 31) as delayer:
+                delayed = pool.submit(link_calibrate.ping_pong, b.address).result(timeout=60)
+            after = pool.submit(link_calibrate.ping_pong, b.address).result(timeout=60)
     finally:
-        hosts.__exit__(None, None, None)
+        echo.stdin.close()
+        echo.wait(timeout=20)
+    # every round trip carries one of A's packets, each accepted no sooner than D after it was read
+    assert delayed["rtt_us_p10"] >= DELAY_US
+    assert delayed["rtt_us_median"] >= bare["rtt_us_median"] + DELAY_US * 0.9
+    assert delayer.counts["packets"] >= 60  # the pings' packets from A, at least
+    rules = subprocess.run(a.command("iptables-legacy", "-S", "OUTPUT"), capture_output=True,
+                           text=True, timeout=20).stdout  # fmt: skip
+    assert "NFQUEUE" not in rules  # the rule left with the delayer: the link is bare again
+    assert after["rtt_us_median"] < delayed["rtt_us_median"]
 
 
-def test_a_second_delayer_on_a_taken_queue_says_why():
-    try:
-        check_available()
-    except DelayUnavailable as exc:
-        pytest.skip(f"cannot delay a link here: {exc}")
-    try:
-        hosts = two_hosts()
-        a, _ = hosts.__enter__()
-    except NetnsUnavailable as exc:
-        pytest.skip(f"network namespaces: {exc}")
-    try:
-        with Delayer(a, DELAY_US, 33):
-            with pytest.raises(DelayUnavailable, match="refused to bind the queue"):
-                with Delayer(a, DELAY_US, 33):
-                    pass
-    finally:
-        hosts.__exit__(None, None, None)
+def test_a_second_delayer_on_a_taken_queue_says_why(hosts):
+    a, _ = hosts
+    with Delayer(a, DELAY_US, 33):
+        with pytest.raises(DelayUnavailable, match="refused to bind the queue"):
+            with Delayer(a, DELAY_US, 33):
+                pass
