@@ -14,7 +14,7 @@ Settings (each direction; the delayer runs in both namespaces):
 Round trip: 64-byte TCP_NODELAY ping-pong, median / p10 / p90 of 400 after 40 warm-up. Throughput:
 one TCP stream sending 1 MiB writes for 1.5 s, bytes the receiver acknowledged / time.
 
-  sudo /work/bin/bench-lock python benchmarks/link_calibrate.py \
+  sudo python benchmarks/link_calibrate.py \
       --out benchmarks/results/zen3_avx2/session_1208/link_calibrate.json
 """
 

@@ -31,7 +31,7 @@ columns). Two calibrations of the software's L: *bare* (a least-squares line thr
 all-reduce sizes on the veth) and *engine* (what makes the formula equal the engine's own collectives
 per step on the veth, per batch). Planned step = the veth step + (planned - veth) collectives.
 
-  sudo /work/bin/bench-lock python benchmarks/multihost_link.py --rounds 2 \
+  sudo python benchmarks/multihost_link.py --rounds 2 \
       --out benchmarks/results/zen3_avx2/session_1208/multihost_link.json
   python benchmarks/multihost_link.py --out FILE --table   # reprint the table
 """

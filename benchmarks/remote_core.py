@@ -25,7 +25,7 @@ calibrated on the bare veth ((TTFT remote - TTFT local) / 2) + the setting's mea
 advises, 150 us + the one-way delay.
 
   sudo python benchmarks/remote_core.py --out benchmarks/results/zen3_avx2/remote_core.json
-  sudo /work/bin/bench-lock python benchmarks/remote_core.py --link --rounds 2 \
+  sudo python benchmarks/remote_core.py --link --rounds 2 \
       --out benchmarks/results/zen3_avx2/session_1208/remote_core_link.json
 """
 
