@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.link_delay import Delayer  # noqa: E402
+from benchmarks.link_delay import Delayer, DelayUnavailable, check_available  # noqa: E402
 
 PORT = 7790
 NUM_PINGS, NUM_WARMUP = 400, 40
@@ -178,7 +178,14 @@ def main() -> None:
     if args.serve:
         serve()
         return
-    report = json.loads(args.out.read_text()) if args.table else measure(args.out)
+    if args.table:
+        report = json.loads(args.out.read_text())
+    else:
+        try:
+            check_available()
+            report = measure(args.out)
+        except DelayUnavailable as exc:
+            sys.exit(f"link_calibrate: cannot delay the link: {exc}")
     print(table(report))
 
 
