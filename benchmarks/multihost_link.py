@@ -1,36 +1,45 @@
-"""The planner's price of a shaped cross-host link against what two network-namespace hosts measure
-(kvserve.lab.plan.parallel; docs/parallel.md, "Across hosts: the link, planned vs measured").
+"""The planner's price of a delayed, rate-shaped cross-host link against what two network-namespace
+hosts measure (kvserve.lab.plan.parallel; docs/parallel.md, "Across hosts: the link, planned vs
+measured").
 
 Two hosts are network namespaces joined by a veth pair (tests/netns.py; needs root), each pinned to
-one core (taskset). This kernel has no sch_netem, so the link is shaped by `tbf` on both veth ends
-(each direction gets the rate; no delay can be added: see `shape`). Settings:
+one core (taskset). This kernel has no sch_netem, so the delay is benchmarks/link_delay.py (an
+NFQUEUE rule on each veth's OUTPUT and a process per namespace that accepts every packet D us after
+it read it) and the rate is `tbf` on both veth ends. Settings (each direction):
 
-  veth      the bare veth (its own latency: the calibration)
-  10gbit    tc qdisc add dev VETH root tbf rate 10gbit burst B latency 50ms
-  1gbit     ... rate 1gbit
-  200mbit   ... rate 200mbit (bandwidth dominates the larger messages and the logits gather)
+  veth           the bare veth (its own latency: the calibration)
+  0.2ms-10gbit   D = 100 us (0.2 ms round trip) + tbf rate 10gbit
+  1ms-1gbit      D = 500 us (1 ms round trip) + tbf rate 1gbit
 
-Each round visits every setting in turn (A B C D A B C D ...); per setting, benchmarks/multihost_tp.py
+The delayer's own latency (reading a packet after the kernel queued it, waking after a deadline) is
+measured once at the start (a TCP ping-pong with the delay uncompensated) and taken off its
+deadlines; each setting's real one-way delay is then measured again in every round (the median round
+trip of 200 small TCP messages, minus the bare veth's, halved) and is what the plan prices.
+
+Each round visits every setting in turn (A B C A B C ...); per setting, benchmarks/multihost_tp.py
 measures (1) a bare gloo all-reduce between the hosts at [1, 8, 64] x 576 fp32 (2.3, 18, 147 kB;
-median of 50 after 5 warm-up) and (2) the engine's decode steps at TP = 2 across the hosts (random
-SmolLM2-135M-shaped fp32 Llama, 6 heads of 96 so that it splits 2 ways; B = 1 and 8, median of 12
-steps after 3; "collectives" is the time rank 0 spends inside the 61 all-reduces and the gather).
+median of 50 after 5 warm-up) and the logits gather, and (2) the engine's decode steps at TP = 2
+across the hosts (random SmolLM2-135M-shaped fp32 Llama, 6 heads of 96 so that it splits 2 ways;
+B = 1 and 8, median of 12 steps after 3; "collectives" is the time rank 0 spends inside the 61
+all-reduces and the gather).
 
-Planned: the planner's formulas with one link for every setting: `allreduce_s` / `gather_s` /
-`TensorParallelComm.step_s`, i.e. what `kvserve plan --tensor-parallel 2 --link-latency-us L
---link-bandwidth BW` prices. L and the software's own per-byte cost come from the veth rows (a least-
-squares line through the three bare all-reduce sizes: time = 2 (N-1) L + bytes / BW_sw); a shaped
-setting's BW is the rate in series with that cost, 1 / (1 / BW_sw + 1 / rate). Planned step = the
-veth rows' step minus their collectives (compute, unchanged by the link) + the planned collectives.
+Planned: the planner's formulas, `allreduce_s` / `gather_s` / `TensorParallelComm.step_s`, i.e. what
+`kvserve plan --tensor-parallel 2 --link-latency-us L --link-bandwidth BW` prices, with L = the
+software's own cost per ring step (calibrated on the veth rows) + the setting's measured one-way
+delay, and BW = the rate (in series with the software's per-byte cost for the bare-calibrated
+columns). Two calibrations of the software's L: *bare* (a least-squares line through the three bare
+all-reduce sizes on the veth) and *engine* (what makes the formula equal the engine's own collectives
+per step on the veth, per batch). Planned step = the veth step + (planned - veth) collectives.
 
-  sudo flock /tmp/kvserve-bench.lock python benchmarks/multihost_link.py \
-      --out benchmarks/results/zen3_avx2/session_1207/multihost_link.json
+  sudo python benchmarks/multihost_link.py --rounds 2 \
+      --out benchmarks/results/zen3_avx2/session_1208/multihost_link.json
   python benchmarks/multihost_link.py --out FILE --table   # reprint the table
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -43,6 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.link_delay import DelayUnavailable  # noqa: E402
 from benchmarks.multihost_tp import (  # noqa: E402
     MESSAGE_ROWS,
     MODEL_SHAPE,
@@ -51,7 +61,14 @@ from benchmarks.multihost_tp import (  # noqa: E402
     _run_pair,
 )
 
-RATES_BIT_S = {"veth": None, "10gbit": 10e9, "1gbit": 1e9, "200mbit": 0.2e9}
+# name: (one-way delay in us, tbf rate in bit/s); None: the bare veth
+SETTINGS: dict[str, tuple[float, float] | None] = {
+    "veth": None,
+    "0.2ms-10gbit": (100.0, 10e9),
+    "1ms-1gbit": (500.0, 1e9),
+}
+NUM_PINGS = 200
+GLOO_DELAYS_PER_STEP = 2  # one-way delays per ring step: the receiver's recv-ready notice, the data
 BATCHES = (1, 8)
 WORLD = 2
 VOCAB_PADDED = -(-VOCAB // WORLD) * WORLD  # the gathered logits: ceil(V / N) per rank
@@ -67,13 +84,14 @@ def _gather_ms(run: dict) -> list[float]:
 
 def shape(host, rate_bit_s: float | None) -> str:
     """tbf at `rate_bit_s` on the host's veth (None: unshaped). The burst is what the rate sends in
-    50 us (at least two 1500-byte frames): a small bucket, so a message is paced at the rate instead
-    of passing whole in the bucket's burst."""
+    100 us (at least two 1500-byte frames): a small bucket, so a message is paced at the rate instead
+    of passing whole in the bucket's burst, yet at 10 Gbit/s large enough (125 kB) for one 64 kB GSO
+    packet, which tbf would otherwise split into frames (measured: 3.7 instead of 7 Gbit/s)."""
     tc = ("tc", "-n", host.namespace, "qdisc")
     subprocess.run([*tc, "del", "dev", host.veth, "root"], capture_output=True, timeout=20)
     if rate_bit_s is None:
         return "none"
-    burst = max(3000, int(rate_bit_s / 8 * 50e-6))
+    burst = max(3000, int(rate_bit_s / 8 * 100e-6))
     argv = [*tc, "add", "dev", host.veth, "root", "tbf", "rate", f"{rate_bit_s:.0f}bit",
             "burst", str(burst), "latency", "50ms"]  # fmt: skip
     subprocess.run(argv, check=True, capture_output=True, timeout=20)
@@ -81,7 +99,7 @@ def shape(host, rate_bit_s: float | None) -> str:
 
 
 def netem_available(host) -> str:
-    """What `tc ... netem` answers here (kept in the report: why no delay was added)."""
+    """What `tc ... netem` answers here (kept in the report: why the delay is link_delay.py)."""
     argv = ["tc", "-n", host.namespace, "qdisc", "add", "dev", host.veth, "root", "netem",
             "delay", "1ms"]  # fmt: skip
     result = subprocess.run(argv, capture_output=True, text=True, timeout=20)
@@ -90,10 +108,33 @@ def netem_available(host) -> str:
     return "available" if result.returncode == 0 else result.stderr.strip()
 
 
+def _rtt_us(pool, b) -> float:
+    """Median round trip of small TCP messages from this pool's host to b (link_calibrate's echo)."""
+    from benchmarks import link_calibrate
+
+    link_calibrate.NUM_PINGS = NUM_PINGS
+    return pool.submit(link_calibrate.ping_pong, b.address).result()["rtt_us_median"]
+
+
+def _delayed(a, b, delay_us: float | None, early_us: float):
+    """link_delay.py in both hosts (each direction delayed), or nothing for delay_us None."""
+    from benchmarks.link_delay import Delayer
+
+    stack = contextlib.ExitStack()
+    if delay_us:
+        stack.enter_context(Delayer(a, delay_us, 21, early_us))
+        stack.enter_context(Delayer(b, delay_us, 22, early_us))
+    return stack
+
+
 def measure(rounds: int, out: Path) -> dict:
+    """Long: the rounds over every setting, each a pair of collective ranks and a TP = 2 engine
+    run across the namespaces, with the delayers and tbf set for the setting."""
+    from benchmarks.link_delay import check_available
     from tests.checkpoints import build_checkpoint
     from tests.netns import two_hosts
 
+    check_available()
     work = Path(tempfile.mkdtemp(prefix="kvserve-link-"))
     model_dir = work / "smol-shaped"
     build_checkpoint(model_dir, "llama_tied", vocab_size=VOCAB, **MODEL_SHAPE)
@@ -101,40 +142,65 @@ def measure(rounds: int, out: Path) -> dict:
     flags = ["--num-blocks", "256", "--block-size", "16", "--max-model-len", "512"]
     report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "model": MODEL_SHAPE | {"vocab_size": VOCAB, "dtype": "float32"},
-              "world_size": WORLD, "runs": []}  # fmt: skip
+              "world_size": WORLD, "runs": [], "early_us": {}}  # fmt: skip
     with two_hosts() as (a, b):
         report["netem"] = netem_available(a)
+        echo = subprocess.Popen(
+            b.command(sys.executable, str(ROOT / "benchmarks" / "link_calibrate.py"), "--serve"),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        if echo.stdout.readline().strip() != "ready":
+            raise RuntimeError("the echo server in host B did not start")
+        pool = a.executor(1)
+        # the delayer's own latency, per delay: measured uncompensated, then taken off its deadlines
+        bare_rtt = _rtt_us(pool, b)
+        for setting in SETTINGS.values():
+            if setting is not None and setting[0] not in report["early_us"]:
+                with _delayed(a, b, setting[0], 0.0):
+                    raw = _rtt_us(pool, b)
+                report["early_us"][setting[0]] = max(0.0, (raw - bare_rtt) / 2 - setting[0])
+        print(json.dumps({"bare_rtt_us": bare_rtt, "early_us": report["early_us"]}), flush=True)
         port = 29700
         for round_index in range(rounds):
-            for name, rate in RATES_BIT_S.items():
+            for name, setting in SETTINGS.items():
+                delay_us, rate = setting if setting is not None else (None, None)
                 shaping = [shape(host, rate) for host in (a, b)][0]
-                port += 2
-                coll, eng = work / f"coll-{port}.json", work / f"eng-{port}.json"
-                store = f"{a.address}:{port}"
-                _run_pair(
-                    a.command(*_python(worker, "--out", str(coll), "--role", "collective",
-                                       "--rank", "0", "--address", a.address, "--store", store)),
-                    b.command(*_python(worker, "--out", str(coll), "--role", "collective",
-                                       "--rank", "1", "--address", b.address, "--store", store,
-                                       cpu=1)),
-                )  # fmt: skip
-                addr = f"{a.address}:{port + 1}"
-                _run_pair(
-                    a.command(*_python(worker, "--out", str(eng), "--role", "engine", "--model",
-                                       str(model_dir), "--addr", addr)),
-                    b.command(*_python("-m", "kvserve", "tp-node", str(model_dir), *flags,
-                                       "--tensor-parallel-size", "2", "--nnodes", "2",
-                                       "--node-rank", "1", "--dist-init-addr", addr, cpu=1)),
-                )  # fmt: skip
-                run = {"round": round_index, "setting": name, "rate_bit_s": rate,
-                       "shaping": shaping, "allreduce": json.loads(coll.read_text()),
+                early = report["early_us"].get(delay_us, 0.0)
+                with _delayed(a, b, delay_us, early):
+                    rtt = _rtt_us(pool, b)
+                    port += 2
+                    coll, eng = work / f"coll-{port}.json", work / f"eng-{port}.json"
+                    store = f"{a.address}:{port}"
+                    _run_pair(
+                        a.command(*_python(worker, "--out", str(coll), "--role", "collective",
+                                           "--rank", "0", "--address", a.address, "--store",
+                                           store)),
+                        b.command(*_python(worker, "--out", str(coll), "--role", "collective",
+                                           "--rank", "1", "--address", b.address, "--store",
+                                           store, cpu=1)),
+                    )  # fmt: skip
+                    addr = f"{a.address}:{port + 1}"
+                    _run_pair(
+                        a.command(*_python(worker, "--out", str(eng), "--role", "engine",
+                                           "--model", str(model_dir), "--addr", addr)),
+                        b.command(*_python("-m", "kvserve", "tp-node", str(model_dir), *flags,
+                                           "--tensor-parallel-size", "2", "--nnodes", "2",
+                                           "--node-rank", "1", "--dist-init-addr", addr,
+                                           cpu=1)),
+                    )  # fmt: skip
+                run = {"round": round_index, "setting": name, "delay_us": delay_us,
+                       "early_us": early, "rate_bit_s": rate, "shaping": shaping, "rtt_us": rtt,
+                       "allreduce": json.loads(coll.read_text()),
                        "engine": json.loads(eng.read_text()),
                        "load_average": os.getloadavg()}  # fmt: skip
                 report["runs"].append(run)
-                print(json.dumps({k: run[k] for k in ("round", "setting", "load_average")}),
-                      flush=True)  # fmt: skip
+                print(json.dumps({k: run[k] for k in ("round", "setting", "rtt_us",
+                                                      "load_average")}), flush=True)  # fmt: skip
         for host in (a, b):
             shape(host, None)
+        echo.stdin.close()
+        echo.wait(timeout=20)
+        pool.shutdown()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     return report
@@ -147,7 +213,9 @@ def _median(runs: list[dict], name: str, pick) -> list[float]:
 
 
 def plan(report: dict) -> dict:
-    """Measured (medians over rounds) and planned numbers per setting."""
+    """Long: measured (medians over rounds) and planned numbers per setting; the planned latency per
+    ring step is the software's own (calibrated on the veth rows, two ways) plus the setting's
+    measured one-way delay."""
     from kvserve.lab.plan.model import ModelSpec
     from kvserve.lab.plan.parallel import (
         Interconnect,
@@ -179,35 +247,50 @@ def plan(report: dict) -> dict:
     )  # fmt: skip
     bare_steps = _median(runs, "veth", lambda r: [x["step_ms_median"] for x in r["engine"]])
     bare_comm = _median(runs, "veth", lambda r: [x["comm_ms_per_step"] for x in r["engine"]])
+    bare_rtt_us = statistics.median(r["rtt_us"] for r in runs if r["setting"] == "veth")
+    ring_steps = (2 * spec.num_layers + 1) * 2 * (n - 1) + (n - 1)
+    engine_latency_s = [ms * 1e-3 / ring_steps for ms in bare_comm]
     result = {"latency_us": latency_s * 1e6, "software_bandwidth_gb_s": software_bw / 1e9,
-              "settings": {}}  # fmt: skip
-    for name, rate in RATES_BIT_S.items():
+              "engine_latency_us": [x * 1e6 for x in engine_latency_s],
+              "bare_rtt_us": bare_rtt_us, "settings": {}}  # fmt: skip
+    for name, setting in SETTINGS.items():
         if not any(r["setting"] == name for r in runs):
             continue
+        rate = None if setting is None else setting[1]
+        rtt_us = statistics.median(r["rtt_us"] for r in runs if r["setting"] == name)
+        one_way_s = max(0.0, (rtt_us - bare_rtt_us) / 2) * 1e-6
         bw = software_bw if rate is None else 1 / (1 / software_bw + 8 / rate)
-        link = Interconnect(name, bw, latency_s)
-        comm = TensorParallelComm(spec, n, link, activation_bytes=4.0)
-        planned_comm = [comm.step_s(batch, batch) * 1e3 for batch in BATCHES]
-        # the other calibration: the latency per ring step that makes the formula equal the
-        # engine's own collectives on the bare veth (per batch), the link's bandwidth the rate
-        engine_comm = []
-        for batch, bare_ms in zip(BATCHES, bare_comm, strict=True):
-            ring_steps = comm.num_allreduces_per_step * 2 * (n - 1) + (n - 1)
-            engine_link = Interconnect(name, (rate or 1e18) / 8, bare_ms * 1e-3 / ring_steps)
-            engine = TensorParallelComm(spec, n, engine_link, activation_bytes=4.0)
-            engine_comm.append(engine.step_s(batch, batch) * 1e3)
+
+        def comm_ms(latency_s: float, bandwidth: float, name: str = name) -> list[float]:
+            link = Interconnect(name, bandwidth, latency_s)
+            comm = TensorParallelComm(spec, n, link, activation_bytes=4.0)
+            return [comm.step_s(batch, batch) * 1e3 for batch in BATCHES]
+
+        # gloo's TCP transport sends only once the peer has posted its receive (a NOTIFY_RECV_READY
+        # message), so a ring step pays the delay twice: the notice, then the data
+        link = Interconnect(name, bw, latency_s + GLOO_DELAYS_PER_STEP * one_way_s)
+        wire = [comm_ms(lat + one_way_s, (rate or 1e18) / 8) for lat in engine_latency_s]
+        gloo = [comm_ms(lat + GLOO_DELAYS_PER_STEP * one_way_s, (rate or 1e18) / 8)
+                for lat in engine_latency_s]  # fmt: skip
+        engine_wire = [wire[i][i] for i in range(len(BATCHES))]
+        engine_gloo = [gloo[i][i] for i in range(len(BATCHES))]
         result["settings"][name] = {
+            "delay_us_target": None if setting is None else setting[0],
+            "rtt_us": rtt_us,
+            "one_way_delay_us": one_way_s * 1e6,
             "link_bandwidth_gb_s": bw / 1e9,
+            "link_latency_us": link.latency_s * 1e6,
             "allreduce_ms": _median(runs, name, lambda r: [x["ms_median"] for x in _allreduces(r)]),
+            "allreduce_ms_planned": [allreduce_s(n, s, link) * 1e3 for s in sizes],
             "gather_ms": _median(runs, name, _gather_ms),
             "gather_ms_planned": [gather_s(n, 8 * VOCAB_PADDED * 4, link) * 1e3],
-            "allreduce_ms_planned": [allreduce_s(n, s, link) * 1e3 for s in sizes],
             "comm_ms": _median(runs, name, lambda r: [x["comm_ms_per_step"] for x in r["engine"]]),
-            "comm_ms_planned": planned_comm,
-            "comm_ms_planned_engine_calibrated": engine_comm,
+            "comm_ms_planned_bare_calibrated": comm_ms(link.latency_s, bw),
+            "comm_ms_planned_wire": engine_wire,
+            "comm_ms_planned": engine_gloo,
             "step_ms": _median(runs, name, lambda r: [x["step_ms_median"] for x in r["engine"]]),
             "step_ms_planned": [
-                s - c0 + p for s, c0, p in zip(bare_steps, bare_comm, planned_comm, strict=True)
+                s - c0 + p for s, c0, p in zip(bare_steps, bare_comm, engine_gloo, strict=True)
             ],
             "load_average": [r["load_average"][0] for r in runs if r["setting"] == name],
         }
@@ -215,41 +298,43 @@ def plan(report: dict) -> dict:
 
 
 def render_table(report: dict) -> str:
-    """docs/parallel.md's table: measured / planned (error) per cell; the 2.3 and 18 kB all-reduces
-    are in the JSON (`planned.settings.*.allreduce_ms`)."""
+    """docs/parallel.md's table: measured / planned (error) per cell; the 18 kB all-reduce is in
+    the JSON (`planned.settings.*.allreduce_ms`)."""
     planned = report["planned"]
 
     def cell(measured: float, expected: float) -> str:
         return f"{measured:.2f} / {expected:.2f} ({(measured - expected) / expected * 100:+.0f}%)"
 
     lines = [
-        "| link (tbf, each direction) | BW planned | all-reduce 147 kB, ms | logits gather 804 kB, "
-        "ms | collectives per step B=1, ms | B=8 | the same, engine-calibrated: B=1 | B=8 | "
-        "decode step B=1, ms | B=8 | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| link (each direction) | one-way delay: target / measured | all-reduce 2.3 kB, ms | "
+        "147 kB | logits gather 804 kB | collectives per step B=1, ms | B=8 | the same, one "
+        "delay per ring step: B=1 | B=8 | decode step B=1, ms | B=8 | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in planned["settings"].items():
-        rate = (
-            "-" if s["link_bandwidth_gb_s"] > 1e3 else f"{s['link_bandwidth_gb_s'] * 8:.2f} Gbit/s"
-        )
-        row = [name, rate]
+        target = "-" if s["delay_us_target"] is None else f"{s['delay_us_target']:.0f}"
+        row = [name, f"{target} / {s['one_way_delay_us']:.0f} us"]
+        row.append(cell(s["allreduce_ms"][0], s["allreduce_ms_planned"][0]))
         row.append(cell(s["allreduce_ms"][-1], s["allreduce_ms_planned"][-1]))
-        gather = s.get("gather_ms") or []
-        row.append(cell(gather[0], s["gather_ms_planned"][0]) if gather else "-")
+        row.append(cell(s["gather_ms"][0], s["gather_ms_planned"][0]))
         row += [cell(m, e) for m, e in zip(s["comm_ms"], s["comm_ms_planned"], strict=True)]
-        engine = s["comm_ms_planned_engine_calibrated"]
-        row += [cell(m, e) for m, e in zip(s["comm_ms"], engine, strict=True)]
+        wire = s["comm_ms_planned_wire"]
+        row += [cell(m, e) for m, e in zip(s["comm_ms"], wire, strict=True)]
         row += [cell(m, e) for m, e in zip(s["step_ms"], s["step_ms_planned"], strict=True)]
         row.append(", ".join(f"{v:.1f}" for v in s["load_average"]))
         lines.append("| " + " | ".join(row) + " |")
     lines.append(
-        f"\nCalibrated on the veth rows: latency per ring step {planned['latency_us']:.0f} us, "
+        f"\nCalibrated on the veth rows: latency per ring step {planned['latency_us']:.0f} us bare, "
+        + "/".join(f"{x:.0f}" for x in planned["engine_latency_us"])
+        + " us engine (B = 1 / 8); "
         + (
             "no software per-byte cost measured (a flat line)"
             if planned["software_bandwidth_gb_s"] > 1e3
             else f"software per-byte cost as {planned['software_bandwidth_gb_s'] * 8:.2f} Gbit/s "
             "in series with the rate"
         )
+        + f"; bare round trip {planned['bare_rtt_us']:.0f} us; delayer compensation "
+        + ", ".join(f"{k} us: -{v:.0f} us" for k, v in report.get("early_us", {}).items())
         + f"; netem: {report.get('netem')}"
     )
     return "\n".join(lines)
@@ -261,7 +346,13 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="print the table of --out and exit")
     parser.add_argument("--rounds", type=int, default=2, help="visits of every setting (2)")
     args = parser.parse_args()
-    report = json.loads(args.out.read_text()) if args.table else measure(args.rounds, args.out)
+    if args.table:
+        report = json.loads(args.out.read_text())
+    else:
+        try:
+            report = measure(args.rounds, args.out)
+        except DelayUnavailable as exc:
+            sys.exit(f"multihost_link: cannot delay the link: {exc}")
     report["planned"] = plan(report)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(render_table(report))
