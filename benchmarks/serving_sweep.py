@@ -25,6 +25,13 @@ in bf16, vLLM's own dtype on CPU when not told: the issue's configuration; the o
 options to the kvserve servers (`"--kvserve-args=--max-num-batched-tokens 512"`) and `--suffix`
 names the variant in the JSON (`--suffix=-b512`: kvserve-b512); both need `=`, as their values
 start with a dash.
+
+The real default model: kvserve serves the GGUF as shipped, vLLM the same weights dequantised into a
+Hugging Face directory (benchmarks/peers/vllm_models.py real), and the load tokenizes with that
+directory's tokenizer:
+
+    --model /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf --vllm-model /tmp/models/smollm2-hf \
+        --tokenizer /tmp/models/smollm2-hf
 """
 
 from __future__ import annotations
@@ -77,7 +84,8 @@ def server_command(engine: str, args, port: int) -> tuple[list[str], dict[str, s
         # vLLM's own dtype on CPU is bf16 (`--dtype auto`); -bf16 keeps it, the others ask for the
         # checkpoint's fp32 so that every engine computes on the same weights.
         dtype = "bfloat16" if engine.endswith("-bf16") else "float32"
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+        model = getattr(args, "vllm_model", None) or args.model  # a GGUF's weights as an HF dir
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
                "--no-enable-prefix-caching", "--max-model-len", "2048", "--dtype", dtype]  # fmt: skip
         return cmd, env
@@ -232,6 +240,8 @@ def main() -> int:
     p.add_argument("--llama-ctx", type=int, default=0, help="llama-server -c (0: 256 a slot)")
     p.add_argument("--threads", type=int, default=2, help="llama-server threads")
     p.add_argument("--vllm-python", default="/tmp/kv/vllm-venv/bin/python")
+    p.add_argument("--vllm-model", default=None,
+                   help="vLLM's Hugging Face directory when --model is a GGUF file (default: --model)")  # fmt: skip
     p.add_argument("--rates", default="1,2,4,8,inf")
     p.add_argument("--num-requests", type=int, default=48, help="measured requests per rate")
     p.add_argument("--warmup", type=int, default=2)

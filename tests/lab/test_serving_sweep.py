@@ -47,3 +47,15 @@ def test_each_engine_serves_with_prefix_caching_off(tmp_path):
     assert "--max-num-batched-tokens" not in llama + vllm
     assert "--no-enable-prefix-caching" in vllm and vllm[vllm.index("--dtype") + 1] == "float32"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "PYTHONPATH" not in env
+    assert vllm[vllm.index("--model") + 1] == "M"  # no --vllm-model: vLLM serves --model
+
+
+def test_vllm_serves_its_own_directory_when_kvserve_serves_a_gguf():
+    class Args:
+        model, vllm_model, vllm_python = "/m/file.gguf", "/m/hf-dir", "/venv/python"
+        kvserve_args = "--gguf-activations int8"
+
+    kv, _ = server_command("kvserve", Args, 1)
+    vllm, _ = server_command("vllm-bind01", Args, 1)
+    assert kv[kv.index("serve") + 1] == "/m/file.gguf" and kv[-2:] == ["--gguf-activations", "int8"]
+    assert vllm[vllm.index("--model") + 1] == "/m/hf-dir"
