@@ -127,6 +127,39 @@ def _delayed(a, b, delay_us: float | None, early_us: float):
     return stack
 
 
+@contextlib.contextmanager
+def calibrated_link(a, b):
+    """link_calibrate's echo server in host b and a one-thread pool in host a to time the link's
+    round trip; first the delayer's own latency per delay of SETTINGS (measured uncompensated, to be
+    taken off its deadlines). Yields (pool, {delay_us: early_us}); shapes both hosts back to bare and
+    stops the echo server on the way out."""
+    echo = subprocess.Popen(
+        b.command(sys.executable, str(ROOT / "benchmarks" / "link_calibrate.py"), "--serve"),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pool = None
+    try:
+        if echo.stdout.readline().strip() != "ready":
+            raise RuntimeError("the echo server in host B did not start")
+        pool = a.executor(1)
+        bare_rtt = _rtt_us(pool, b)
+        early: dict = {}
+        for setting in SETTINGS.values():
+            if setting is not None and setting[0] not in early:
+                with _delayed(a, b, setting[0], 0.0):
+                    raw = _rtt_us(pool, b)
+                early[setting[0]] = max(0.0, (raw - bare_rtt) / 2 - setting[0])
+        print(json.dumps({"bare_rtt_us": bare_rtt, "early_us": early}), flush=True)
+        yield pool, early
+        for host in (a, b):
+            shape(host, None)
+    finally:
+        echo.stdin.close()
+        echo.wait(timeout=20)
+        if pool is not None:
+            pool.shutdown()
+
+
 def measure(rounds: int, out: Path) -> dict:
     """Long: the rounds over every setting, each a pair of collective ranks and a TP = 2 engine
     run across the namespaces, with the delayers and tbf set for the setting."""
@@ -143,23 +176,9 @@ def measure(rounds: int, out: Path) -> dict:
     report = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "model": MODEL_SHAPE | {"vocab_size": VOCAB, "dtype": "float32"},
               "world_size": WORLD, "runs": [], "early_us": {}}  # fmt: skip
-    with two_hosts() as (a, b):
+    with two_hosts() as (a, b), calibrated_link(a, b) as (pool, early_us):
         report["netem"] = netem_available(a)
-        echo = subprocess.Popen(
-            b.command(sys.executable, str(ROOT / "benchmarks" / "link_calibrate.py"), "--serve"),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        if echo.stdout.readline().strip() != "ready":
-            raise RuntimeError("the echo server in host B did not start")
-        pool = a.executor(1)
-        # the delayer's own latency, per delay: measured uncompensated, then taken off its deadlines
-        bare_rtt = _rtt_us(pool, b)
-        for setting in SETTINGS.values():
-            if setting is not None and setting[0] not in report["early_us"]:
-                with _delayed(a, b, setting[0], 0.0):
-                    raw = _rtt_us(pool, b)
-                report["early_us"][setting[0]] = max(0.0, (raw - bare_rtt) / 2 - setting[0])
-        print(json.dumps({"bare_rtt_us": bare_rtt, "early_us": report["early_us"]}), flush=True)
+        report["early_us"] = early_us
         port = 29700
         for round_index in range(rounds):
             for name, setting in SETTINGS.items():
@@ -196,11 +215,6 @@ def measure(rounds: int, out: Path) -> dict:
                 report["runs"].append(run)
                 print(json.dumps({k: run[k] for k in ("round", "setting", "rtt_us",
                                                       "load_average")}), flush=True)  # fmt: skip
-        for host in (a, b):
-            shape(host, None)
-        echo.stdin.close()
-        echo.wait(timeout=20)
-        pool.shutdown()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     return report

@@ -168,7 +168,7 @@ def run_link(rounds: int, out: Path) -> dict:
     """Long: rounds of a local core and a remote core across two namespaces at each link setting
     (benchmarks/multihost_link.py's), with the round trip of the link measured per setting."""
     from benchmarks.link_delay import check_available
-    from benchmarks.multihost_link import SETTINGS, _delayed, _rtt_us, shape
+    from benchmarks.multihost_link import SETTINGS, _delayed, _rtt_us, calibrated_link, shape
     from kvserve.engine.args import build_engine_config
     from tests.checkpoints import build_gpt2_tokenized_checkpoint
     from tests.netns import two_hosts
@@ -182,20 +182,8 @@ def run_link(rounds: int, out: Path) -> dict:
     config = build_engine_config(model_dir, max_model_len=256, num_blocks=256, block_size=16)
     report: dict = {"benchmark": "remote_core --link", "cpus": os.cpu_count(), "runs": [],
                     "early_us": {}}  # fmt: skip
-    with two_hosts() as (a, b):
-        echo = subprocess.Popen(
-            b.command(sys.executable, str(ROOT / "benchmarks" / "link_calibrate.py"), "--serve"),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        if echo.stdout.readline().strip() != "ready":
-            raise RuntimeError("the echo server in host B did not start")
-        pool = a.executor(1)
-        bare_rtt = _rtt_us(pool, b)
-        for setting in SETTINGS.values():
-            if setting is not None and setting[0] not in report["early_us"]:
-                with _delayed(a, b, setting[0], 0.0):
-                    raw = _rtt_us(pool, b)
-                report["early_us"][setting[0]] = max(0.0, (raw - bare_rtt) / 2 - setting[0])
+    with two_hosts() as (a, b), calibrated_link(a, b) as (pool, early_us):
+        report["early_us"] = early_us
         for round_index in range(rounds):
             row = measure(config, []) | {"setting": "local", "round": round_index}
             row["load_average"] = os.getloadavg()
@@ -220,11 +208,6 @@ def run_link(rounds: int, out: Path) -> dict:
                         "load_average": os.getloadavg()}  # fmt: skip
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
-        for host in (a, b):
-            shape(host, None)
-        echo.stdin.close()
-        echo.wait(timeout=20)
-        pool.shutdown()
     report["planned"] = plan_link(report)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
