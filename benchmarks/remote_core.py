@@ -117,10 +117,11 @@ def measure(config, remote: list[str]) -> dict:
         client.shutdown()
 
 
-def run(out: Path | None) -> dict:
+def _bench_model() -> tuple[Path, Path, object]:
+    """The shared secret and one thread per process set, a work directory, the small GPT-2-tokenized
+    model in it and its engine config: (work, model_dir, config)."""
     from kvserve.engine.args import build_engine_config
     from tests.checkpoints import build_gpt2_tokenized_checkpoint
-    from tests.netns import NetnsUnavailable, two_hosts
 
     os.environ["KVSERVE_DIST_SECRET"] = SECRET
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -128,6 +129,13 @@ def run(out: Path | None) -> dict:
     model_dir = work / "model"
     build_gpt2_tokenized_checkpoint(model_dir)
     config = build_engine_config(model_dir, max_model_len=256, num_blocks=256, block_size=16)
+    return work, model_dir, config
+
+
+def run(out: Path | None) -> dict:
+    from tests.netns import NetnsUnavailable, two_hosts
+
+    work, model_dir, config = _bench_model()
     rows: dict[str, dict] = {"local": measure(config, [])}
     core = _start_core([], model_dir, "127.0.0.1", work / "lo.log")
     try:
@@ -169,17 +177,10 @@ def run_link(rounds: int, out: Path) -> dict:
     (benchmarks/multihost_link.py's), with the round trip of the link measured per setting."""
     from benchmarks.link_delay import check_available
     from benchmarks.multihost_link import SETTINGS, _delayed, _rtt_us, calibrated_link, shape
-    from kvserve.engine.args import build_engine_config
-    from tests.checkpoints import build_gpt2_tokenized_checkpoint
     from tests.netns import two_hosts
 
     check_available()
-    os.environ["KVSERVE_DIST_SECRET"] = SECRET
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    work = Path(tempfile.mkdtemp(prefix="kvserve-remote-bench-"))
-    model_dir = work / "model"
-    build_gpt2_tokenized_checkpoint(model_dir)
-    config = build_engine_config(model_dir, max_model_len=256, num_blocks=256, block_size=16)
+    work, model_dir, config = _bench_model()
     report: dict = {"benchmark": "remote_core --link", "cpus": os.cpu_count(), "runs": [],
                     "early_us": {}}  # fmt: skip
     with two_hosts() as (a, b), calibrated_link(a, b) as (pool, early_us):
