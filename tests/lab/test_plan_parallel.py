@@ -175,6 +175,22 @@ def test_cli_tensor_parallel_text_and_json(capsys):
     assert data["parallel"]["decode_comm_s_solo"] == pytest.approx(expected, rel=1e-12)
 
 
+def test_link_delay_is_paid_twice_per_ring_step(capsys):
+    """--link-delay-us D prices a ring step at the software's latency + 2 D (gloo's ready notice, then
+    the data: docs/parallel.md measured it on a delayed link); a negative delay is refused."""
+    argv = ["SmolLM2-135M", "--hardware", "h100-sxm", "--tensor-parallel", "3", "--json",
+            "--interconnect", "ethernet-10g", "--link-latency-us", "900"]  # fmt: skip
+    _, delayed, _ = run_plan(argv + ["--link-delay-us", "500"], capsys)
+    _, folded, _ = run_plan(argv[:-1] + ["1900"], capsys)
+    a, b = json.loads(delayed)["parallel"], json.loads(folded)["parallel"]
+    assert a["interconnect"]["latency_s"] == pytest.approx(1900e-6, rel=1e-12)
+    assert a["decode_comm_s_solo"] == pytest.approx(b["decode_comm_s_solo"], rel=1e-12)
+    _, bare, _ = run_plan(argv, capsys)
+    assert json.loads(bare)["parallel"]["decode_comm_s_solo"] < a["decode_comm_s_solo"]
+    rc, _, err = run_plan(argv + ["--link-delay-us", "-1"], capsys)
+    assert rc != 0 and "a delay is >= 0" in err
+
+
 def test_cli_without_parallel_flags_has_no_parallel_section(capsys):
     rc, out, _ = run_plan(["SmolLM2-135M", "--json"], capsys)
     assert rc == 0 and json.loads(out)["parallel"] is None

@@ -39,6 +39,10 @@ class Interconnect:
             raise PlanError(f"interconnect {self.name}: bandwidth > 0 and latency >= 0 needed")
 
 
+# one-way network delays a ring step waits for: gloo's TCP transport sends once its receiver has
+# posted the receive, so the ready notice crosses the link, then the data (docs/parallel.md)
+RING_STEP_DELAYS = 2
+
 _LATENCY_NOTE = (
     "Latency per ring step is an assumed order of magnitude, not a datasheet figure: measure yours "
     "(nccl-tests all_reduce_perf at 8 B-64 kB) and pass --link-latency-us."
