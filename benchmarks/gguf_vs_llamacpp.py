@@ -1,14 +1,16 @@
 """kvserve and llama.cpp on the same GGUF file, alternated: batch-1 and batch-16 decode, prefill.
 
-    python benchmarks/gguf_vs_llamacpp.py LLAMA_CPP_BIN_DIR [--model FILE.gguf] [--rounds 2]
+    python benchmarks/gguf_vs_llamacpp.py [LLAMA_CPP_BIN_DIR] [--model FILE.gguf] [--rounds 2]
 
 llama.cpp: `llama-bench -p 512 -n 64 -t 2` (prefill pp512, batch-1 decode tg64) and
 `llama-batched-bench -npp 64 -ntg 64 -npl 16` (16 sequences decoding at once). kvserve: the offline
 engine on the same file, once per --gguf-activations (fp32: the reference products; int8: the
-panel kernel with activations rounded to int8 as llama.cpp rounds them): decode tok/s is
+panel kernel with activations rounded to int8 as llama.cpp rounds them; int8x2: the same kernel with
+the rounding's remainder rounded again, the default): decode tok/s is
 batch x 64 / (time of 65 tokens - time of 1 token) for 64-token prompts (prefill excluded, as
 llama-batched-bench's S_TG excludes it), prefill a 512-token prompt's tokens / time to its first
-token. Rounds alternate A B A B; the JSON keeps every round. The llama.cpp build is
+token. Rounds alternate A B A B; the JSON keeps every round. Without LLAMA_CPP_BIN_DIR only kvserve's
+three modes run. The llama.cpp build is
 benchmarks/peers/build_llamacpp.sh's (GGML_NATIVE off, its AMX kernels compiled out, CPU repack on);
 the JSON's "llama_cpp_build" is the line that script wrote beside the binaries.
 """
@@ -72,7 +74,7 @@ def llamacpp_round(bin_dir: Path, model: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("bin_dir", type=Path)
+    parser.add_argument("bin_dir", type=Path, nargs="?", help="llama.cpp's binaries (optional)")
     parser.add_argument("--model", default=None, help="GGUF file (default: the built-in SmolLM2)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
@@ -85,15 +87,21 @@ def main() -> None:
         args.model = str(packaged_gguf(SMOLLM2))
     rounds = []
     for i in range(args.rounds):
-        rounds.append({"round": i,
-                       "kvserve fp32 activations": kvserve_round(args.model, "fp32"),
-                       "llama.cpp": llamacpp_round(args.bin_dir, args.model),
-                       "kvserve int8 activations": kvserve_round(args.model, "int8")})  # fmt: skip
+        row = {"round": i, "kvserve fp32 activations": kvserve_round(args.model, "fp32")}
+        if args.bin_dir is not None:
+            row["llama.cpp"] = llamacpp_round(args.bin_dir, args.model)
+        row["kvserve int8x2 activations"] = kvserve_round(args.model, "int8x2")
+        row["kvserve int8 activations"] = kvserve_round(args.model, "int8")
+        rounds.append(row)
         print(json.dumps(rounds[-1]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    build = args.bin_dir / "kvserve-build.txt"
+    build = None if args.bin_dir is None else args.bin_dir / "kvserve-build.txt"
     build_line = (
-        build.read_text().strip() if build.is_file() else "unknown (not built by benchmarks/peers)"
+        "not run"
+        if build is None
+        else build.read_text().strip()
+        if build.is_file()
+        else "unknown (not built by benchmarks/peers)"
     )
     args.out.write_text(
         json.dumps({"model": args.model, "llama_cpp_build": build_line, "rounds": rounds}, indent=1)

@@ -27,7 +27,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # adaptive: kvserve/threads.py ThreadPoolSizer; fixed: every step on all of torch's threads
 THREAD_POLICIES = ("adaptive", "fixed")
-GGUF_ACTIVATIONS = ("auto", "fp32", "int8")  # EngineConfig.gguf_activations
+GGUF_ACTIVATIONS = ("auto", "fp32", "int8", "int8x2")  # EngineConfig.gguf_activations
 # which GEMM runs each linear at each row count (kvserve/model/kernel_table.py): measured on this
 # machine (cached), remeasure (ignoring the cache), own (kvserve's kernels and fixed rules), torch
 KERNEL_CHOICES = ("measured", "remeasure", "own", "torch")
@@ -468,11 +468,12 @@ class EngineConfig:
     gguf_activations: str = option(
         "auto",
         "a GGUF model's products: int8 (Q4_0, Q4_1, Q5_0, Q8_0 blocks on the integer panel kernel, "
-        "activations rounded to int8 per 32 inputs as llama.cpp rounds them: fast), fp32 (the "
-        "file's blocks times fp32 activations: the exact reference, slower) or auto (int8 where "
+        "activations rounded to int8 per 32 inputs as llama.cpp rounds them: fastest, but greedy "
+        "answers drift from the exact model's), int8x2 (the same kernel, the rounding's remainder "
+        "rounded again: two int8 terms per input, within fp32 noise of the exact model), fp32 (the "
+        "file's blocks times fp32 activations: the exact reference, slowest) or auto (int8x2 where "
         "every matrix of the file is such a block and the engine runs on one CPU rank in float32, "
-        "else fp32; "
-        "docs/gguf.md)",
+        "else fp32; docs/gguf.md)",
         choices=GGUF_ACTIVATIONS,
     )
     tensor_parallel_size: int = option(
@@ -519,8 +520,9 @@ class EngineConfig:
             object.__setattr__(self, "gguf_activations", self._auto_gguf_activations())
 
     def _auto_gguf_activations(self) -> str:
-        """int8 for a GGUF model run as it is (no --quantization) on one CPU rank in float32 whose
-        every matrix is a type the integer panel kernel runs; fp32 (the exact path) otherwise:
+        """int8x2 for a GGUF model run as it is (no --quantization) on one CPU rank in float32 whose
+        every matrix is a type the integer panel kernel runs (not int8: its rounding flips the
+        default model's answer to the README's question); fp32 (the exact path) otherwise:
         tensor parallelism dequantises the blocks, the panel kernel is CPU code, and a file with
         other types (K-quants) would mix int8 rounding with fp32 kernels whose sums change with a
         step's row count, so its outputs would change with batching (docs/gguf.md)."""
@@ -528,7 +530,7 @@ class EngineConfig:
         runs_blocks = self.quantization is None and self.tensor_parallel_size == 1
         on_cpu_fp32 = self.device == "cpu" and self.dtype == "float32"
         if runs_blocks and on_cpu_fp32 and types and all(t in PANEL_FORMATS for t in types):
-            return "int8"
+            return "int8x2"
         return "fp32"
 
     @cached_property

@@ -328,10 +328,13 @@ def float_tensor(raw: np.ndarray, ggml_type: object, shape: tuple[int, ...]) -> 
 # ggml types whose blocks are one of kvserve's integer formats over groups of 32 (docs/gguf.md, "int8
 # activations"): codes and fp16 scales carried over unchanged; Q4_1's min m enters as the zero-point
 # z = -m / d rounded to fp16, the one value that is not the file's bit for bit.
-def as_quantized_tensor(parts: list[BlockWeight]):
+def as_quantized_tensor(parts: list[BlockWeight], act: str | None = None):
     """The stacked rows of `parts` as a `QuantizedTensor` the panel kernel runs (kvserve/quant/rtn.py),
     or None when a part's type has no such format or its values do not fit it (a zero scale with a
-    nonzero min, a zero-point outside fp16)."""
+    nonzero min, a zero-point outside fp16). `act`: how its activations are rounded (TensorScheme.act;
+    None: the format's own, per 32 inputs)."""
+    from dataclasses import replace
+
     from kvserve.quant.rtn import QuantizedTensor
     from kvserve.quant.scheme import parse_weight_scheme
 
@@ -339,6 +342,8 @@ def as_quantized_tensor(parts: list[BlockWeight]):
     if len(names) != 1 or None in names:
         return None
     scheme = parse_weight_scheme(names.pop()).linear
+    if act is not None:
+        scheme = replace(scheme, act=act)
     codes = torch.cat([p.code_values() for p in parts])
     scales = torch.cat([p.scales for p in parts])
     half_scales = scales.to(torch.float16)

@@ -27,7 +27,12 @@ from kvserve.quant.calibrated import calibrated_at_load
 from kvserve.quant.convert import artifact_tensors, concat_rows
 from kvserve.quant.methods import DEFAULT_METHOD
 from kvserve.quant.rtn import QuantizedTensor
-from kvserve.quant.scheme import QuantizationError, WeightScheme, parse_weight_scheme
+from kvserve.quant.scheme import (
+    ACT_BLOCK2,
+    QuantizationError,
+    WeightScheme,
+    parse_weight_scheme,
+)
 
 # Our fused parameter <- the checkpoint's tensors, concatenated along the output dimension.
 _FUSED = {
@@ -108,7 +113,7 @@ def load_model(
     quantises its weights at load and runs them on the integer kernels: rounded to nearest, or the
     block linears by a calibrated `quantization_method` (gptq, awq, smoothquant) on the text in
     `calib`, as `kvserve quantize` would write them, short scale groups allowed. `gguf_activations`
-    "int8" runs a GGUF file's blocks on the panel kernel with int8 activations (install_block_weights).
+    "int8" / "int8x2" run a GGUF file's blocks on the panel kernel (install_block_weights).
     `kernel_choice` (config.KERNEL_CHOICES) picks each linear's GEMM per row count on CPU
     (model/kernel_table.py); "own", the default here, keeps kvserve's kernels and fixed rules.
 
@@ -307,10 +312,12 @@ def install_block_weights(
     up stacked as the float loader fuses them), the table by a BlockEmbedding, and a tied head by a
     BlockLinear over the table's own blocks (one copy). With `gguf_activations` "int8", a linear
     whose blocks are one of kvserve's integer formats (block_weights.PANEL_FORMATS) runs on the panel
-    kernel instead, its activations rounded to int8 per 32 inputs as llama.cpp rounds them."""
+    kernel instead, its activations rounded to int8 per 32 inputs as llama.cpp rounds them; "int8x2"
+    the same with the remainder of that rounding rounded again (ACT_BLOCK2: near fp32 accuracy)."""
+    act = {"int8": None, "int8x2": ACT_BLOCK2}
 
     def block_layer(parts: list[BlockWeight], bias: torch.Tensor | None) -> nn.Module:
-        qt = as_quantized_tensor(parts) if gguf_activations == "int8" else None
+        qt = as_quantized_tensor(parts, act[gguf_activations]) if gguf_activations in act else None
         return BlockLinear(parts, bias) if qt is None else QuantLinear(qt, bias)
 
     table = blocks.pop("model.embed_tokens.weight", None)

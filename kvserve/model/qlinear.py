@@ -21,18 +21,22 @@ from torch import nn
 from kvserve.model import fused_decode
 from kvserve.quant.kernels import kernel_isa, kernels_available
 from kvserve.quant.rtn import QuantizedTensor
-from kvserve.quant.scheme import ACT_TENSOR, ACT_TOKEN, KERNEL_BLOCK, TensorScheme
+from kvserve.quant.scheme import ACT_BLOCK2, ACT_TENSOR, ACT_TOKEN, KERNEL_BLOCK, TensorScheme
 
 PANEL = 8  # output columns interleaved in the native GEMV's layout (csrc/decode_step.h QPANEL)
 
 logger = logging.getLogger(__name__)
-_ACT_MODES = {"block": 0, ACT_TOKEN: 1, ACT_TENSOR: 2}
+_ACT_MODES = {"block": 0, ACT_TOKEN: 1, ACT_TENSOR: 2, ACT_BLOCK2: 3}  # decode_step.h
 
 
 def round_activations(x: torch.Tensor, act: str) -> torch.Tensor:
     """x [M, K] fp32 -> the values the kernel multiplies: int8 codes times their scale, one scale per
     32 inputs of a row ("block"), per row ("token") or for all of x ("tensor"). Same arithmetic as the
-    C++ kernel (fp32 scale = absmax / 127, round half to even)."""
+    C++ kernel (fp32 scale = absmax / 127, round half to even). "block2": the "block" values plus the
+    remainder's own "block" rounding (the kernel multiplies the two terms separately and adds)."""
+    if act == ACT_BLOCK2:
+        first = round_activations(x, "block")
+        return first + round_activations(x - first, "block")
     num_rows, num_cols = x.shape
     padded_cols = math.ceil(num_cols / KERNEL_BLOCK) * KERNEL_BLOCK
     xp = F.pad(x, (0, padded_cols - num_cols)).reshape(num_rows, -1, KERNEL_BLOCK)
@@ -141,7 +145,8 @@ class QuantLinear(nn.Module):
             self.weight_deq = None
             self._keep: list = []
             self._desc = fused_decode.linear_descriptor(self, self._keep)
-        elif device.type == "cpu" and kernels_available():
+        elif device.type == "cpu" and kernels_available() and qt.scheme.act != ACT_BLOCK2:
+            # (the row-layout extension rounds activations once; "block2" takes the path below)
             # no C library for ctypes: the torch extension (qgemm.cpp) on its row layout
             self.layout = "rows"
             self.kernel = f"kvq-int{qt.scheme.bits}-{kernel_isa()}"

@@ -6,14 +6,23 @@ from pathlib import Path
 
 from kvserve.gguf.source import gguf_matrix_types
 from kvserve.quant.methods import DEFAULT_METHOD
-from kvserve.quant.scheme import ACT_NONE, ACT_TENSOR, ACT_TOKEN, TensorScheme, parse_weight_scheme
+from kvserve.quant.scheme import (
+    ACT_BLOCK2,
+    ACT_NONE,
+    ACT_TENSOR,
+    ACT_TOKEN,
+    TensorScheme,
+    parse_weight_scheme,
+)
 
 _DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _ACTS = {
     ACT_NONE: "int8 per 32-input block (Q8_0)",
     ACT_TOKEN: "int8 per token (W8A8)",
     ACT_TENSOR: "int8 per tensor (W8A8)",
+    ACT_BLOCK2: "int8 x 2 per 32-input block (the rounding and its remainder)",
 }
+_GGUF_ACTS = {"int8": ACT_NONE, "int8x2": ACT_BLOCK2}  # EngineConfig.gguf_activations
 
 
 def describe_weights(
@@ -35,7 +44,8 @@ def describe_weights(
             return f"{name}, bf16 products, activations and sums {compute}"
     elif model_dir is not None and (types := gguf_matrix_types(model_dir)):
         blocks = ", ".join(f"{n} x {t}" for t, n in sorted(types.items(), key=lambda i: -i[1]))
-        acts = compute if gguf_activations == "fp32" else _ACTS[ACT_NONE] + " where the type allows"
+        act = _GGUF_ACTS.get(gguf_activations)
+        acts = compute if act is None else _ACTS[act] + " where the type allows"
         return f"GGUF blocks as in the file ({blocks}), activations {acts}, sums {compute}"
     elif model_dir is not None:
         found = _checkpoint_scheme(Path(model_dir))

@@ -38,6 +38,7 @@ CLASSES = ("linear", "embed", "head")
 FORMAT_CLASSES = (*CLASSES, "norm")  # norm weights and biases: always float
 MIXED = "linear=int4-g128,embed=int8,head=int8,norm=bf16"
 ACT_NONE, ACT_TOKEN, ACT_TENSOR = "block", "token", "tensor"
+ACT_BLOCK2 = "block2"  # per 32 inputs, the remainder rounded again (GGUF --gguf-activations int8x2)
 
 
 class QuantizationError(InvalidRequestError):
@@ -54,7 +55,9 @@ class TensorScheme:
     granularity: "channel" (one scale per output row), "group" (per `group_size` inputs of a row), or
     "tensor" (one scale). act: how the kernel rounds activations to int8: "block" (per 32 inputs of a
     row, llama.cpp's Q8_0 activations: near weight-only accuracy), "token" (one scale per row, W8A8),
-    "tensor" (one scale for the whole input, W8A8 per tensor).
+    "tensor" (one scale for the whole input, W8A8 per tensor), "block2" ("block", then the remainder
+    rounded again with its own scale: two int8 terms per input, within 1/508 of the block's scale of
+    the exact value, so near fp32 accuracy at twice the integer products).
     """
 
     name: str

@@ -112,16 +112,19 @@ def test_unsupported_quantisation_type_is_named(tiny_model, tmp_path):
     assert "\n" not in str(info.value)
 
 
-def _rounded(x: torch.Tensor, round_activations) -> torch.Tensor:
-    return round_activations(x.reshape(-1, x.shape[-1]), "block").reshape(x.shape)
+def _rounded(x: torch.Tensor, round_activations, act: str) -> torch.Tensor:
+    return round_activations(x.reshape(-1, x.shape[-1]), act).reshape(x.shape)
 
 
+@pytest.mark.parametrize("mode, act", [("int8", "block"), ("int8x2", "block2")])
 @pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
-def test_int8_activations_run_the_file_codes_on_the_panel_kernel(tiny_model, tmp_path, ggml_type):
-    """--gguf-activations int8: every linear on the integer panel kernel, with the file's codes and
-    scales as they are; the oracle is transformers on the same file with each linear computing
-    round_activations(x) @ W^T in fp32 (W the transcoded weight: the file's, Q4_1's fp16 zero-point
-    aside)."""
+def test_int8_activations_run_the_file_codes_on_the_panel_kernel(
+    tiny_model, tmp_path, ggml_type, mode, act
+):
+    """--gguf-activations int8 / int8x2: every linear on the integer panel kernel, with the file's
+    codes and scales as they are; the oracle is transformers on the same file with each linear
+    computing round_activations(x, act) @ W^T in fp32 (W the transcoded weight: the file's, Q4_1's
+    fp16 zero-point aside)."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -150,14 +153,14 @@ def test_int8_activations_run_the_file_codes_on_the_panel_kernel(tiny_model, tmp
             else:
                 assert torch.equal(qt.dequantize(), dequant), name
             weight = qt.dequantize()
-            module.forward = lambda x, w=weight: F.linear(_rounded(x, round_activations), w)
+            module.forward = lambda x, w=weight: F.linear(_rounded(x, round_activations, act), w)
     with torch.inference_mode():
         expected = ref(torch.tensor([PROMPT])).logits[0]
-    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=16 << 20, gguf_activations="int8")
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=16 << 20, gguf_activations=mode)
     model = llm.engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 4 * cfg.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
-    assert all(m.layout == "panel" for m in linears)
+    assert all(m.layout == "panel" and m.scheme.act == act for m in linears)
     got = llm.engine.score(PROMPT)
     # the same integer sums; fp32 scale products in another order, and a rare activation code one
     # step apart where the two routes' inputs differ in the last bit
@@ -166,9 +169,9 @@ def test_int8_activations_run_the_file_codes_on_the_panel_kernel(tiny_model, tmp
         LLM(str(path), max_model_len=64, quantization="int8", gguf_activations="int8")
 
 
-def test_auto_gguf_activations_is_int8_where_the_file_runs_on_the_panel_kernel(tiny_model, tmp_path):
-    """The default, --gguf-activations auto, is decided once in the engine's config: int8 (what
-    llama.cpp computes for these types) for a file whose every matrix is a panel-kernel block, run
+def test_auto_gguf_activations_is_int8x2_where_the_file_runs_on_the_panel_kernel(tiny_model, tmp_path):
+    """The default, --gguf-activations auto, is decided once in the engine's config: int8x2 (within
+    fp32 noise of the exact path, tests/gguf/test_gguf_int8x2.py) for a file whose every matrix is a panel-kernel block, run
     as it is on one CPU rank in float32; fp32, the exact path, where the blocks are requantised or
     dequantised (tensor parallelism), where a matrix has another type, or in another dtype."""
     from kvserve.engine.args import build_engine_config
@@ -181,7 +184,7 @@ def test_auto_gguf_activations_is_int8_where_the_file_runs_on_the_panel_kernel(t
     def decided(model_dir, **extra) -> str:
         return build_engine_config(model_dir, **options, **extra).gguf_activations
 
-    assert decided(q4) == "int8"
+    assert decided(q4) == "int8x2"
     assert decided(q4, gguf_activations="fp32") == "fp32"
     assert decided(q4, quantization="int8") == "fp32"
     assert decided(q4, dtype="bfloat16") == "fp32"
@@ -195,5 +198,5 @@ def test_auto_gguf_activations_is_int8_where_the_file_runs_on_the_panel_kernel(t
     auto = LLM(str(q4), **options)
     assert all(m.layout == "panel" for m in auto.engine.runner.model.modules()
                if isinstance(m, QuantLinear))  # fmt: skip
-    int8 = LLM(str(q4), **options, gguf_activations="int8")
-    assert torch.equal(auto.engine.score(PROMPT), int8.engine.score(PROMPT))
+    asked = LLM(str(q4), **options, gguf_activations="int8x2")
+    assert torch.equal(auto.engine.score(PROMPT), asked.engine.score(PROMPT))

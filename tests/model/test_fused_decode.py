@@ -166,6 +166,42 @@ def test_quantised_gemv_equals_the_dequantised_reference(isa, fmt, n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128-zp"])
+def test_block2_activations_add_the_remainders_rounding(isa, fmt):
+    """act "block2" (--gguf-activations int8x2, csrc/qgemv.c ACT_BLOCK2): each row is rounded per 32
+    inputs, then the remainder with its own scale, two rows of codes whose products store_panel adds.
+    The GEMV equals the dequantised weight times round_activations(x, "block2") to 1e-5 of the
+    output's scale at 1-5 and 17 rows (pairs of rounded rows across the row tiles of 4), the scalar
+    path gives the ISA's bits, and against the exact product x W^T its error is under 1/50 of one
+    rounding's ("block"), an outlier input included (what makes one rounding coarse)."""
+    from dataclasses import replace
+
+    from kvserve.quant.scheme import ACT_BLOCK2
+
+    gen = torch.Generator().manual_seed(7)
+    scheme = replace(parse_tensor_scheme(fmt), act=ACT_BLOCK2)
+    qt = quantize(torch.randn(45, 200, generator=gen), scheme)
+    weight, bias = qt.dequantize(), torch.randn(45, generator=gen)
+    twice = QuantLinear(qt, bias)
+    once = QuantLinear(replace(qt, scheme=replace(scheme, act="block")), bias)
+    assert twice.act_mode == 3 and twice.layout == "panel"
+    for m in (1, 2, 3, 4, 5, 17):
+        x = torch.randn(m, 200, generator=gen) * 3
+        x[:, 7] = 40.0
+        got = twice(x)
+        expected = round_activations(x, ACT_BLOCK2) @ weight.T + bias
+        assert (got - expected).abs().max() <= 1e-5 * expected.abs().max(), f"{fmt}, {m} rows"
+        fused_decode.set_max_isa("scalar")
+        scalar = twice(x)
+        fused_decode.set_max_isa(isa)
+        assert torch.equal(got, scalar), f"{fmt}, {m} rows: {isa} and scalar differ"
+        exact = x.double() @ weight.double().T + bias.double()
+        error_twice = (got.double() - exact).abs().max()
+        error_once = (once(x).double() - exact).abs().max()
+        assert error_twice * 50 <= error_once, (fmt, m, error_twice, error_once)
+
+
+@needs_kernel
 @pytest.mark.skipif(not kernels_available(), reason="the quantised GEMM extension did not build")
 @pytest.mark.parametrize("fmt", ["int8", "int4-g32", "int4-g128-zp", "w8a8"])
 def test_quantised_gemv_equals_the_gemm_extension(fmt):

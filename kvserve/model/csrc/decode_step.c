@@ -655,7 +655,7 @@ static void linear_share(const Linear *L, const float *x, int M, float *y, Acts 
         return;
     }
     quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
-    q_linear_panels(L, acts, M, y, isa, p0, p1);
+    q_linear_panels(L, acts, M * ACT_ROWS(L->act_mode), y, isa, p0, p1);
 }
 
 /* The pool's share of y = x W^T + b, handed out in shrinking chunks (guided scheduling) from `next`, a
@@ -670,12 +670,13 @@ static void linear_guided(const Linear *L, const float *x, int M, float *y, Acts
     *base = end;
     if (L->kind == LIN_BF16DOT) bf16_round_rows(x, 0, M, L->k, L->kp, acts->pairs);
     else if (!LIN_IS_FLOAT(L->kind)) quantize_acts(x, M, L->k, L->kp, L->act_mode, acts, isa, 1);
-    const long long min_k = decode_claim_min_panels(L, M);
+    const int MA = LIN_IS_FLOAT(L->kind) ? M : M * ACT_ROWS(L->act_mode); /* rounded rows */
+    const long long min_k = decode_claim_min_panels(L, MA);
     for (long long c, k; decode_claim_panels(next, end, nt, min_k, &c, &k);) {
         const int p0 = (int)(c - begin), p1 = (int)(c + k - begin);
         if (LIN_IS_FLOAT(L->kind)) f32_panels(L, x, M, y, isa, p0, p1);
         else if (L->kind == LIN_BF16DOT) bf16dot_panels(L, acts->pairs, M, y, isa, p0, p1);
-        else q_linear_panels(L, acts, M, y, isa, p0, p1);
+        else q_linear_panels(L, acts, MA, y, isa, p0, p1);
     }
 }
 
@@ -725,7 +726,7 @@ static int decode_layers_pooled(const Model *mdl, float *hidden, int M, const fl
         goto done;
     }
     for (int t = 0; t < num_threads; t++)
-        if (!alloc_acts(&acts[t], M, max_kp, with_pairs)) {
+        if (!alloc_acts(&acts[t], M * ACT_ROWS(ACT_BLOCK2), max_kp, with_pairs)) { /* any mode */
             status = -2;
             goto done;
         }

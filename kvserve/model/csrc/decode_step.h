@@ -42,6 +42,14 @@ typedef struct {
     const float *bias;          /* [N] or NULL */
 } Linear;
 
+/* Linear.act_mode, how activations are rounded to int8 (kvserve/model/qlinear.py _ACT_MODES): per 32
+ * inputs of a row; per row; per tensor; per 32 inputs with the remainder rounded again (ACT_BLOCK2:
+ * x = d1 q1 + d2 q2 + e with |e| <= d1 / 508, two Acts rows per input row, 2m and 2m + 1, whose
+ * products store_panel adds). ACT_ONE_SCALE: one scale for a whole row (integer sums across blocks). */
+enum { ACT_BLOCK = 0, ACT_ROW = 1, ACT_TENSOR = 2, ACT_BLOCK2 = 3 };
+#define ACT_ROWS(mode) ((mode) == ACT_BLOCK2 ? 2 : 1)
+#define ACT_ONE_SCALE(mode) ((mode) == ACT_ROW || (mode) == ACT_TENSOR)
+
 /* Activations rounded to int8 (qgemv.c quantize_acts), for up to `rows` rows of `kp` inputs. */
 typedef struct {
     int rows, kp;
@@ -55,6 +63,7 @@ typedef struct {
 /* with_pairs: also the bf16 pairs buffer (a step with bf16-product linears) */
 int alloc_acts(Acts *a, int rows, int max_kp, int with_pairs);
 void free_acts(Acts *a);
+/* M input rows into M * ACT_ROWS(mode) rows of a */
 void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads);
 /* the quantised linear for any M from fp32 input: rounding and panels in one parallel region */
 int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads);

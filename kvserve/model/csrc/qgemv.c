@@ -111,22 +111,33 @@ static float tensor_abs_max(const float *x, int M, int K, int isa) {
 /* rows [m0, m1) of x rounded into a (mode 2: tensor_max is the whole tensor's) */
 static void quantize_rows(const float *x, int m0, int m1, int K, int Kp, int mode, float tensor_max,
                           Acts *a, int isa) {
-    const int nb = Kp / QBLOCK;
+    const int nb = Kp / QBLOCK, per_block = mode == ACT_BLOCK || mode == ACT_BLOCK2;
     for (int m = m0; m < m1; m++) {
         const float *row = x + (int64_t)m * K;
-        const float row_max = mode == 1 ? abs_max(row, K, isa) : tensor_max;
+        const float row_max = mode == ACT_ROW ? abs_max(row, K, isa) : tensor_max;
+        const int64_t am = (int64_t)m * ACT_ROWS(mode); /* this row's first row of a */
         for (int b = 0; b < nb; b++) {
             const int k0 = b * QBLOCK, n = K - k0 < QBLOCK ? K - k0 : QBLOCK;
-            const float amax = mode == 0 ? abs_max(row + k0, n, isa) : row_max;
-            const int64_t i = (int64_t)m * nb + b;
-            a->sum[i] = (float)round_block(row + k0, n, amax, a->codes + (int64_t)m * Kp + k0,
-                                           a->abs + (int64_t)m * Kp + k0, &a->scale[i], isa);
+            const float amax = per_block ? abs_max(row + k0, n, isa) : row_max;
+            const int64_t i = am * nb + b;
+            int8_t *q = a->codes + am * Kp + k0;
+            a->sum[i] = (float)round_block(row + k0, n, amax, q, a->abs + am * Kp + k0, &a->scale[i],
+                                           isa);
+            if (mode == ACT_BLOCK2) {
+                /* the remainder x - d q (one rounding: fmaf on every path, so the same bits), rounded
+                 * with its own scale into the next row of a */
+                float rem[QBLOCK] = {0.f};
+                for (int k = 0; k < n; k++) rem[k] = fmaf(-(float)q[k], a->scale[i], row[k0 + k]);
+                a->sum[i + nb] =
+                    (float)round_block(rem, n, abs_max(rem, n, isa), q + Kp,
+                                       a->abs + (am + 1) * Kp + k0, &a->scale[i + nb], isa);
+            }
         }
     }
 }
 
 void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads) {
-    const float tensor_max = mode == 2 ? tensor_abs_max(x, M, K, isa) : 0.f;
+    const float tensor_max = mode == ACT_TENSOR ? tensor_abs_max(x, M, K, isa) : 0.f;
 #pragma omp parallel for num_threads(num_threads) if (M > DECODE_MAX_ROWS && num_threads > 1)
     for (int m = 0; m < M; m++) quantize_rows(x, m, m + 1, K, Kp, mode, tensor_max, a, isa);
 }
@@ -152,6 +163,17 @@ static inline float h2f(uint16_t h) {
 /* The 8 results of panel p for row m: v[c] (+ bias) into y for the columns that exist. */
 static void store_panel(const Linear *L, const float *v, float *y, int m, int p) {
     const int n0 = p * QPANEL, count = L->n - n0 < QPANEL ? L->n - n0 : QPANEL;
+    if (L->act_mode == ACT_BLOCK2) {
+        /* rows 2m and 2m + 1 of the rounded activations are one row of y: the first stores (its
+         * products + bias), the second adds its products. Every kernel computes a panel's rows on one
+         * thread in ascending order, so the first always comes first. */
+        float *out = y + (int64_t)(m >> 1) * L->n + n0;
+        if (m & 1)
+            for (int c = 0; c < count; c++) out[c] += v[c];
+        else
+            for (int c = 0; c < count; c++) out[c] = v[c] + (L->bias ? L->bias[n0 + c] : 0.f);
+        return;
+    }
     for (int c = 0; c < count; c++)
         y[(int64_t)m * L->n + n0 + c] = v[c] + (L->bias ? L->bias[n0 + c] : 0.f);
 }
@@ -159,7 +181,7 @@ static void store_panel(const Linear *L, const float *v, float *y, int m, int p)
 /* ---- scalar: the same integers and fp32 operations as the AVX2 path ------------------------------ */
 
 static void q_panel_scalar(const Linear *L, const Acts *a, float *y, int p, int m) {
-    const int nb = L->kp / QBLOCK, G = L->groups, int_acc = L->kind == LIN_Q8 && L->act_mode && G == 1;
+    const int nb = L->kp / QBLOCK, G = L->groups, int_acc = L->kind == LIN_Q8 && ACT_ONE_SCALE(L->act_mode) && G == 1;
     const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
     const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
     const int8_t *xq = a->codes + (int64_t)m * L->kp;
@@ -449,7 +471,7 @@ INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
 
 /* rows 0 .. M - 1 of panel p in row tiles of 4 (vnni: the block sums of q8_sums512 / q4_sums512) */
 INL void q_panel_rows(const Linear *L, const Acts *a, int M, float *y, int p, const int vnni) {
-    const int int_acc = L->kind == LIN_Q8 && L->act_mode != 0 && L->groups == 1;
+    const int int_acc = L->kind == LIN_Q8 && ACT_ONE_SCALE(L->act_mode) && L->groups == 1;
     for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
         const int R = M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS;
 #define Q8(RR)                                                                 \
@@ -599,7 +621,7 @@ INL void q4_pair512(const Linear *L, const Acts *a, float *y, int pa, int pb, in
  * int8 8 / 16 / 32 / 64 rows 1.08 / 1.13 / 1.11 / 1.03x, int4-g32 1.05 / 1.06 / 1.01-1.05 /
  * 1.05x faster (benchmarks/results/zen4_avx512/next_panels/). */
 static void q_panels_512(const Linear *L, const Acts *a, int M, float *y, int p0, int p1) {
-    const int int_acc = L->kind == LIN_Q8 && L->act_mode != 0 && L->groups == 1;
+    const int int_acc = L->kind == LIN_Q8 && ACT_ONE_SCALE(L->act_mode) && L->groups == 1;
     if (M <= DECODE_MAX_ROWS) { /* decode rows: one panel at a time (one stream from DRAM) */
         for (int p = p0; p < p1; p++) q_panel_rows(L, a, M, y, p, 1);
         return;
@@ -670,14 +692,15 @@ void q_linear_panels(const Linear *L, const Acts *a, int M, float *y, int isa, i
  * share of the rows into the shared buffer before a barrier. 0, or -2 when a buffer cannot be had. */
 int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int num_threads) {
     const int own = M <= QUANT_SPLIT_ROWS || num_threads == 1, copies = own ? num_threads : 1;
+    const int MA = M * ACT_ROWS(L->act_mode); /* rows of rounded activations */
     Acts *acts = calloc(copies, sizeof(Acts));
     int status = acts ? 0 : -2;
     for (int t = 0; t < copies && status == 0; t++)
-        if (!alloc_acts(&acts[t], M, L->kp, 0)) status = -2;
+        if (!alloc_acts(&acts[t], MA, L->kp, 0)) status = -2;
     if (status == 0) {
-        const float tensor_max = L->act_mode == 2 ? tensor_abs_max(x, M, L->k, isa) : 0.f;
+        const float tensor_max = L->act_mode == ACT_TENSOR ? tensor_abs_max(x, M, L->k, isa) : 0.f;
         const int num_panels = (L->n + QPANEL - 1) / QPANEL, guided = decode_guided();
-        const long long min_k = decode_claim_min_panels(L, M);
+        const long long min_k = decode_claim_min_panels(L, MA);
         atomic_llong next = 0; /* guided: the next unclaimed panel (decode_claim_panels) */
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
         {
@@ -692,11 +715,11 @@ int q_linear_x(const Linear *L, const float *x, int M, float *y, int isa, int nu
             }
             if (guided && nt > 1) {
                 for (long long c, k; decode_claim_panels(&next, num_panels, nt, min_k, &c, &k);)
-                    panels_range(L, a, M, y, isa, (int)c, (int)(c + k));
+                    panels_range(L, a, MA, y, isa, (int)c, (int)(c + k));
             } else {
                 const int64_t p0 = (int64_t)num_panels * tid / nt;
                 const int64_t p1 = (int64_t)num_panels * (tid + 1) / nt;
-                panels_range(L, a, M, y, isa, (int)p0, (int)p1);
+                panels_range(L, a, MA, y, isa, (int)p0, (int)p1);
             }
         }
     }
