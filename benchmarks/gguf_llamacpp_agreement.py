@@ -7,7 +7,7 @@ dependency `diskcache`) over the libllama.so that benchmarks/peers/build_llamacp
 prompts are the 20 chat prompts of tests/fixtures/gguf/smollm2_reference.json (the transformers
 reference's own), fed as token ids to both engines (no tokenizer in the comparison).
 
-Per kvserve mode (--gguf-activations fp32 and int8) and per prompt:
+Per kvserve mode (--gguf-activations fp32, int8x2 and int8) and per prompt:
 - greedy: 64 tokens from each engine; agreement = identical sequences, and the mean length of the
   common prefix;
 - teacher-forced: both engines score the prompt + transformers' greedy continuation; at every position
@@ -115,7 +115,7 @@ def main() -> None:
     theirs = llamacpp_runs(args.model, cases, new_tokens, args.llamacpp_kv)
     report = {"model": args.model, "prompts": len(cases), "new_tokens": new_tokens,
               "llama.cpp KV cache": args.llamacpp_kv}  # fmt: skip
-    for activations in ("fp32", "int8"):
+    for activations in ("fp32", "int8x2", "int8"):
         ours = kvserve_runs(args.model, cases, new_tokens, activations)
         row = compare(ours, theirs, cases)
         row["greedy_identical_to_transformers"] = _identical(ours, cases)

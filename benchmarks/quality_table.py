@@ -39,6 +39,7 @@ class Row:
 
 ROWS = (
     Row("file's blocks, as shipped"),
+    Row("file's blocks, int8x2 activations", gguf_activations="int8x2"),
     Row("file's blocks, int8 activations", gguf_activations="int8"),
     Row("int8", "int8"),
     Row("int4-g32", "int4-g32"),
@@ -56,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None, help="first N tokens of each text")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--greedy-tokens", type=int, default=16)
-    p.add_argument("--rows", default=None, help="comma-separated labels (default: every row)")
+    p.add_argument("--rows", default=None,
+                   help="';'-separated labels (labels hold commas; default: every row)")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality_table.json"))
     return p.parse_args()
 
@@ -82,7 +84,10 @@ def measure(args: argparse.Namespace) -> dict:
     }
     del ref
     print(f"reference scored in {time.perf_counter() - start:.0f} s", flush=True)
-    chosen = ROWS if args.rows is None else [r for r in ROWS if r.label in args.rows.split(",")]
+    wanted = None if args.rows is None else [label.strip() for label in args.rows.split(";")]
+    chosen = ROWS if wanted is None else [r for r in ROWS if r.label in wanted]
+    if wanted is not None and len(chosen) != len(wanted):
+        raise SystemExit(f"--rows: unknown labels {sorted(set(wanted) - {r.label for r in ROWS})}")
     rows = []
     for row in chosen:
         start = time.perf_counter()

@@ -90,6 +90,7 @@ def test_a_size_that_does_not_split_the_heads_names_the_ones_that_do(gguf_path):
         LLM(str(gguf_path), tensor_parallel_size=2, **OPTIONS)
 
 
-def test_int8_gguf_activations_are_refused_under_tensor_parallelism(gguf_path):
-    with pytest.raises(QuantizationError, match="dequantises them to fp32"):
-        LLM(str(gguf_path), tensor_parallel_size=3, gguf_activations="int8", **OPTIONS)
+@pytest.mark.parametrize("mode", ["int8", "int8x2"])
+def test_int8_gguf_activations_are_refused_under_tensor_parallelism(gguf_path, mode):
+    with pytest.raises(QuantizationError, match=f"--gguf-activations {mode} .*dequantises them"):
+        LLM(str(gguf_path), tensor_parallel_size=3, gguf_activations=mode, **OPTIONS)
