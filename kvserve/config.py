@@ -470,7 +470,7 @@ class EngineConfig:
         "a GGUF model's products: int8 (Q4_0, Q4_1, Q5_0, Q8_0 blocks on the integer panel kernel, "
         "activations rounded to int8 per 32 inputs as llama.cpp rounds them: fastest, but greedy "
         "answers drift from the exact model's), int8x2 (the same kernel, the rounding's remainder "
-        "rounded again: two int8 terms per input, within fp32 noise of the exact model), fp32 (the "
+        "rounded again: two int8 terms per input, KL 1.5e-5 from the exact model), fp32 (the "
         "file's blocks times fp32 activations: the exact reference, slowest) or auto (int8x2 where "
         "every matrix of the file is such a block and the engine runs on one CPU rank in float32, "
         "else fp32; docs/gguf.md)",

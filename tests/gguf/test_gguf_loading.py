@@ -170,9 +170,9 @@ def test_int8_activations_run_the_file_codes_on_the_panel_kernel(
 
 
 def test_auto_gguf_activations_is_int8x2_where_the_file_runs_on_the_panel_kernel(tiny_model, tmp_path):
-    """The default, --gguf-activations auto, is decided once in the engine's config: int8x2 (within
-    fp32 noise of the exact path, tests/gguf/test_gguf_int8x2.py) for a file whose every matrix is a panel-kernel block, run
-    as it is on one CPU rank in float32; fp32, the exact path, where the blocks are requantised or
+    """The default, --gguf-activations auto, is decided once in the engine's config: int8x2 (close
+    to the exact path, tests/gguf/test_gguf_int8x2.py) for a file whose every matrix is a
+    panel-kernel block, run as it is on one CPU rank in float32; fp32, the exact path, where the blocks are requantised or
     dequantised (tensor parallelism), where a matrix has another type, or in another dtype."""
     from kvserve.engine.args import build_engine_config
     from kvserve.model.qlinear import QuantLinear

@@ -2,7 +2,7 @@
 each activation block rounded twice, the value and its remainder (`--gguf-activations auto` decides
 int8x2; docs/gguf.md). What the exact path's tests show against transformers
 (tests/gguf/test_gguf_smollm2.py, which asks for fp32), here for the path users get: decided by
-default, within fp32 noise of the exact model (where int8, llama.cpp's rounding, drifts: it answers
+default, close to the exact model (where int8, llama.cpp's rounding, drifts: it answers
 the README's question wrongly), and batch-invariant (batched, chunked and prefix-cache runs give the
 solo run's tokens and log probabilities)."""
 
