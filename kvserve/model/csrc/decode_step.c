@@ -726,7 +726,8 @@ static int decode_layers_pooled(const Model *mdl, float *hidden, int M, const fl
         goto done;
     }
     for (int t = 0; t < num_threads; t++)
-        if (!alloc_acts(&acts[t], M * ACT_ROWS(ACT_BLOCK2), max_kp, with_pairs)) { /* any mode */
+        /* two rounded rows per input row: enough for every act_mode (ACT_BLOCK2 takes two) */
+        if (!alloc_acts(&acts[t], M * ACT_ROWS(ACT_BLOCK2), max_kp, with_pairs)) {
             status = -2;
             goto done;
         }

@@ -2,7 +2,8 @@
  * fused decode step").
  *
  * Activations are rounded to int8 as kvserve/quant/csrc/qgemm.cpp rounds them (per 32 inputs, per row
- * or per tensor). A panel is 8 output columns whose codes are interleaved 4 inputs at a time, so one
+ * or per tensor), or per 32 inputs twice (ACT_BLOCK2, decode_step.h: the value, then its remainder,
+ * as two rows of codes that store_panel adds back into one). A panel is 8 output columns whose codes are interleaved 4 inputs at a time, so one
  * 32-byte load holds 4 inputs of 8 columns: a broadcast 4-byte activation group times it
  * (vpmaddubsw + vpmaddwd) gives each column's partial sum in its own 32-bit lane. A 32-input block's
  * integer sum of 8 columns is then one vector (no horizontal sum per column), scaled once per block
@@ -181,7 +182,8 @@ static void store_panel(const Linear *L, const float *v, float *y, int m, int p)
 /* ---- scalar: the same integers and fp32 operations as the AVX2 path ------------------------------ */
 
 static void q_panel_scalar(const Linear *L, const Acts *a, float *y, int p, int m) {
-    const int nb = L->kp / QBLOCK, G = L->groups, int_acc = L->kind == LIN_Q8 && ACT_ONE_SCALE(L->act_mode) && G == 1;
+    const int nb = L->kp / QBLOCK, G = L->groups;
+    const int int_acc = L->kind == LIN_Q8 && ACT_ONE_SCALE(L->act_mode) && G == 1;
     const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
     const uint16_t *z = L->zeros ? (const uint16_t *)L->zeros + (int64_t)p * G * QPANEL : NULL;
     const int8_t *xq = a->codes + (int64_t)m * L->kp;
