@@ -26,7 +26,7 @@ decodes every type with one loop. F32/F16/BF16 tensors are not block weights: `f
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -333,8 +333,6 @@ def as_quantized_tensor(parts: list[BlockWeight], act: str | None = None):
     or None when a part's type has no such format or its values do not fit it (a zero scale with a
     nonzero min, a zero-point outside fp16). `act`: how its activations are rounded (TensorScheme.act;
     None: the format's own, per 32 inputs)."""
-    from dataclasses import replace
-
     from kvserve.quant.rtn import QuantizedTensor
     from kvserve.quant.scheme import parse_weight_scheme
 

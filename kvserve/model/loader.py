@@ -28,7 +28,7 @@ from kvserve.quant.convert import artifact_tensors, concat_rows
 from kvserve.quant.methods import DEFAULT_METHOD
 from kvserve.quant.rtn import QuantizedTensor
 from kvserve.quant.scheme import (
-    ACT_BLOCK2,
+    GGUF_ACTIVATION_ACTS,
     QuantizationError,
     WeightScheme,
     parse_weight_scheme,
@@ -315,10 +315,10 @@ def install_block_weights(
     kernel instead, its activations rounded to int8 per 32 inputs as llama.cpp rounds them; "int8x2"
     the same with the remainder of that rounding rounded again (ACT_BLOCK2: KL 1.5e-5 from the exact
     path on SmolLM2, docs/gguf.md)."""
-    act = {"int8": None, "int8x2": ACT_BLOCK2}
+    act = GGUF_ACTIVATION_ACTS.get(gguf_activations)  # None: fp32, the file's blocks as they are
 
     def block_layer(parts: list[BlockWeight], bias: torch.Tensor | None) -> nn.Module:
-        qt = as_quantized_tensor(parts, act[gguf_activations]) if gguf_activations in act else None
+        qt = None if act is None else as_quantized_tensor(parts, act)
         return BlockLinear(parts, bias) if qt is None else QuantLinear(qt, bias)
 
     table = blocks.pop("model.embed_tokens.weight", None)

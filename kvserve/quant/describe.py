@@ -11,6 +11,7 @@ from kvserve.quant.scheme import (
     ACT_NONE,
     ACT_TENSOR,
     ACT_TOKEN,
+    GGUF_ACTIVATION_ACTS,
     TensorScheme,
     parse_weight_scheme,
 )
@@ -22,7 +23,6 @@ _ACTS = {
     ACT_TENSOR: "int8 per tensor (W8A8)",
     ACT_BLOCK2: "int8 x 2 per 32-input block (the rounding and its remainder)",
 }
-_GGUF_ACTS = {"int8": ACT_NONE, "int8x2": ACT_BLOCK2}  # EngineConfig.gguf_activations
 
 
 def describe_weights(
@@ -44,7 +44,7 @@ def describe_weights(
             return f"{name}, bf16 products, activations and sums {compute}"
     elif model_dir is not None and (types := gguf_matrix_types(model_dir)):
         blocks = ", ".join(f"{n} x {t}" for t, n in sorted(types.items(), key=lambda i: -i[1]))
-        act = _GGUF_ACTS.get(gguf_activations)
+        act = GGUF_ACTIVATION_ACTS.get(gguf_activations)
         acts = compute if act is None else _ACTS[act] + " where the type allows"
         return f"GGUF blocks as in the file ({blocks}), activations {acts}, sums {compute}"
     elif model_dir is not None:

@@ -39,6 +39,8 @@ FORMAT_CLASSES = (*CLASSES, "norm")  # norm weights and biases: always float
 MIXED = "linear=int4-g128,embed=int8,head=int8,norm=bf16"
 ACT_NONE, ACT_TOKEN, ACT_TENSOR = "block", "token", "tensor"
 ACT_BLOCK2 = "block2"  # per 32 inputs, the remainder rounded again (GGUF --gguf-activations int8x2)
+# --gguf-activations (EngineConfig) -> how the panel kernel rounds a GGUF linear's activations
+GGUF_ACTIVATION_ACTS = {"int8": ACT_NONE, "int8x2": ACT_BLOCK2}
 
 
 class QuantizationError(InvalidRequestError):

@@ -235,11 +235,11 @@ def test_unauthenticated_peers_are_refused_and_the_right_node_still_joins(model_
     leader = _start(_kvserve(*_generate_argv(model_dir, 4), *_layout(f"{addr}:{port}", 0)), _env())
     follower = None
     try:
-        sock = _connect(addr, port, 60)
+        sock = _connect(addr, port, 60, leader)
         with pytest.raises(AuthenticationError, match="refused this node's secret"):
             client_handshake(sock, b"not-the-secret-0123456789")
         sock.close()
-        raw = _connect(addr, port, 10)
+        raw = _connect(addr, port, 10, leader)
         challenge = raw.recv(4096)
         raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"x" * 64)
         rest = _read_all(raw)
@@ -289,15 +289,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
+def _connect(host: str, port: int, timeout_s: float, process) -> socket.socket:
+    """A connection to the rendezvous port `process` (node 0) opens once it has loaded; nothing
+    announces that, so this retries, and gives up at once if the process has exited instead."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return socket.create_connection((host, port), timeout=5)
         except OSError:
+            if process.poll() is not None:
+                raise AssertionError(f"node 0 exited ({process.returncode}) first") from None
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.2)
+            try:  # the retry interval, cut short if node 0 exits meanwhile
+                process.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def _read_all(sock: socket.socket) -> bytes:
