@@ -45,7 +45,7 @@ from kvserve.memory import (
 )
 from kvserve.models import resolve_model
 from kvserve.options import format_bytes, parse_bytes
-from kvserve.tokenizer import load_tokenizer
+from kvserve.tokenizer import load_api_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -343,7 +343,7 @@ def build_engine_config(model_dir: str | Path | None = None, **options) -> Engin
 def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
     """A draft must map every token id to the same token as the target: compare whole vocabularies
     (token -> id, special tokens included), not their sizes."""
-    target, draft = load_tokenizer(target_dir), load_tokenizer(draft_dir)
+    target, draft = load_api_tokenizer(target_dir), load_api_tokenizer(draft_dir)
     if target is None or draft is None:
         missing = target_dir if target is None else draft_dir
         raise ModelLoadError(

@@ -38,7 +38,7 @@ from kvserve.engine.wire import (
     decoder,
     encoder,
 )
-from kvserve.tokenizer import load_tokenizer
+from kvserve.tokenizer import load_api_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,8 @@ class MPClient(EngineClient):
 
         if num_cores < 0 or num_cores + len(remote_cores) < 1:
             raise ValueError(f"the number of engine cores must be >= 1, got {num_cores}")
+        # before any process or socket: a tokenizer that cannot be read leaves nothing to close
+        tokenizer = load_api_tokenizer(config.model_dir)
         # first: a core that cannot be reached fails the start before any local core loads
         links = connect_all(list(remote_cores), config.dist.secret_file, config.dist.timeout_s)
         env_timeout = os.environ.get("KVSERVE_HEARTBEAT_TIMEOUT_S")
@@ -115,7 +117,7 @@ class MPClient(EngineClient):
             self._last_seen.append(time.monotonic())
             cores.append(CoreHandle(index, lambda cmd, link=link: link.send(self._enc.encode(cmd))))
             cores[-1].address = link.address
-        super().__init__(None, load_tokenizer(config.model_dir), cores, on_dead=on_dead)
+        super().__init__(None, tokenizer, cores, on_dead=on_dead)
         self._receiver = threading.Thread(
             target=self._receive, name="kvserve-client-recv", daemon=True
         )

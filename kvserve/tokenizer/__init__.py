@@ -1,17 +1,28 @@
 """A model directory's tokenizer and stop tokens, read once by whoever needs them: the engine core
 (detokenisation, EOS), the API process (chat templates, token counts), the quantiser (calibration
-text). Torch-free; `transformers` is imported only when a tokenizer is loaded."""
+text). Torch-free; `transformers` is imported only when a tokenizer is loaded with it.
+
+Two loaders: `load_tokenizer` is transformers' AutoTokenizer (the engine core, which has torch
+anyway, and the offline tools); `load_api_tokenizer` is the API process's, the light tokenizer
+(`tokenizer/light.py`: the `tokenizers` library and Jinja, no transformers, hence no torch) wherever
+it reproduces AutoTokenizer, and AutoTokenizer elsewhere, said in the log (docs/design.md,
+"Processes")."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.core.errors import ModelLoadError
+from kvserve.tokenizer.files import light_path_refusal, read_tokenizer_files
+from kvserve.tokenizer.light import LightTokenizer
 
 if TYPE_CHECKING:  # a type only: the API process imports this module, and no engine internals
     from kvserve.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:
@@ -27,12 +38,28 @@ def load_tokenizer(model_dir: str | Path):
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir))
-    except (
-        OSError,
-        ValueError,
-        TypeError,
-    ) as exc:
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (tokenizers raises plain Exception for a bad file)
         raise ModelLoadError(f"{model_dir}: cannot load the tokenizer: {exc}") from None
+
+
+def load_api_tokenizer(model_dir: str | Path):
+    """The API process's tokenizer: a `LightTokenizer` where it gives what AutoTokenizer gives
+    (kvserve/tokenizer/files.py says where), else AutoTokenizer's, which imports torch; None when
+    the directory has none. Unreadable files raise `ModelLoadError` either way."""
+    if not has_tokenizer(model_dir):
+        return None
+    files = read_tokenizer_files(model_dir)
+    refusal = light_path_refusal(files)
+    if refusal is None:
+        return LightTokenizer.from_files(files)
+    logger.warning(
+        "%s: the API process loads this tokenizer with transformers (which imports torch): %s",
+        model_dir,
+        refusal,
+    )
+    return load_tokenizer(model_dir)
 
 
 def stop_token_ids(model_dir: str | Path, model: ModelConfig, tokenizer) -> frozenset[int]:
