@@ -40,18 +40,17 @@ def test_the_api_process_path_imports_no_torch():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="the API process loads the Hugging Face tokenizer through transformers, and "
-    "transformers 5 imports torch whenever it is installed (kvserve/tokenizer.py)",
-)
 def test_a_served_chat_request_leaves_torch_out_of_the_api_process():
-    """End to end: after a streamed chat request and /manifest, the API process (not the engine
-    core, its child) has no torch library mapped."""
+    """End to end: after a streamed chat request, /tokenize, /detokenize and /manifest, the API
+    process (not the engine core, its child) has no torch library mapped: it tokenises with the
+    light tokenizer (kvserve/tokenizer/light.py), not transformers."""
     with running_server("kvserve-demo", "--engine-core", "process") as (url, process):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
         response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert response.status_code == 200 and "data: [DONE]" in response.text
+        tokens = httpx.post(f"{url}/tokenize", json={"prompt": "hi there"}, timeout=10).json()
+        text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}, timeout=10)
+        assert text.json()["prompt"] == "<|bos|>hi there"
         assert httpx.get(f"{url}/manifest", timeout=10).status_code == 200
         with open(f"/proc/{process.pid}/maps") as maps:
             mapped = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "torch" in line}
