@@ -11,6 +11,7 @@ caller falls back to transformers."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,19 @@ _CLASS_OVERRIDDEN_MODEL_TYPES = frozenset(
     "minimax_m2 modernbert modernbert-decoder molmo molmo2 nemotron nvfp4 opencua openvla "
     "paddleocr_vl phi3 phi3_v phimoe qwen2 qwen3_5 qwen3_5_moe qwen3_5_moe_text qwen4_exp step3_vl "
     "vipllava cohere_asr camembertv2-base siglip2 smolvlm".split()
+)
+# transformers 5.24's MODEL_IDS_TO_TOKENIZERS_BACKEND: Hub ids it loads as TokenizersBackend whatever
+# their declared class (matched against config.json's _name_or_path; refused, to be safe).
+_BACKEND_MODEL_IDS = (
+    "deepseek-ai/deepseek-r1-distill-llama-*",
+    "deepseek-ai/deepseek-coder-*",
+    "allenai/dolma2-tokenizer",
+    "google/umt5-small",
+    "naver-clova-ix/donut-*",
+    "salesforce/blip2-opt-*",
+    "salesforce/blip2-flan-t5-*",
+    "salesforce/instructblip-flan-t5-*",
+    "stepfun-ai/step-3.7-*",
 )
 # tokenizer_class (without "Fast") -> how the backend is built: "file" (tokenizer.json as it is)
 # or "gpt2" (GPT2Tokenizer: byte-level BPE rebuilt from the file's vocabulary and merges).
@@ -142,6 +156,11 @@ def light_path_refusal(files: TokenizerFiles) -> str | None:
     for value in (model_type, model_name):
         if isinstance(value, str) and value in _CLASS_OVERRIDDEN_MODEL_TYPES:
             return f"transformers replaces the tokenizer class of model type {value!r}"
+    name_or_path = files.model_config.get("_name_or_path")
+    if isinstance(name_or_path, str) and any(
+        fnmatch.fnmatch(name_or_path.lower(), p) for p in _BACKEND_MODEL_IDS
+    ):
+        return f"transformers chooses the tokenizer class of {name_or_path} by its name"
     if files.backend_build is None:
         return (
             f"transformers builds tokenizer class {files.tokenizer_class!r} from its own code"

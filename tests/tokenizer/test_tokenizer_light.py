@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from kvserve.core.errors import ModelLoadError
 from kvserve.tokenizer import LightTokenizer, load_api_tokenizer
 from kvserve.tokenizer.files import (
+    _BACKEND_MODEL_IDS,
     _CLASS_OVERRIDDEN_MODEL_TYPES,
     light_path_refusal,
     read_tokenizer_files,
@@ -185,14 +186,20 @@ def test_a_sentencepiece_model_without_tokenizer_json_takes_transformers(tmp_pat
     assert "no tokenizer.json" in light_path_refusal(read_tokenizer_files(path))
 
 
-def test_the_overridden_model_types_cover_transformers_list():
-    """transformers replaces the declared class for these model types; a new one would make the
-    light path wrong for it."""
+def test_the_overridden_model_types_and_ids_cover_transformers_lists():
+    """transformers replaces the declared class for these model types and Hub ids; a new one would
+    make the light path wrong for it."""
     from transformers.models.auto import tokenization_auto
 
-    assert (
-        tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS <= _CLASS_OVERRIDDEN_MODEL_TYPES
-    )
+    overridden = tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    assert overridden <= _CLASS_OVERRIDDEN_MODEL_TYPES
+    assert set(tokenization_auto.MODEL_IDS_TO_TOKENIZERS_BACKEND) <= set(_BACKEND_MODEL_IDS)
+
+
+def test_a_hub_id_transformers_special_cases_is_refused(tmp_path):
+    config = {"model_type": "llama", "_name_or_path": "deepseek-ai/deepseek-coder-1.3b-instruct"}
+    path = dirs.copy_of(dirs.DEMO, tmp_path / "m", config__json=config)
+    assert "by its name" in light_path_refusal(read_tokenizer_files(path))
 
 
 def test_the_default_and_demo_models_take_the_light_path():
