@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import socket
 import tempfile
@@ -153,6 +154,16 @@ class FaultGate:
         self._accept_new()
         with self._changed:
             return sum(c.alive for c in self._cores)
+
+    def wait_for_cores(self, num: int, timeout_s: float = GATE_REPLY_TIMEOUT_S) -> None:
+        """Wait until `num` engine cores have connected (a core connects once its model is loaded:
+        `kvserve generate` has no readiness line to wait for)."""
+        deadline = time.monotonic() + timeout_s
+        while self.num_cores < num:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError(f"{num} engine core(s) did not connect within {timeout_s} s")
+            select.select([self._listener], [], [], left_s)  # wakes when one connects
 
     def hold(self) -> None:
         """Close the gate: no step (or compile) starts until `step` or `open`."""

@@ -31,6 +31,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--json", action="store_true", help="print JSON with token ids and timings")
+    parser.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # tests only
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
 
@@ -38,11 +39,18 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvserve.core.errors import KVServeError
     from kvserve.core.sampling_params import SamplingParams
+    from kvserve.engine.faults import FaultInjection
     from kvserve.engine.llm import LLM
     from kvserve.runner.executor import WorkerFailedError
 
     try:
+        faults = FaultInjection.parse(args.inject_fault)
+    except ValueError as exc:
+        print(f"kvserve generate: error: --inject-fault: {exc}", file=sys.stderr)
+        return 2
+    try:
         llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, model=args.model))
+        llm.engine.gate_steps(faults)
         params = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -53,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         outputs = llm.generate(args.prompt, params)
-    except KVServeError as exc:
+    except (KVServeError, ConnectionError) as exc:  # ConnectionError: no test at the gate's address
         print(f"kvserve generate: error: {exc}", file=sys.stderr)
         return 2
     except WorkerFailedError as exc:  # a tensor-parallel rank (here or on another host) failed

@@ -380,7 +380,23 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the outputs of the requests that changed, each as its
         `output_kind` asks (accumulated from the step's deltas by `self.outputs`)."""
-        return self.outputs.process(self.step_deltas())
+        gate = self._gate
+        if gate is None:
+            return self.outputs.process(self.step_deltas())
+        gate.wait(num_requests=lambda: self.num_requests)
+        deltas = self.step_deltas()
+        if deltas:
+            gate.passed()
+        return self.outputs.process(deltas)
+
+    def gate_steps(self, faults: FaultInjection | None) -> None:
+        """Tests (`kvserve generate --inject-fault gate:WHERE`): every offline `step` from now on
+        first passes the test's step gate, as the loop's steps do (`start`). Returns once the test
+        has told the gate its state: a run started right after cannot step past a gate the test
+        holds from the start."""
+        self._gate = step_gate(faults, self._wakeup, lambda: self._stopping)
+        if self._gate is not None:
+            self._gate.wait_for_the_test()
 
     def step_deltas(self) -> list[RequestDelta]:
         """Run one scheduling step; returns what it added to every request that changed."""

@@ -101,6 +101,7 @@ class Gate:
         self._timeout_s = timeout_s
         self._is_open = True
         self._num_allowed = 0  # steps let through while closed, not yet passed
+        self._told = threading.Event()  # the test's first line (its state) arrived, or it hung up
         self._send_lock = threading.Lock()
         where = ("127.0.0.1", int(address)) if address.isdigit() else address
         self._sock = socket.socket(socket.AF_INET if address.isdigit() else socket.AF_UNIX)
@@ -131,11 +132,22 @@ class Gate:
                         logger.error("gate %s: unknown line %r", self.name, line)
                     self._condition.notify_all()
                 self._send("ok")
+                self._told.set()
         except (OSError, ValueError) as exc:
             logger.warning("gate %s: the test's connection failed: %r", self.name, exc)
         with self._condition:
             self._is_open = True
             self._condition.notify_all()
+        self._told.set()
+
+    def wait_for_the_test(self) -> None:
+        """Block until the test has told this gate its state (the first line it sends once it takes
+        the connection), so that no step runs before a test that holds the gate could say so; at
+        most the gate's timeout, then the gate stays open."""
+        if not self._told.wait(self._timeout_s):
+            logger.error(
+                "gate %s: no word from the test in %.0f s; open", self.name, self._timeout_s
+            )
 
     def _send(self, line: str) -> None:
         with self._send_lock:

@@ -30,6 +30,7 @@ from kvserve.links import (
 )
 from tests import REPO_ROOT
 from tests.checkpoints import build_gpt2_tokenized_checkpoint
+from tests.faults import FaultGate
 from tests.netns import NetnsUnavailable, two_hosts
 
 pytestmark = pytest.mark.slow
@@ -155,41 +156,34 @@ def test_a_node_that_never_arrives_ends_the_engine(model_dir):
 
 def test_a_node_killed_mid_run_ends_the_engine(model_dir, hosts):
     """Node 1 (its agent and its rank) killed during decoding: node 0 ends with one line naming
-    node 1, within the subprocess bound (gloo sees the closed sockets at once)."""
+    node 1, within the subprocess bound (gloo sees the closed sockets at once). Node 0's steps pass
+    the test's gate (tests/faults.py), so the kill lands between two decode steps, not after a
+    guessed delay."""
     node0, node1 = hosts
     addr = f"{node0.address}:29519"
     env = _env()
     follower = _start(node1.command(*_kvserve("tp-node", str(model_dir), *ENGINE,
                                              *_layout(addr, 1))), env)  # fmt: skip
-    leader = _start(node0.command(*_kvserve(*_generate_argv(model_dir, 1000, PROMPTS * 4),
-                                            *_layout(addr, 0))), env)  # fmt: skip
-    try:
-        seen = _wait_for_line(follower.stderr, "rank 1 loaded", 60)
-        assert seen, "node 1 never loaded its rank"
-        time.sleep(1.0)  # into the decode steps
-        assert leader.poll() is None, "the run finished before node 1 could be killed"
-        _kill(follower)
-        out, err = _finish(leader, 60)
-    finally:
-        _kill(follower)
-        _kill(leader)
+    with FaultGate() as steps:
+        leader = _start(node0.command(*_kvserve(*_generate_argv(model_dir, 1000, PROMPTS * 4),
+                                                *_layout(addr, 0), "--inject-fault",
+                                                steps.spec())), env)  # fmt: skip
+        try:
+            steps.hold()  # what node 0's engine is told when it connects
+            steps.wait_for_cores(1, 120)  # node 0's engine is up (both ranks loaded)
+            steps.wait_held(1)  # before its first step, with the prompts in it
+            steps.step(2)  # the prompt step and a decode step, then held again
+            steps.wait_passed(2)
+            _kill(follower)
+            steps.open()  # the next decode step meets the dead node
+            out, err = _finish(leader, 60)
+        finally:
+            _kill(follower)
+            _kill(leader)
     assert leader.returncode == 1, err[-3000:]
     assert out == ""  # no request finished
     line = _error_line(err)
     assert line.startswith("kvserve generate: error: tensor-parallel node 1 (10.77.0.2"), line
-
-
-def _wait_for_line(stream, text: str, timeout_s: float) -> bool:
-    found = threading.Event()
-
-    def read() -> None:
-        for line in stream:
-            if text in line:
-                found.set()
-                return
-
-    threading.Thread(target=read, daemon=True).start()
-    return found.wait(timeout_s)
 
 
 def test_handshake_refuses_a_wrong_secret_and_a_tampered_frame():
