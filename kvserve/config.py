@@ -298,6 +298,12 @@ class CacheConfig:
 ADMISSION_POLICIES = ("on_demand", "reserve")
 
 
+# The default cap on prompt tokens beside decoding rows where a step's time grows with its prompt
+# tokens: a GGUF model on the integer panel kernel (docs/performance.md, "Prompt tokens beside
+# decoding rows on the default model"). Elsewhere (no cap) the measured default.
+PROMPT_CAP_ON_INTEGER_PRODUCTS = 48
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """One token budget per step shared by decode tokens and prompt chunks (docs/scheduling.md)."""
@@ -306,10 +312,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(
         2048, "token budget of one step, shared by decode tokens and prompt chunks", ge=1
     )
-    max_prompt_tokens_beside_decode: int = option(
-        0,
-        "prompt tokens a step may hold while it also holds decoding rows (0: the whole budget): a "
-        "prompt chunk delays every decoding row's next token by its cost (docs/scheduling.md)",
+    max_prompt_tokens_beside_decode: int | None = option(
+        None,
+        "prompt tokens a step may hold while it also holds decoding rows (0: the whole budget; "
+        f"default: {PROMPT_CAP_ON_INTEGER_PRODUCTS} where a GGUF model's products run on the integer "
+        "panel kernel, --gguf-activations int8 or int8x2, else 0): a prompt chunk delays every "
+        "decoding row's next token by its cost (docs/scheduling.md)",
         ge=0,
     )
     max_model_len: int = option(2048, "context length in tokens, prompt + output", ge=2)
@@ -518,6 +526,10 @@ class EngineConfig:
         self._check_quantization_method()
         if self.gguf_activations == "auto":  # decided once, here: every process reads the decision
             object.__setattr__(self, "gguf_activations", self._auto_gguf_activations())
+        if self.scheduler.max_prompt_tokens_beside_decode is None:
+            cap = self._default_prompt_cap()
+            scheduler = replace(self.scheduler, max_prompt_tokens_beside_decode=cap)
+            object.__setattr__(self, "scheduler", scheduler)
 
     def _auto_gguf_activations(self) -> str:
         """int8x2 for a GGUF model run as it is (no --quantization) on one CPU rank in float32 whose
@@ -532,6 +544,19 @@ class EngineConfig:
         if runs_blocks and on_cpu_fp32 and types and all(t in PANEL_FORMATS for t in types):
             return "int8x2"
         return "fp32"
+
+    def _default_prompt_cap(self) -> int:
+        """`PROMPT_CAP_ON_INTEGER_PRODUCTS` for a GGUF model whose products run on the integer panel
+        kernel: there a step's time grows with its prompt tokens, and a whole 128-token prompt
+        beside the decoding rows held their next token ~0.4 s (int8x2); capped, 0.92 of 1 request a
+        second met TTFT <= 2 s and gaps <= 500 ms against 0.37 uncapped, at the same saturation and
+        the same greedy texts (docs/performance.md). 0 (the whole budget) elsewhere."""
+        on_integer_kernel = self.gguf_activations in ("int8", "int8x2")
+        return (
+            PROMPT_CAP_ON_INTEGER_PRODUCTS
+            if on_integer_kernel and gguf_matrix_types(self.model_dir)
+            else 0
+        )
 
     @cached_property
     def weight_scheme(self) -> WeightScheme | None:

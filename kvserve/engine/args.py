@@ -92,7 +92,7 @@ class EngineArgs:
     )
     max_num_seqs: int = Option.of(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int = Option.of(SchedulerConfig, "max_num_batched_tokens")
-    max_prompt_tokens_beside_decode: int = Option.of(
+    max_prompt_tokens_beside_decode: int | None = Option.of(
         SchedulerConfig, "max_prompt_tokens_beside_decode"
     )
     block_size: int = Option.of(CacheConfig, "block_size")

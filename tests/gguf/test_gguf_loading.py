@@ -200,3 +200,28 @@ def test_auto_gguf_activations_is_int8x2_where_the_file_runs_on_the_panel_kernel
                if isinstance(m, QuantLinear))  # fmt: skip
     asked = LLM(str(q4), **options, gguf_activations="int8x2")
     assert torch.equal(auto.engine.score(PROMPT), asked.engine.score(PROMPT))
+
+
+def test_prompt_tokens_beside_decoding_rows_are_capped_by_default_on_the_integer_kernel(
+    tiny_model, tmp_path
+):
+    """--max-prompt-tokens-beside-decode's default is decided with the products: 48 where a GGUF
+    model runs on the integer panel kernel (a step's time grows with its prompt tokens: serving
+    measurements in docs/performance.md), 0 (the whole budget) on the exact path and for other
+    checkpoints; a value given is kept."""
+    from kvserve.config import PROMPT_CAP_ON_INTEGER_PRODUCTS
+    from kvserve.engine.args import build_engine_config
+
+    q4 = gguf_model_dir(write_llama_gguf(tmp_path / "q4.gguf", tiny_model, "Q4_1", "Q8_0"))
+    options = {"max_model_len": 64, "kv_cache_memory_bytes": 8 << 20}
+
+    def cap(model_dir, **extra) -> int:
+        config = build_engine_config(model_dir, **options, **extra)
+        return config.scheduler.max_prompt_tokens_beside_decode
+
+    assert PROMPT_CAP_ON_INTEGER_PRODUCTS == 48
+    assert cap(q4) == cap(q4, gguf_activations="int8") == 48
+    assert cap(q4, gguf_activations="fp32") == 0
+    assert cap(q4, max_prompt_tokens_beside_decode=0) == 0
+    assert cap(q4, max_prompt_tokens_beside_decode=16) == 16
+    assert cap(tiny_model, gguf_activations="int8") == 0  # not a GGUF model: the option is unused
