@@ -22,12 +22,21 @@ _TOKENIZER_FILES = (
 )
 
 
+def _template_sha256(chat_template: str | dict | None) -> str | None:
+    """The served template's sha256; a model's named templates (name -> text) as one JSON text."""
+    if not chat_template:
+        return None
+    if isinstance(chat_template, dict):
+        chat_template = json.dumps(chat_template, sort_keys=True)
+    return hashlib.sha256(chat_template.encode()).hexdigest()
+
+
 def build_manifest(
     model_dir: str | Path,
     *,
     served_model_name: str,
     dtype: str,
-    chat_template: str | None,
+    chat_template: str | dict | None,
     engine_options: dict,
     kernel_isa: str = "",
     bf16_products: str = "",
@@ -52,9 +61,7 @@ def build_manifest(
         "served_model_name": served_model_name,
         "weights_sha256": weights,
         "tokenizer_sha256": tokenizer,
-        "chat_template_sha256": (
-            hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None
-        ),
+        "chat_template_sha256": _template_sha256(chat_template),
         "dtype": dtype,
         "quantization": quantization_manifest(
             model_dir,

@@ -165,6 +165,14 @@ class OpenAIServing(JobAccounting):
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: send token ids", "prompt")
 
+    def _named_template(self, plan: tools.ToolPlan | None) -> str:
+        """The model's template for this request among its named ones, as transformers picks it:
+        `tool_use` when tools are sent and the model has one, else `default`."""
+        try:
+            return self.tokenizer.get_chat_template(tools=list(plan.tools) if plan else None)
+        except ValueError as exc:  # no `default` among the names
+            raise InvalidRequestError(f"this model's chat templates: {exc}", "messages") from None
+
     def render_chat(self, request: ChatCompletionRequest) -> str:
         self.require_tokenizer()
         template = self.options.chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -174,12 +182,15 @@ class OpenAIServing(JobAccounting):
                 "/v1/completions",
                 "messages",
             )
+        plan = request.tool_plan()
+        if isinstance(template, dict):  # named templates (chat_template.jinja + additional ones)
+            template = self._named_template(plan)
         extra = request.chat_template_kwargs or {}
         own = {
             "chat_template": template,
             "add_generation_prompt": request.add_generation_prompt,
             "tokenize": False,
-            **tools.template_kwargs(request.tool_plan(), template),
+            **tools.template_kwargs(plan, template),
         }
         # names the template call itself passes: a clear 400, not a TypeError from apply_chat_template
         reserved = sorted(set(extra) & (own.keys() | {"conversation", "tools"}))

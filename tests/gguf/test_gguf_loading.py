@@ -224,4 +224,6 @@ def test_prompt_tokens_beside_decoding_rows_are_capped_by_default_on_the_integer
     assert cap(q4, gguf_activations="fp32") == 0
     assert cap(q4, max_prompt_tokens_beside_decode=0) == 0
     assert cap(q4, max_prompt_tokens_beside_decode=16) == 16
-    assert cap(tiny_model, gguf_activations="int8") == 0  # not a GGUF model: the option is unused
+    hf = tmp_path / "hf"
+    build_checkpoint(hf, "llama", vocab_size=320, rope_scaling=None)
+    assert cap(hf, gguf_activations="int8") == 0  # not a GGUF model: the option is unused

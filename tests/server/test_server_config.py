@@ -69,3 +69,40 @@ def test_manifest_reports_the_kv_cache_dtype_not_the_model_dtype(tmp_path):
     assert auto["kv_cache_dtype"] == "float32"
     assert int8["kv_cache_dtype"] == "int8"
     assert manifest_hash(auto) != manifest_hash(int8)
+
+
+@pytest.fixture(scope="module")
+def named_templates_dir(gpt2_model_dir, tmp_path_factory):
+    """The GPT-2 fixture with a second, named template beside chat_template.jinja."""
+    path = tmp_path_factory.mktemp("named-templates")
+    for item in gpt2_model_dir.iterdir():
+        if item.is_file():
+            shutil.copy(item, path / item.name)
+    (path / "additional_chat_templates").mkdir()
+    (path / "additional_chat_templates" / "tool_use.jinja").write_text(
+        "tools: {{ tools | length }}.{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    )
+    return path
+
+
+def test_a_model_with_named_chat_templates_serves_each(named_templates_dir):
+    """A model with named templates (chat_template.jinja and additional_chat_templates/
+    tool_use.jinja) starts (its manifest hashes both) and renders as transformers picks: the
+    default without tools, `tool_use` with them. It used to fail the start (the manifest hashed a
+    dict) and every chat (the dict went to the template call)."""
+    args = ("--max-model-len", "256", "--kv-cache-memory", "16MiB")
+    with running_server(named_templates_dir, *args) as (url, _):
+        manifest = httpx.get(f"{url}/manifest")
+        assert manifest.status_code == 200 and manifest.json()["manifest"]["chat_template_sha256"]
+        plain = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+        text = httpx.post(f"{url}/detokenize", json={"tokens": plain["tokens"]}).json()["prompt"]
+        assert text == f"<|user|>\n{SECRET_PROMPT}\n<|assistant|>\n"
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        body = {"messages": MESSAGES, "max_tokens": 1, "tools": [tool], "tool_choice": "none"}
+        chat = httpx.post(f"{url}/v1/chat/completions", json=body)
+        assert chat.status_code == 200, chat.text
+        expected = httpx.post(
+            f"{url}/tokenize",
+            json={"prompt": f"tools: 1. {SECRET_PROMPT}", "add_special_tokens": False},
+        ).json()
+        assert chat.json()["usage"]["prompt_tokens"] == expected["count"]
