@@ -143,23 +143,20 @@ def _gpt2_json() -> dict:
     return json.loads((GPT2_TOKENIZER / "tokenizer.json").read_text())
 
 
+def _digits_then_bytes(trim_offsets: bool) -> dict:
+    """A pre-tokenizer that splits digits one by one, then byte-level (Qwen's and SmolLM2's)."""
+    digits = {"type": "Digits", "individual_digits": True}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    byte_level["trim_offsets"] = trim_offsets
+    return {"type": "Sequence", "pretokenizers": [digits, byte_level]}
+
+
 def qwen3_style(path: Path) -> Path:
     """Qwen 3: byte-level BPE with digits split, ChatML markers and <think> as added tokens (the
     think markers not special), added_tokens_decoder in tokenizer_config.json, the template in
     chat_template.jinja."""
     spec = _gpt2_json()
-    spec["pre_tokenizer"] = {
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Digits", "individual_digits": True},
-            {
-                "type": "ByteLevel",
-                "add_prefix_space": False,
-                "trim_offsets": False,
-                "use_regex": True,
-            },
-        ],
-    }
+    spec["pre_tokenizer"] = _digits_then_bytes(trim_offsets=False)
     spec["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                               "use_regex": True}  # fmt: skip
     added = {"<|im_start|>": True, "<|im_end|>": True, "<think>": False, "</think>": False}
@@ -195,18 +192,7 @@ def gpt2_class_with_digits(path: Path) -> Path:
     (SmolLM2's Hub files): transformers 5 rebuilds the backend from the class's own code, which
     drops the digit split, and takes the special tokens' defaults from the class."""
     spec = _gpt2_json()
-    spec["pre_tokenizer"] = {
-        "type": "Sequence",
-        "pretokenizers": [
-            {"type": "Digits", "individual_digits": True},
-            {
-                "type": "ByteLevel",
-                "add_prefix_space": False,
-                "trim_offsets": True,
-                "use_regex": True,
-            },
-        ],
-    }
+    spec["pre_tokenizer"] = _digits_then_bytes(trim_offsets=True)
     spec["normalizer"] = {"type": "Lowercase"}
     _write(
         path,
