@@ -549,7 +549,7 @@ class EngineConfig:
         """`PROMPT_CAP_ON_INTEGER_PRODUCTS` for a GGUF model whose products run on the integer panel
         kernel: there a step's time grows with its prompt tokens, and a whole 128-token prompt
         beside the decoding rows held their next token ~0.4 s (int8x2); capped, 0.92 of 1 request a
-        second met TTFT <= 2 s and gaps <= 500 ms against 0.37 uncapped, at the same saturation and
+        second met TTFT <= 2 s and gaps <= 500 ms against 0.13-0.37 uncapped, at the same saturation and
         the same greedy texts (docs/performance.md). 0 (the whole budget) elsewhere."""
         on_integer_kernel = self.gguf_activations in ("int8", "int8x2")
         return (
