@@ -315,9 +315,9 @@ class SchedulerConfig:
     max_prompt_tokens_beside_decode: int | None = option(
         None,
         "prompt tokens a step may hold while it also holds decoding rows (0: the whole budget; "
-        f"default: {PROMPT_CAP_ON_INTEGER_PRODUCTS} where a GGUF model's products run on the integer "
-        "panel kernel, --gguf-activations int8 or int8x2, else 0): a prompt chunk delays every "
-        "decoding row's next token by its cost (docs/scheduling.md)",
+        f"default: {PROMPT_CAP_ON_INTEGER_PRODUCTS} where a GGUF model's products run on the "
+        "integer panel kernel, --gguf-activations int8 or int8x2, else 0): a prompt chunk delays "
+        "every decoding row's next token by its cost (docs/scheduling.md)",
         ge=0,
     )
     max_model_len: int = option(2048, "context length in tokens, prompt + output", ge=2)
@@ -549,8 +549,9 @@ class EngineConfig:
         """`PROMPT_CAP_ON_INTEGER_PRODUCTS` for a GGUF model whose products run on the integer panel
         kernel: there a step's time grows with its prompt tokens, and a whole 128-token prompt
         beside the decoding rows held their next token ~0.4 s (int8x2); capped, 0.92 of 1 request a
-        second met TTFT <= 2 s and gaps <= 500 ms against 0.13-0.37 uncapped, at the same saturation and
-        the same greedy texts (docs/performance.md). 0 (the whole budget) elsewhere."""
+        second met TTFT <= 2 s and gaps <= 500 ms against 0.13-0.37 uncapped, at the same
+        saturation and the same greedy texts (docs/performance.md). 0 (the whole budget)
+        elsewhere."""
         on_integer_kernel = self.gguf_activations in ("int8", "int8x2")
         return (
             PROMPT_CAP_ON_INTEGER_PRODUCTS
