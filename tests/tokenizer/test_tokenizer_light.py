@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvserve.core.errors import ModelLoadError
-from kvserve.tokenizer import LightTokenizer, load_api_tokenizer
+from kvserve.tokenizer import LightTokenizer, load_api_tokenizer, load_tokenizer
 from kvserve.tokenizer.files import (
     _BACKEND_MODEL_IDS,
     _CLASS_OVERRIDDEN_MODEL_TYPES,
@@ -243,4 +243,14 @@ def test_bad_tokenizer_files_are_a_model_load_error(tmp_path, name):
     path = dirs.copy_of(dirs.DEMO, tmp_path / "m", **BAD_FILES[name])
     with pytest.raises(ModelLoadError) as info:
         load_api_tokenizer(path)
+    assert str(path) in str(info.value)
+
+
+def test_the_engine_cores_tokenizer_refuses_a_corrupt_file_with_a_model_load_error(tmp_path):
+    """The core's loader (transformers' AutoTokenizer) gets the same typed error: the tokenizers
+    library raises a plain Exception for a tokenizer.json it cannot read, which used to escape
+    `load_tokenizer` and crash the engine core's start."""
+    path = dirs.copy_of(dirs.DEMO, tmp_path / "m", **BAD_FILES["tokenizer.json not a tokenizer"])
+    with pytest.raises(ModelLoadError) as info:
+        load_tokenizer(path)
     assert str(path) in str(info.value)
