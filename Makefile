@@ -37,10 +37,11 @@ chromium:
 	  echo "make: chromium is not installed (apt-get install chromium); the browser tests will skip"
 
 # Two workers, each module's tests on one of them (its module-scoped servers start once); TEST_WORKERS=0
-# runs them in this process, one after another.
+# runs them in this process, one after another. `--durations` lists the slowest tests at the end, so
+# a CI log shows where the suite's 25 minutes go.
 TEST_WORKERS ?= 2
 test: install chromium
-	$(BIN)/python -m pytest -q tests $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q --durations=30 tests $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 lint: install
 	$(BIN)/ruff check kvserve tests benchmarks tools

@@ -32,6 +32,10 @@ directory's tokenizer:
 
     --model /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf --vllm-model /tmp/models/smollm2-hf \
         --tokenizer /tmp/models/smollm2-hf
+
+`--busy-core` runs one unpinned `while True: pass` process beside the engine while the load runs
+(started after the server is ready, killed when the load ends): the issue's "beside one busy core".
+Run the same engines quiet and busy, alternated, and compare each engine's busy / quiet TPOT.
 """
 
 from __future__ import annotations
@@ -162,6 +166,18 @@ def rate_row(row: dict) -> dict:
     }
 
 
+@contextlib.contextmanager
+def busy_core(on: bool):
+    """One busy-looping process beside the engine while the block runs (`--busy-core`)."""
+    loop = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if on else None
+    try:
+        yield
+    finally:
+        if loop is not None:
+            loop.kill()
+            loop.wait()
+
+
 def run_engine(engine: str, args) -> dict:
     out = Path(args.out_dir) / (engine + args.suffix)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,7 +185,8 @@ def run_engine(engine: str, args) -> dict:
         cmd = bench_command(url, out, args)
         print("+ " + " ".join(cmd), flush=True)
         started = time.time()
-        subprocess.run(cmd, check=True)
+        with busy_core(args.busy_core):
+            subprocess.run(cmd, check=True)
         wall_s = time.time() - started
         thread_changes = None
         if engine.startswith("kvserve"):  # the adaptive thread policy's changes of pool size
@@ -187,6 +204,7 @@ def run_engine(engine: str, args) -> dict:
         "server_env": thread_env,
         "bench_command": " ".join(["kvserve", *cmd[3:]]),
         "wall_s": wall_s,
+        "busy_core": args.busy_core,
         "thread_changes": thread_changes,
         "rows": rows,
         "saturation": next((r for r in rows if str(r["offered_rps"]) == "inf"), None),
@@ -251,6 +269,11 @@ def main() -> int:
     p.add_argument("--table", action="store_true", help="print the JSON's table and exit")
     p.add_argument("--kvserve-args", default="", help="more `kvserve serve` options (one string)")
     p.add_argument("--suffix", default="", help="appended to each engine's name in the JSON")
+    p.add_argument(
+        "--busy-core",
+        action="store_true",
+        help="one busy-looping process beside the engine while the load runs",
+    )
     args = p.parse_args()
     from _report import stop_children_on_sigterm  # benchmarks/ is on sys.path
 
