@@ -35,22 +35,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("model", nargs="?", help="preset name, HF model directory, or config.json")
     g = p.add_argument_group("formats")
-    g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (default bf16)")
-    g.add_argument(
-        "--kv-dtype",
-        default="bf16",
-        choices=("bf16", "fp16", "fp32", "fp8", "int8"),
-        help="KV cache element type",
-    )
+    add_format_arguments(g)
     g = p.add_argument_group("hardware")
     g.add_argument(
         "--hardware",
         metavar="NAME|PATH",
         help="built-in profile, this-machine, or a profile JSON (default h100-sxm)",
     )
-    g.add_argument("--memory", type=float, metavar="GB", help="device memory, GB")
-    g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth, GB/s")
-    g.add_argument("--peak", type=float, metavar="TFLOP/s", help="dense peak, TFLOP/s")
+    add_device_arguments(g)
     g.add_argument(
         "--compare",
         nargs="?",
@@ -95,20 +87,7 @@ def register(subparsers: Any) -> None:
     g.add_argument("--electricity", type=float, default=0.15, metavar="USD/kWh", help="(0.15)")
     g.add_argument("--years", type=float, default=3.0, help="amortisation years (3)")
     g = p.add_argument_group("assumptions")
-    g.add_argument("--mfu", type=float, default=0.5, help="prefill model FLOP utilisation (0.5)")
-    g.add_argument(
-        "--bw-fraction",
-        type=float,
-        metavar="F",
-        help="fraction of peak bandwidth achieved (0.8 of a datasheet, 1.0 of a measurement)",
-    )
-    g.add_argument(
-        "--overhead-gb",
-        type=float,
-        default=2.0,
-        metavar="GB",
-        help="runtime memory besides weights and KV cache (2)",
-    )
+    add_assumption_arguments(g)
     g.add_argument(
         "--utilisation",
         type=float,
@@ -196,6 +175,47 @@ def link_from_args(args: argparse.Namespace) -> Any:
         ),
         latency_s=latency_s + RING_STEP_DELAYS * delay_us * 1e-6,
         source=link.source + " Edited by hand.",
+    )
+
+
+# The roofline's inputs, the same flags in `kvserve plan` and `kvserve simulate`: declared here once.
+KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int8")
+
+
+def add_format_arguments(g: Any) -> None:
+    g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (default bf16)")
+    g.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES, help="KV cache element type")
+
+
+def add_device_arguments(g: Any) -> None:
+    """What overrides the hardware profile's figures."""
+    g.add_argument("--memory", type=float, metavar="GB", help="device memory, GB")
+    g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth, GB/s")
+    g.add_argument("--peak", type=float, metavar="TFLOP/s", help="dense peak, TFLOP/s")
+
+
+def add_assumption_arguments(g: Any) -> None:
+    """`Assumptions`' fields (kvserve/lab/plan/planner.py), with its defaults."""
+    from kvserve.lab.plan.planner import Assumptions
+
+    g.add_argument(
+        "--mfu",
+        type=float,
+        default=Assumptions.mfu,
+        help="prefill (prompt-chunk) model FLOP utilisation",
+    )
+    g.add_argument(
+        "--bw-fraction",
+        type=float,
+        metavar="F",
+        help="fraction of peak bandwidth achieved (0.8 of a datasheet, 1.0 of a measurement)",
+    )
+    g.add_argument(
+        "--overhead-gb",
+        type=float,
+        default=Assumptions.overhead_bytes / 1e9,
+        metavar="GB",
+        help="runtime memory besides weights and KV cache",
     )
 
 
