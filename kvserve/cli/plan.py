@@ -63,19 +63,31 @@ def register(subparsers: Any) -> None:
         help="replicas (1: as many as --requests-per-day needs, for the cost)",
     )
     add_link_arguments(g)
+    # the defaults are Workload's and Prices' (kvserve/lab/plan)
+    from kvserve.lab.plan.figures import Workload
+    from kvserve.lab.plan.planner import Prices
+
     g = p.add_argument_group("workload")
     g.add_argument(
-        "--prompt", type=int, default=2000, metavar="TOKENS", help="prompt tokens (2000)"
+        "--prompt", type=int, default=Workload.prompt_tokens, metavar="TOKENS", help="prompt tokens"
     )
-    g.add_argument("--output", type=int, default=500, metavar="TOKENS", help="output tokens (500)")
+    g.add_argument(
+        "--output", type=int, default=Workload.output_tokens, metavar="TOKENS", help="output tokens"
+    )
     g.add_argument(
         "--shared-prefix",
         type=int,
-        default=0,
+        default=Workload.shared_prefix_tokens,
         metavar="TOKENS",
         help="prompt tokens every request shares, cached (0)",
     )
-    g.add_argument("--requests-per-day", type=float, default=100_000, metavar="N", help="(100000)")
+    g.add_argument(
+        "--requests-per-day",
+        type=float,
+        default=Workload.requests_per_day,
+        metavar="N",
+        help="requests per day, for the cost",
+    )
     g = p.add_argument_group("prices")
     g.add_argument(
         "--price-per-hour", type=float, metavar="USD", help="rental price per device-hour"
@@ -84,8 +96,16 @@ def register(subparsers: Any) -> None:
         "--device-cost", type=float, metavar="USD", help="purchase price of an owned device"
     )
     g.add_argument("--power-w", type=float, metavar="W", help="owned device power (profile's)")
-    g.add_argument("--electricity", type=float, default=0.15, metavar="USD/kWh", help="(0.15)")
-    g.add_argument("--years", type=float, default=3.0, help="amortisation years (3)")
+    g.add_argument(
+        "--electricity",
+        type=float,
+        default=Prices.electricity_usd_per_kwh,
+        metavar="USD/kWh",
+        help="electricity price",
+    )
+    g.add_argument(
+        "--years", type=float, default=Prices.amortisation_years, help="amortisation years"
+    )
     g = p.add_argument_group("assumptions")
     add_assumption_arguments(g)
     g.add_argument(
