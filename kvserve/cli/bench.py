@@ -57,7 +57,14 @@ def _label(text: str) -> tuple[str, str]:
 
 
 def _add_serve(sub) -> None:
-    """Long: the `bench serve` flags, one declaration each, in help order."""
+    """Long: the `bench serve` flags, one declaration each, in help order. A default the run's
+    configuration also has (`ClientConfig`, `WorkloadSpec`, `ArrivalSpec`, `ServeConfig`) is read
+    from it, not written again."""
+    from kvserve.lab.bench.arrivals import ArrivalSpec
+    from kvserve.lab.bench.client import ClientConfig
+    from kvserve.lab.bench.runner import ServeConfig
+    from kvserve.lab.bench.workloads import WorkloadSpec
+
     p = sub.add_parser(
         "serve",
         help="load-test an OpenAI-compatible server over HTTP",
@@ -72,24 +79,35 @@ def _add_serve(sub) -> None:
     g.add_argument(
         "--endpoint",
         choices=("chat", "completions"),
-        default="chat",
+        default=ClientConfig.endpoint,
         help="/v1/chat/completions (the chat template wraps each prompt) or /v1/completions",
     )
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
-    g.add_argument("--timeout", type=float, default=600.0, help="per-request budget in seconds")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
-    g.add_argument("--extra-body", default="{}", help="JSON object merged into every request body")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=ClientConfig.timeout_s,
+        help="per-request budget in seconds",
+    )
+    g.add_argument(
+        "--temperature", type=float, default=ClientConfig.temperature, help="sampling temperature"
+    )
+    g.add_argument(
+        "--extra-body",
+        default=ClientConfig.extra_body,
+        help="JSON object merged into every request body",
+    )
     g.add_argument(
         "--per-chunk-usage",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=ClientConfig.per_chunk_usage,
         help="ask for usage in every chunk (vLLM continuous_usage_stats) to count tokens per chunk",
     )
     g = p.add_argument_group("workload")
     g.add_argument(
         "--workload",
         choices=("random", "sharegpt", "shared-prefix"),
-        default="random",
+        default=WorkloadSpec.kind,
         help="synthetic prompts, a ShareGPT file, or prompts sharing --num-prefixes prefixes",
     )
     g.add_argument(
@@ -103,26 +121,32 @@ def _add_serve(sub) -> None:
     g.add_argument(
         "--content",
         choices=("prose", "code"),
-        default="prose",
+        default=WorkloadSpec.content,
         help="synthetic text: prose is hard to predict, code easy (matters for speculative "
         "decoding)",
     )
     g.add_argument("--dataset", default=None, help="ShareGPT-format JSON file (sharegpt workload)")
     g.add_argument(
-        "--prefix-len", type=int, default=512, help="shared-prefix: tokens of the common prefix"
+        "--prefix-len",
+        type=int,
+        default=WorkloadSpec.prefix_len,
+        help="shared-prefix: tokens of the common prefix",
     )
     g.add_argument(
-        "--num-prefixes", type=int, default=1, help="shared-prefix: number of distinct prefixes"
+        "--num-prefixes",
+        type=int,
+        default=WorkloadSpec.num_prefixes,
+        help="shared-prefix: number of distinct prefixes",
     )
     g.add_argument(
         "--tokenizer",
-        default="auto",
+        default=ServeConfig.tokenizer,
         help="auto (server /tokenize, else approximate) | server | approx | a local tokenizer dir",
     )
     g.add_argument(
         "--mode",
         choices=("natural", "forced"),
-        default="natural",
+        default=ClientConfig.mode,
         help="natural stop, or forced length (ignore_eos + min_tokens = max_tokens)",
     )
     g = p.add_argument_group("arrivals and size")
@@ -133,7 +157,10 @@ def _add_serve(sub) -> None:
         help="open loop requests/s, or inf (the default with --num-requests or --duration)",
     )
     g.add_argument(
-        "--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)"
+        "--burstiness",
+        type=float,
+        default=ArrivalSpec.burstiness,
+        help="gamma shape of the gaps (1 = Poisson)",
     )
     g.add_argument(
         "--max-concurrency",
@@ -150,14 +177,21 @@ def _add_serve(sub) -> None:
         f"{DEFAULT_REQUEST_RATE:g} request/s unless a rate, a concurrency or --sweep is given)",
     )
     g.add_argument("--duration", type=float, default=None, help="seconds of measured arrivals")
-    g.add_argument("--warmup", type=int, default=4, help="warm-up requests (labelled, excluded)")
-    g.add_argument("--seed", type=int, default=0, help="seed of lengths, texts and arrivals")
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=ServeConfig.num_warmup,
+        help="warm-up requests (labelled, excluded)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=ServeConfig.seed, help="seed of lengths, texts and arrivals"
+    )
     g = p.add_argument_group("objectives and searches")
     g.add_argument("--slo", action="append", default=[], help="named objective set (see below)")
     g.add_argument(
         "--min-attainment",
         type=float,
-        default=0.9,
+        default=ServeConfig.min_attainment,
         help="per-request objectives: fraction of requests that must meet them to pass",
     )
     g.add_argument(
@@ -173,13 +207,29 @@ def _add_serve(sub) -> None:
         "--find-capacity", action="store_true", help="search the highest rate meeting --slo"
     )
     g.add_argument(
-        "--capacity-start", type=_rate, default=1.0, help="first rate of the search, req/s"
+        "--capacity-start",
+        type=_rate,
+        default=ServeConfig.capacity_start_rps,
+        help="first rate of the search, req/s",
     )
-    g.add_argument("--capacity-max", type=_rate, default=256.0, help="highest rate tried, req/s")
     g.add_argument(
-        "--capacity-tol", type=float, default=0.1, help="relative width to stop bisecting"
+        "--capacity-max",
+        type=_rate,
+        default=ServeConfig.capacity_max_rps,
+        help="highest rate tried, req/s",
     )
-    g.add_argument("--capacity-max-trials", type=int, default=12, help="most runs the search makes")
+    g.add_argument(
+        "--capacity-tol",
+        type=float,
+        default=ServeConfig.capacity_rel_tol,
+        help="relative width to stop bisecting",
+    )
+    g.add_argument(
+        "--capacity-max-trials",
+        type=int,
+        default=ServeConfig.capacity_max_trials,
+        help="most runs the search makes",
+    )
     g.add_argument(
         "--reset-prefix-cache",
         action="store_true",
@@ -201,13 +251,13 @@ def _add_serve(sub) -> None:
     g.add_argument(
         "--plots",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=ServeConfig.plots,
         help="embed plots in report.html (matplotlib)",
     )
     g.add_argument(
         "--retokenize",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=ServeConfig.retokenize,
         help="count output tokens again with the tokenizer to check the server's usage",
     )
     g.add_argument(

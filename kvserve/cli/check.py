@@ -32,6 +32,8 @@ examples:
 
 
 def register(subparsers: Any) -> None:
+    from kvserve.lab.check.shapes import CheckConfig
+
     p = subparsers.add_parser("check", help="self-checks: batch invariance of greedy outputs")
     sub = p.add_subparsers(dest="check", metavar="CHECK")
     b = sub.add_parser(
@@ -48,10 +50,21 @@ def register(subparsers: Any) -> None:
         "--timeout", type=float, default=300.0, help="seconds to wait for each answer (--endpoint)"
     )
     b.add_argument("--prompts", metavar="FILE", help="prompts (default: 8 built-in texts)")
-    b.add_argument("--max-tokens", type=int, default=24, help="greedy tokens per prompt (24)")
-    b.add_argument("--logprobs", type=int, default=5, help="top-k log probabilities (5)")
-    b.add_argument("--batch-sizes", default="2,4,8", help="batch sizes (2,4,8)")
-    b.add_argument("--chunk-tokens", type=int, default=16, help="chunked-prefill budget (16)")
+    # defaults: the check's own configuration's
+    b.add_argument(
+        "--max-tokens", type=int, default=CheckConfig.max_tokens, help="greedy tokens per prompt"
+    )
+    b.add_argument(
+        "--logprobs", type=int, default=CheckConfig.num_logprobs, help="top-k log probabilities"
+    )
+    b.add_argument(
+        "--batch-sizes",
+        default=",".join(str(n) for n in CheckConfig.batch_sizes),
+        help="batch sizes, comma-separated",
+    )
+    b.add_argument(
+        "--chunk-tokens", type=int, default=CheckConfig.chunk_tokens, help="chunked-prefill budget"
+    )
     b.add_argument("--dtype", default="float32", help="engine dtype (float32)")
     b.add_argument("--device", default="cpu", help="cpu or cuda")
     b.add_argument(
@@ -63,7 +76,7 @@ def register(subparsers: Any) -> None:
     b.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
     )
-    b.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    b.add_argument("--seed", type=int, default=CheckConfig.seed, help="seed of the prompts")
     b.add_argument("--output", metavar="FILE", help="write the JSON report here")
     b.add_argument("--json", action="store_true", help="print the JSON report, not the summary")
     b.set_defaults(func=run)

@@ -6,8 +6,16 @@ import argparse
 import json
 import sys
 
+from kvserve.core.options import add_flags, values_from_cli
+from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import MODEL_HELP, EngineArgs
 from kvserve.options import HelpFormatter
+
+# generate's own defaults where they differ from SamplingParams' (16 tokens, temperature 1.0): a run
+# from the command line is a look at what the model says, so longer and reproducible (greedy).
+SAMPLING_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
+# the sampling flags' attributes of `args` (SamplingParams.seed beside the engine's `seed`)
+_SAMPLING_DEST = "sampling_"
 
 
 def register(subparsers) -> None:
@@ -21,16 +29,14 @@ def register(subparsers) -> None:
         "--model", default=None, help=MODEL_HELP + " (default: smollm2-135m-instruct)"
     )
     parser.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: all)")
-    parser.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    parser.add_argument(
-        "--stop", action="append", default=[], help="stop string, never emitted (repeatable)"
-    )
-    parser.add_argument("--ignore-eos", action="store_true", help="keep going past EOS")
     parser.add_argument("--json", action="store_true", help="print JSON with token ids and timings")
+    add_flags(
+        parser,
+        SamplingParams,
+        {None: parser.add_argument_group("sampling")},
+        defaults=SAMPLING_DEFAULTS,
+        dest_prefix=_SAMPLING_DEST,
+    )
     parser.add_argument("--inject-fault", default=None, help=argparse.SUPPRESS)  # tests only
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run)
@@ -38,7 +44,6 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.core.errors import KVServeError
-    from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine.faults import FaultInjection
     from kvserve.engine.llm import LLM
     from kvserve.runner.executor import WorkerFailedError
@@ -49,17 +54,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvserve generate: error: --inject-fault: {exc}", file=sys.stderr)
         return 2
     try:
+        # checked before the model loads: a bad flag costs nothing
+        params = SamplingParams(**values_from_cli(SamplingParams, args, _SAMPLING_DEST))
         llm = LLM.from_engine_args(EngineArgs.from_cli_args(args, model=args.model))
         llm.engine.gate_steps(faults)
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.sample_seed,
-            stop=tuple(args.stop),
-            ignore_eos=args.ignore_eos,
-        )
         outputs = llm.generate(args.prompt, params)
     except (KVServeError, ConnectionError) as exc:  # ConnectionError: no test at the gate's address
         print(f"kvserve generate: error: {exc}", file=sys.stderr)

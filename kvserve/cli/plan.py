@@ -35,22 +35,14 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("model", nargs="?", help="preset name, HF model directory, or config.json")
     g = p.add_argument_group("formats")
-    g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (default bf16)")
-    g.add_argument(
-        "--kv-dtype",
-        default="bf16",
-        choices=("bf16", "fp16", "fp32", "fp8", "int8"),
-        help="KV cache element type",
-    )
+    add_format_arguments(g)
     g = p.add_argument_group("hardware")
     g.add_argument(
         "--hardware",
         metavar="NAME|PATH",
         help="built-in profile, this-machine, or a profile JSON (default h100-sxm)",
     )
-    g.add_argument("--memory", type=float, metavar="GB", help="device memory, GB")
-    g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth, GB/s")
-    g.add_argument("--peak", type=float, metavar="TFLOP/s", help="dense peak, TFLOP/s")
+    add_device_arguments(g)
     g.add_argument(
         "--compare",
         nargs="?",
@@ -71,19 +63,31 @@ def register(subparsers: Any) -> None:
         help="replicas (1: as many as --requests-per-day needs, for the cost)",
     )
     add_link_arguments(g)
+    # the defaults are Workload's and Prices' (kvserve/lab/plan)
+    from kvserve.lab.plan.figures import Workload
+    from kvserve.lab.plan.planner import Prices
+
     g = p.add_argument_group("workload")
     g.add_argument(
-        "--prompt", type=int, default=2000, metavar="TOKENS", help="prompt tokens (2000)"
+        "--prompt", type=int, default=Workload.prompt_tokens, metavar="TOKENS", help="prompt tokens"
     )
-    g.add_argument("--output", type=int, default=500, metavar="TOKENS", help="output tokens (500)")
+    g.add_argument(
+        "--output", type=int, default=Workload.output_tokens, metavar="TOKENS", help="output tokens"
+    )
     g.add_argument(
         "--shared-prefix",
         type=int,
-        default=0,
+        default=Workload.shared_prefix_tokens,
         metavar="TOKENS",
         help="prompt tokens every request shares, cached (0)",
     )
-    g.add_argument("--requests-per-day", type=float, default=100_000, metavar="N", help="(100000)")
+    g.add_argument(
+        "--requests-per-day",
+        type=float,
+        default=Workload.requests_per_day,
+        metavar="N",
+        help="requests per day, for the cost",
+    )
     g = p.add_argument_group("prices")
     g.add_argument(
         "--price-per-hour", type=float, metavar="USD", help="rental price per device-hour"
@@ -92,23 +96,18 @@ def register(subparsers: Any) -> None:
         "--device-cost", type=float, metavar="USD", help="purchase price of an owned device"
     )
     g.add_argument("--power-w", type=float, metavar="W", help="owned device power (profile's)")
-    g.add_argument("--electricity", type=float, default=0.15, metavar="USD/kWh", help="(0.15)")
-    g.add_argument("--years", type=float, default=3.0, help="amortisation years (3)")
+    g.add_argument(
+        "--electricity",
+        type=float,
+        default=Prices.electricity_usd_per_kwh,
+        metavar="USD/kWh",
+        help="electricity price",
+    )
+    g.add_argument(
+        "--years", type=float, default=Prices.amortisation_years, help="amortisation years"
+    )
     g = p.add_argument_group("assumptions")
-    g.add_argument("--mfu", type=float, default=0.5, help="prefill model FLOP utilisation (0.5)")
-    g.add_argument(
-        "--bw-fraction",
-        type=float,
-        metavar="F",
-        help="fraction of peak bandwidth achieved (0.8 of a datasheet, 1.0 of a measurement)",
-    )
-    g.add_argument(
-        "--overhead-gb",
-        type=float,
-        default=2.0,
-        metavar="GB",
-        help="runtime memory besides weights and KV cache (2)",
-    )
+    add_assumption_arguments(g)
     g.add_argument(
         "--utilisation",
         type=float,
@@ -196,6 +195,47 @@ def link_from_args(args: argparse.Namespace) -> Any:
         ),
         latency_s=latency_s + RING_STEP_DELAYS * delay_us * 1e-6,
         source=link.source + " Edited by hand.",
+    )
+
+
+# The roofline's inputs, the same flags in `kvserve plan` and `kvserve simulate`: declared here once.
+KV_DTYPES = ("bf16", "fp16", "fp32", "fp8", "int8")
+
+
+def add_format_arguments(g: Any) -> None:
+    g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (default bf16)")
+    g.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES, help="KV cache element type")
+
+
+def add_device_arguments(g: Any) -> None:
+    """What overrides the hardware profile's figures."""
+    g.add_argument("--memory", type=float, metavar="GB", help="device memory, GB")
+    g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth, GB/s")
+    g.add_argument("--peak", type=float, metavar="TFLOP/s", help="dense peak, TFLOP/s")
+
+
+def add_assumption_arguments(g: Any) -> None:
+    """`Assumptions`' fields (kvserve/lab/plan/planner.py), with its defaults."""
+    from kvserve.lab.plan.planner import Assumptions
+
+    g.add_argument(
+        "--mfu",
+        type=float,
+        default=Assumptions.mfu,
+        help="prefill (prompt-chunk) model FLOP utilisation",
+    )
+    g.add_argument(
+        "--bw-fraction",
+        type=float,
+        metavar="F",
+        help="fraction of peak bandwidth achieved (0.8 of a datasheet, 1.0 of a measurement)",
+    )
+    g.add_argument(
+        "--overhead-gb",
+        type=float,
+        default=Assumptions.overhead_bytes / 1e9,
+        metavar="GB",
+        help="runtime memory besides weights and KV cache",
     )
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.cli.plan import add_assumption_arguments, add_device_arguments, add_format_arguments
 from kvserve.cli.simulate_inputs import (
     engine_shape_from_args,
     hardware_from_args,
@@ -54,19 +55,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("model", nargs="?", help="preset, HF model directory or config.json (roofline)")
     g = p.add_argument_group("cost model: roofline (default) or a calibrated profile")
     g.add_argument("--hardware", default=None, help="built-in profile, this-machine or JSON")
-    g.add_argument("--memory", type=float, metavar="GB", help="device memory, GB")
-    g.add_argument("--bandwidth", type=float, metavar="GB/s", help="memory bandwidth, GB/s")
-    g.add_argument("--peak", type=float, metavar="TFLOP/s", help="dense peak, TFLOP/s")
-    g.add_argument("--weights", default="bf16", metavar="FMT", help="weight format (bf16)")
-    g.add_argument(
-        "--kv-dtype",
-        default="bf16",
-        choices=("bf16", "fp16", "fp32", "fp8", "int8"),
-        help="KV cache element type",
-    )
-    g.add_argument("--mfu", type=float, default=0.5, help="prompt-chunk FLOP utilisation (0.5)")
-    g.add_argument("--bw-fraction", type=float, help="achieved fraction of peak bandwidth")
-    g.add_argument("--overhead-gb", type=float, default=2.0, help="runtime memory (2 GB)")
+    add_device_arguments(g)
+    add_format_arguments(g)
+    add_assumption_arguments(g)
     g.add_argument("--step-overhead-ms", type=float, default=0.0, help="fixed cost per step (0)")
     g.add_argument("--profile", metavar="PATH", help="calibrated step profile (JSON)")
     g = p.add_argument_group("calibrate on the real engine")

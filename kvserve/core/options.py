@@ -58,6 +58,10 @@ class Option:
             if not self.ge <= value <= self.le:
                 return f"must be in [{self.ge}, {self.le}], got {value}"
             return None
+        if self.gt is not None and self.le is not None:
+            if not self.gt < value <= self.le:
+                return f"must be in ({self.gt}, {self.le}], got {value}"
+            return None
         if self.ge is not None and not value >= self.ge:
             return f"must be >= {self.ge}, got {value}"
         if self.gt is not None and not value > self.gt:
@@ -155,13 +159,31 @@ def check_types(obj, what: str) -> None:
 # --- the command line -----------------------------------------------------------------------------
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict | None = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser,
+    cls: type,
+    groups: dict | None = None,
+    *,
+    defaults: dict | None = None,
+    dest_prefix: str = "",
+) -> None:
     """A flag for every declared field of `cls` (but those with `cli=False`), with its help, type,
-    default and choices; a field with a `group` goes in that argument group of `parser`."""
+    default and choices; a field with a `group` goes in that argument group of `parser`.
+
+    `defaults`: a command's own default for some fields, by name, in place of the declared one
+    (`kvserve generate`'s greedy temperature). `dest_prefix`: where two classes on one parser
+    declare the same name (the engine's `seed` and the sampling `seed`), the attribute of `args`
+    is `dest_prefix + name`; `values_from_cli` takes the same prefix."""
     groups = {} if groups is None else groups
+    defaults = {} if defaults is None else defaults
+    unknown = set(defaults) - {f.name for f, spec in declared(cls) if spec.cli}
+    if unknown:
+        raise LookupError(f"{cls.__name__} declares no flag {sorted(unknown)}")
     for f, spec in declared(cls):
         if not spec.cli:
             continue
+        default = defaults.get(f.name, f.default)
+        dest = dest_prefix + f.name
         target = groups.get(spec.group)
         if target is None:
             target = parser
@@ -170,19 +192,17 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict | None = 
         kind, _, repeated = value_type(f)
         shown = argparse.SUPPRESS if spec.hidden else spec.help
         if kind is bool:
-            action = "store_true" if f.default is False else argparse.BooleanOptionalAction
-            target.add_argument(
-                flag_of(f), dest=f.name, action=action, default=f.default, help=shown
-            )
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
+            target.add_argument(flag_of(f), dest=dest, action=action, default=default, help=shown)
             continue
         metavar = spec.metavar
         if metavar is None and spec.choices is None:
             metavar = flag_of(f)[2:].replace("-", "_").upper()
         target.add_argument(
             flag_of(f),
-            dest=f.name,
+            dest=dest,
             type=spec.parse or kind,
-            default=list(f.default) if repeated else f.default,
+            default=list(default) if repeated else default,
             action="append" if repeated else "store",
             choices=spec.choices,
             metavar=metavar,
@@ -190,14 +210,15 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, groups: dict | None = 
         )
 
 
-def values_from_cli(cls: type, args: argparse.Namespace) -> dict:
-    """The values `add_flags(parser, cls)` parsed into `args`, by field name; a value that breaks its
-    bound or choices is an `InvalidRequestError` naming the flag ('--max-n must be >= 1, got 0')."""
+def values_from_cli(cls: type, args: argparse.Namespace, dest_prefix: str = "") -> dict:
+    """The values `add_flags(parser, cls, dest_prefix=...)` parsed into `args`, by field name; a
+    value that breaks its bound or choices is an `InvalidRequestError` naming the flag
+    ('--max-n must be >= 1, got 0')."""
     values = {}
     for f, spec in declared(cls):
         if not spec.cli:
             continue
-        value = getattr(args, f.name)
+        value = getattr(args, dest_prefix + f.name)
         if isinstance(value, list):
             value = tuple(value)
         problem = spec.problem(value)
@@ -240,6 +261,8 @@ def _bound_text(spec: Option) -> str:
         return ""
     if spec.ge is not None and spec.le is not None:
         return f", in [{spec.ge}, {spec.le}]"
+    if spec.gt is not None and spec.le is not None:
+        return f", in ({spec.gt}, {spec.le}]"
     for name, sign in (("ge", ">="), ("gt", ">"), ("le", "<=")):
         if getattr(spec, name) is not None:
             return f", {sign} {getattr(spec, name)}"

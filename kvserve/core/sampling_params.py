@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvserve.core.errors import InvalidRequestError
+from kvserve.core.options import option
 
 # Greedy below this temperature (vLLM uses the same epsilon): dividing by ~0 overflows.
 _GREEDY_EPS = 1e-5
@@ -54,22 +55,30 @@ class SamplingParams:
     `max_tokens=None` means "up to the model's context". `logprobs=k` returns the chosen token's log
     probability and the top-k alternatives (k may be 0) of the model's raw distribution. `stop` strings are
     matched by the detokenizer and never appear in the output text.
+
+    The fields declared with `option()` are `kvserve generate`'s sampling flags (kvserve/core/options.py;
+    the declaration is field metadata only: construction and `_validate` do not read it). Their bounds
+    restate what `_validate` enforces, so that a flag is refused naming itself before the model loads;
+    tests/cli/test_generate_flags.py holds the two to the same values.
     """
 
     n: int = 1
-    max_tokens: int | None = 16
+    max_tokens: int | None = option(16, "most tokens to generate", ge=1)
     min_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0  # 0 (or -1) = off
-    top_p: float = 1.0
+    temperature: float = option(1.0, "sampling temperature; 0 is greedy", ge=0)
+    top_k: int = option(0, "keep the k likeliest tokens (0 or -1: all)", ge=-1)
+    top_p: float = option(
+        1.0, "nucleus sampling: keep the likeliest tokens up to this mass", gt=0, le=1
+    )
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    # --seed is the engine's seed; the range depends on n, so `_validate` alone checks it
+    seed: int | None = option(None, "per-request sampling seed", flag="--sample-seed")
     logprobs: int | None = None
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
+    ignore_eos: bool = option(False, "keep going past EOS")
+    stop: tuple[str, ...] = option((), "stop string, never emitted (repeatable)")
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool = True
