@@ -1,4 +1,5 @@
-"""The engine-core process: an `EngineCore` (scheduler, KV manager, runner) behind two ZMQ sockets.
+"""The engine-core process: an `EngineCore` (scheduler, KV manager, runner), served by its
+`ServingLoop` (kvserve.engine.serving_loop), behind two ZMQ sockets.
 
 Started by kvserve.engine.mp_client with the `spawn` method. It connects a PULL socket (commands from the
 front end) and a PUSH socket (outputs, shared by every data-parallel core: each message is framed with the
@@ -73,6 +74,7 @@ def run_core(
     try:
         from kvserve.engine.core import EngineCore
         from kvserve.engine.info import engine_info
+        from kvserve.engine.serving_loop import ServingLoop
 
         core = EngineCore(config)
     except Exception as exc:
@@ -81,13 +83,14 @@ def run_core(
         time.sleep(0.5)
         os._exit(1)
     send(Ready(engine_info(core), pid))
-    core.start(send, faults=faults)
+    loop = ServingLoop(core, send, faults=faults)
+    loop.start()
 
     dec = decoder(ToCore)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
     while True:
-        if core.dead_reason is not None:  # reported by the loop itself; let it reach the client
+        if loop.dead_reason is not None:  # reported by the loop itself; let it reach the client
             time.sleep(0.5)
             os._exit(1)
         if not poller.poll(200):
@@ -95,8 +98,8 @@ def run_core(
         command = dec.decode(pull.recv())
         if isinstance(command, ShutdownCmd):
             break
-        core.submit(command)  # checked once, when the core takes it (EngineCore._intake)
-    core.shutdown()
+        loop.submit(command)  # checked once, when the loop takes it (ServingLoop._intake)
+    loop.shutdown()
     stop.set()
     push.close()
     pull.close(linger=0)

@@ -83,7 +83,7 @@ class Gate:
     """The engine's end of a test's gate at `address` (see the module docstring). `wait` blocks
     while the gate is closed; `passed` spends one of the steps the test let through.
 
-    `condition`: the lock and condition the waiting thread sleeps on (the engine core passes its own,
+    `condition`: the lock and condition the waiting thread sleeps on (the serving loop passes its own,
     so that a command arriving while the step is held wakes it); `stopping`: while it says True the
     gate is open (shutdown never waits for a test)."""
 

@@ -1,7 +1,7 @@
 """kvserve/engine/core.py: one engine core owns its requests, from the one check at add to the last delta.
 
-Driven through its loop as a client drives it (commands in with `submit`, `CoreOutputs` out through
-`emit`), on the small GPT-2-tokenised checkpoint; the oracle for the text is the same core driven
+Driven through its serving loop (kvserve/engine/serving_loop.py) as a client drives it (commands in
+with `submit`, `CoreOutputs` out through `emit`), on the small GPT-2-tokenised checkpoint; the oracle for the text is the same core driven
 directly (`add_request` / `step`)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from kvserve.core.sampling_params import StructuredOutput
 from kvserve.engine.args import build_engine_config
 from kvserve.engine.core import EngineCore
 from kvserve.engine.faults import FaultInjection
+from kvserve.engine.serving_loop import ServingLoop
 from kvserve.engine.wire import AbortCmd, AddCmd, CoreOutputs
 from tests.faults import FaultGate
 from tests.server_utils import wait_until
@@ -49,11 +50,12 @@ def test_a_refused_request_fails_at_add_and_a_grammar_is_not_compiled_for_it(con
     starting) a compile."""
     outputs: queue.SimpleQueue = queue.SimpleQueue()
     core = EngineCore(config)
-    core.start(outputs.put)
+    loop = ServingLoop(core, outputs.put)
+    loop.start()
     try:
         digits = StructuredOutput("regex", "[0-9]+")
-        core.submit(_add("long", list(range(5, 205)), SamplingParams(max_tokens=4)))
-        core.submit(_add("grammar", [5, 6, 7], SamplingParams(max_tokens=500, structured=digits)))
+        loop.submit(_add("long", list(range(5, 205)), SamplingParams(max_tokens=4)))
+        loop.submit(_add("grammar", [5, 6, 7], SamplingParams(max_tokens=500, structured=digits)))
         failures = {}
 
         def both_refused(message: CoreOutputs) -> bool:
@@ -69,7 +71,7 @@ def test_a_refused_request_fails_at_add_and_a_grammar_is_not_compiled_for_it(con
         assert not any(m.deltas or m.accepted for m in got)
         assert core._grammars is None  # nothing compiled, nor the vocabulary indexed, for it
     finally:
-        core.shutdown()
+        loop.shutdown()
 
 
 def test_the_loop_streams_what_the_core_returns_when_driven_directly(config):
@@ -85,9 +87,10 @@ def test_the_loop_streams_what_the_core_returns_when_driven_directly(config):
 
     outputs: queue.SimpleQueue = queue.SimpleQueue()
     core = EngineCore(config)
-    core.start(outputs.put)
+    loop = ServingLoop(core, outputs.put)
+    loop.start()
     try:
-        core.submit(_add("looped", prompt, params))
+        loop.submit(_add("looped", prompt, params))
         got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
         assert [r for m in got for r in m.accepted] == ["looped"]
         samples = [s for m in got for d in m.deltas for s in d.samples]
@@ -100,7 +103,7 @@ def test_the_loop_streams_what_the_core_returns_when_driven_directly(config):
         assert core.outputs is None  # the loop accumulates nothing: the client does
         assert not core.has_unfinished_requests() and core.num_free_blocks() == 64
     finally:
-        core.shutdown()
+        loop.shutdown()
 
 
 def test_an_abort_while_the_grammar_compiles_never_adds_the_request(config):
@@ -110,23 +113,24 @@ def test_an_abort_while_the_grammar_compiles_never_adds_the_request(config):
     core = EngineCore(config)
     with FaultGate() as compiles:
         compiles.hold()
-        core.start(outputs.put, faults=FaultInjection(grammar_gate=compiles.address))
+        loop = ServingLoop(core, outputs.put, faults=FaultInjection(grammar_gate=compiles.address))
+        loop.start()
         try:
             params = SamplingParams(max_tokens=3, structured=StructuredOutput("regex", "[a-c]+"))
-            core.submit(_add("waits", [5, 6, 7], params))
-            core.submit(AbortCmd(["waits"]))
-            core.submit(_add("plain", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
+            loop.submit(_add("waits", [5, 6, 7], params))
+            loop.submit(AbortCmd(["waits"]))
+            loop.submit(_add("plain", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
             got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
             assert got[-1].num_admitted_samples == 2  # the aborted one left the queue too
             compiles.step(1)
             compiles.wait_passed(1)
-            wait_until(lambda: not core._compiling, timeout_s=30)  # its result was handled
-            core.submit(_add("after", [5], SamplingParams(max_tokens=1, ignore_eos=True)))
+            wait_until(lambda: not loop._compiling, timeout_s=30)  # its result was handled
+            loop.submit(_add("after", [5], SamplingParams(max_tokens=1, ignore_eos=True)))
             got += _until(outputs, lambda m: any(d.finished for d in m.deltas))
             assert [r for m in got for r in m.accepted] == ["plain", "after"]
             assert not core.has_unfinished_requests()
         finally:
-            core.shutdown()
+            loop.shutdown()
 
 
 def test_a_request_aborted_on_probation_lets_the_quarantine_go_on(config):
@@ -135,17 +139,18 @@ def test_a_request_aborted_on_probation_lets_the_quarantine_go_on(config):
     before the fix, probation stayed on the aborted request and the rest were never re-admitted
     (and the loop, with a non-empty quarantine, never slept)."""
     core = EngineCore(config)
+    loop = ServingLoop(core, lambda out: None)  # driven by hand: no thread
     try:
         params = SamplingParams(max_tokens=2, ignore_eos=True)
         core.add_request("a", [5, 6], params)
         core.add_request("b", [7, 8], params)
-        core._isolate(["a", "b"], RuntimeError("a step failed with both new"))
+        loop._isolate(["a", "b"], RuntimeError("a step failed with both new"))
         assert not core.has_unfinished_requests()  # both wait in the quarantine
-        core._apply_commands()
-        assert core._probation is not None and core._probation.request_id == "a"
-        core.submit(AbortCmd(["a"]))
-        core._apply_commands()
-        assert core._probation is not None and core._probation.request_id == "b"
+        loop._apply_commands()
+        assert loop._probation is not None and loop._probation.request_id == "a"
+        loop.submit(AbortCmd(["a"]))
+        loop._apply_commands()
+        assert loop._probation is not None and loop._probation.request_id == "b"
         finished = []
         for _ in range(20):
             finished += [d.request_id for d in core.step_deltas() if d.finished]
@@ -154,4 +159,4 @@ def test_a_request_aborted_on_probation_lets_the_quarantine_go_on(config):
         assert finished == ["b"]
         assert core.num_free_blocks() == 64
     finally:
-        core.shutdown()
+        loop.shutdown()

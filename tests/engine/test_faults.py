@@ -104,7 +104,7 @@ def test_stopping_opens_a_held_gate():
         thread.start()
         with condition:
             stopping.set()
-            condition.notify_all()  # as EngineCore.shutdown does
+            condition.notify_all()  # as ServingLoop.shutdown does
         thread.join(5)
         assert result == [True]
 
@@ -165,4 +165,4 @@ def test_a_held_engine_core_steps_only_when_told_and_still_aborts_and_stops(gpt2
         steps.hold()
         asyncio.run(main())
         engine.shutdown(timeout_s=60)
-        assert not engine.engine._thread.is_alive()
+        assert not engine.serving_loop._thread.is_alive()

@@ -17,6 +17,7 @@ FORBIDDEN_MODULES = (
     "kvserve.engine.async_engine",
     "kvserve.engine.core",
     "kvserve.engine.core_proc",
+    "kvserve.engine.serving_loop",
     "kvserve.engine.detokenizer",
     "kvserve.runner",
     "kvserve.sched",
