@@ -2,8 +2,9 @@
 
 The core (kvserve.engine.core.EngineCore), served by a `ServingLoop` (kvserve.engine.serving_loop),
 applies queued commands between steps and hands each step's deltas to this client directly (no
-encoding); the client accumulates them and wakes each request's asyncio queue with `call_soon_threadsafe`. An abort (client gone, timeout) therefore takes effect before
-the next step, and its blocks return to the pool then. If the loop dies, every request fails with
+encoding); the client accumulates them and wakes each request's asyncio queue with
+`call_soon_threadsafe`. An abort (client gone, timeout) therefore takes effect before the next step,
+and its blocks return to the pool then. If the loop dies, every request fails with
 `EngineDeadError` (a 503) and `on_dead` is called so the server can exit for a restart.
 
 The multi-process client (kvserve.engine.mp_client) is the same interface with the core in its own
