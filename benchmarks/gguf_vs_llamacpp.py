@@ -9,7 +9,9 @@ panel kernel with activations rounded to int8 as llama.cpp rounds them; int8x2: 
 the rounding's remainder rounded again, the default): decode tok/s is
 batch x 64 / (time of 65 tokens - time of 1 token) for 64-token prompts (prefill excluded, as
 llama-batched-bench's S_TG excludes it), prefill a 512-token prompt's tokens / time to its first
-token. Rounds alternate A B A B; the JSON keeps every round. Without LLAMA_CPP_BIN_DIR only kvserve's
+token. The engine runs without prefix caching: with it (up to session 1211) the 65-token run found
+the 1-token run's prompts in the cache and skipped the prefill that the subtraction takes away, so
+batch 16 read 2-3.5x too fast (batch 1 was not affected: its prompt was cached in both runs). Rounds alternate A B A B; the JSON keeps every round. Without LLAMA_CPP_BIN_DIR only kvserve's
 three modes run. The llama.cpp build is
 benchmarks/peers/build_llamacpp.sh's (GGML_NATIVE off, its AMX kernels compiled out, CPU repack on);
 the JSON's "llama_cpp_build" is the line that script wrote beside the binaries.
@@ -29,8 +31,14 @@ def kvserve_round(model: str, gguf_activations: str) -> dict:
     from kvserve.core.sampling_params import SamplingParams
     from kvserve.engine.llm import LLM
 
-    llm = LLM(model, max_model_len=1024, max_num_seqs=16, kv_cache_memory_bytes=512 << 20,
-              gguf_activations=gguf_activations)  # fmt: skip
+    llm = LLM(
+        model,
+        max_model_len=1024,
+        max_num_seqs=16,
+        kv_cache_memory_bytes=512 << 20,
+        gguf_activations=gguf_activations,
+        enable_prefix_caching=False,  # both timed runs do the same prefill (module docstring)
+    )
     prompt = list(range(1000, 1064))
     llm.generate([prompt], SamplingParams(max_tokens=4))  # warm-up
 
