@@ -45,7 +45,7 @@ def engine_info(engine) -> EngineInfo:
         threads=describe_threads(torch.get_num_threads()),
         grammar_compile_timeout_s=c.grammar_compile_timeout_s,
         weights=describe_weights(
-            str(c.dtype), c.quantization, c.quantization_method, c.model_dir, c.gguf_activations
+            str(c.dtype), c.weight_scheme, c.quantization_method, c.model_dir, c.gguf_activations
         ),
         kv_cache_sizing=c.cache.sizing,
         kv_cache_bytes=int(engine.runner.kv_cache_bytes),

@@ -13,6 +13,7 @@ from kvserve.quant.scheme import (
     ACT_TOKEN,
     GGUF_ACTIVATION_ACTS,
     TensorScheme,
+    WeightScheme,
     parse_weight_scheme,
 )
 
@@ -27,17 +28,22 @@ _ACTS = {
 
 def describe_weights(
     dtype: str,
-    quantization: str | None,
+    quantization: WeightScheme | str | None,
     method: str = DEFAULT_METHOD,
     model_dir: str | Path | None = None,
     gguf_activations: str = "fp32",
 ) -> str:
     """`fp32, activations fp32`, `int8 (rtn), activations int8 per 32-input block (Q8_0), sums
-    fp32`, or a quantised checkpoint's format (`int4-g128 (compressed-tensors checkpoint), ...`). `dtype` is the compute dtype (what float weights and activations are in)."""
+    fp32`, or a quantised checkpoint's format (`int4-g128 (compressed-tensors checkpoint), ...`).
+    `dtype` is the compute dtype (what float weights and activations are in); `quantization` the
+    scheme the engine parsed once (`EngineConfig.weight_scheme`), or for a direct caller its
+    string."""
     compute = _DTYPE_SHORT.get(dtype, dtype)
     linear, origin = None, None
     if quantization is not None:
-        scheme = parse_weight_scheme(quantization)
+        scheme = (
+            parse_weight_scheme(quantization) if isinstance(quantization, str) else quantization
+        )
         linear, origin = scheme.for_class("linear") or scheme.for_class("head"), method
         name = scheme.name
         if linear is None and scheme.bf16_products("linear"):

@@ -11,6 +11,7 @@ from kvserve.engine.args import EngineArgs
 from kvserve.engine.wire import EngineInfo
 from kvserve.memory import MemoryReading, auto_kv_cache_bytes, read_available_memory
 from kvserve.quant.describe import describe_weights
+from kvserve.quant.scheme import parse_weight_scheme
 from kvserve.server.startup import startup_summary
 
 GIB, MIB = 2**30, 2**20
@@ -133,3 +134,6 @@ def test_banner_names_the_weight_format_and_the_kv_sizing():
 )
 def test_describe_weights(quantization, method, expected):
     assert describe_weights("float32", quantization, method) == expected
+    if quantization is not None:  # the engine passes the scheme it parsed once, not the string
+        scheme = parse_weight_scheme(quantization)
+        assert describe_weights("float32", scheme, method) == expected
