@@ -7,7 +7,6 @@ directly (`add_request` / `step`)."""
 from __future__ import annotations
 
 import queue
-import time
 
 import pytest
 
@@ -17,31 +16,15 @@ from kvserve.engine.args import build_engine_config
 from kvserve.engine.core import EngineCore
 from kvserve.engine.faults import FaultInjection
 from kvserve.engine.serving_loop import ServingLoop
-from kvserve.engine.wire import AbortCmd, AddCmd, CoreOutputs
+from kvserve.engine.wire import AbortCmd, CoreOutputs
 from tests.faults import FaultGate
+from tests.loop_messages import add_command, messages_until
 from tests.server_utils import wait_until
-
-TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
 def config(gpt2_model_dir):
     return build_engine_config(gpt2_model_dir, num_blocks=64, max_model_len=128)
-
-
-def _add(request_id: str, prompt: list[int], params: SamplingParams) -> AddCmd:
-    return AddCmd(request_id, prompt, params, None, None, time.monotonic())
-
-
-def _until(outputs: queue.SimpleQueue, done) -> list[CoreOutputs]:
-    """Messages from the core until `done(message)` holds for one (bounded in time)."""
-    got = []
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        message = outputs.get(timeout=max(0.1, deadline - time.monotonic()))
-        got.append(message)
-        if done(message):
-            return got
 
 
 def test_a_refused_request_fails_at_add_and_a_grammar_is_not_compiled_for_it(config):
@@ -54,15 +37,17 @@ def test_a_refused_request_fails_at_add_and_a_grammar_is_not_compiled_for_it(con
     loop.start()
     try:
         digits = StructuredOutput("regex", "[0-9]+")
-        loop.submit(_add("long", list(range(5, 205)), SamplingParams(max_tokens=4)))
-        loop.submit(_add("grammar", [5, 6, 7], SamplingParams(max_tokens=500, structured=digits)))
+        loop.submit(add_command("long", list(range(5, 205)), SamplingParams(max_tokens=4)))
+        loop.submit(
+            add_command("grammar", [5, 6, 7], SamplingParams(max_tokens=500, structured=digits))
+        )
         failures = {}
 
         def both_refused(message: CoreOutputs) -> bool:
             failures.update({f.request_id: f for f in message.failures})
             return len(failures) == 2
 
-        got = _until(outputs, both_refused)
+        got = messages_until(outputs, both_refused)
         assert (failures["long"].kind, failures["long"].param) == ("context_length", "prompt")
         assert (failures["grammar"].kind, failures["grammar"].param) == (
             "context_length",
@@ -90,8 +75,8 @@ def test_the_loop_streams_what_the_core_returns_when_driven_directly(config):
     loop = ServingLoop(core, outputs.put)
     loop.start()
     try:
-        loop.submit(_add("looped", prompt, params))
-        got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
+        loop.submit(add_command("looped", prompt, params))
+        got = messages_until(outputs, lambda m: any(d.finished for d in m.deltas))
         assert [r for m in got for r in m.accepted] == ["looped"]
         samples = [s for m in got for d in m.deltas for s in d.samples]
         assert "".join(s.new_text for s in samples) == expected.text
@@ -117,16 +102,16 @@ def test_an_abort_while_the_grammar_compiles_never_adds_the_request(config):
         loop.start()
         try:
             params = SamplingParams(max_tokens=3, structured=StructuredOutput("regex", "[a-c]+"))
-            loop.submit(_add("waits", [5, 6, 7], params))
+            loop.submit(add_command("waits", [5, 6, 7], params))
             loop.submit(AbortCmd(["waits"]))
-            loop.submit(_add("plain", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
-            got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
+            loop.submit(add_command("plain", [5, 6], SamplingParams(max_tokens=2, ignore_eos=True)))
+            got = messages_until(outputs, lambda m: any(d.finished for d in m.deltas))
             assert got[-1].num_admitted_samples == 2  # the aborted one left the queue too
             compiles.step(1)
             compiles.wait_passed(1)
             wait_until(lambda: not loop._compiling, timeout_s=30)  # its result was handled
-            loop.submit(_add("after", [5], SamplingParams(max_tokens=1, ignore_eos=True)))
-            got += _until(outputs, lambda m: any(d.finished for d in m.deltas))
+            loop.submit(add_command("after", [5], SamplingParams(max_tokens=1, ignore_eos=True)))
+            got += messages_until(outputs, lambda m: any(d.finished for d in m.deltas))
             assert [r for m in got for r in m.accepted] == ["plain", "after"]
             assert not core.has_unfinished_requests()
         finally:

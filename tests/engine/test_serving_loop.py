@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import pytest
 
@@ -19,31 +18,16 @@ from kvserve.engine.args import build_engine_config
 from kvserve.engine.core import EngineCore
 from kvserve.engine.faults import FaultInjection
 from kvserve.engine.serving_loop import ServingLoop
-from kvserve.engine.wire import AbortCmd, AddCmd, CoreOutputs, Failure, UtilityCmd
+from kvserve.engine.wire import AbortCmd, Failure, UtilityCmd
+from tests.loop_messages import TIMEOUT_S, add_command, messages_until
 from tests.server_utils import wait_until
 
-TIMEOUT_S = 60.0
 NUM_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
 def config(gpt2_model_dir):
     return build_engine_config(gpt2_model_dir, num_blocks=NUM_BLOCKS, max_model_len=128)
-
-
-def _add(request_id: str, prompt: list[int], params: SamplingParams) -> AddCmd:
-    return AddCmd(request_id, prompt, params, None, None, time.monotonic())
-
-
-def _until(outputs: queue.SimpleQueue, done) -> list[CoreOutputs]:
-    """Messages from the loop until `done(message)` holds for one (bounded in time)."""
-    got = []
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        message = outputs.get(timeout=max(0.1, deadline - time.monotonic()))
-        got.append(message)
-        if done(message):
-            return got
 
 
 @pytest.fixture
@@ -63,8 +47,8 @@ def test_a_refused_add_comes_back_as_a_failure_and_counts_as_taken_from_the_queu
     held for it."""
     loop, outputs = started
     vocab = loop.core.config.model.vocab_size
-    loop.submit(_add("bad", [5, vocab], SamplingParams(max_tokens=2, n=2)))
-    got = _until(outputs, lambda m: m.step is not None)
+    loop.submit(add_command("bad", [5, vocab], SamplingParams(max_tokens=2, n=2)))
+    got = messages_until(outputs, lambda m: m.step is not None)
     assert got[0].step is None and not got[0].accepted  # the admissions, before the step
     [failure] = got[0].failures
     assert (failure.request_id, failure.kind, failure.param) == ("bad", "invalid", "prompt")
@@ -77,7 +61,7 @@ def test_utility_calls_are_answered_with_their_value_or_their_failure(started):
     loop, outputs = started
     loop.submit(UtilityCmd(1, "debug_engine"))
     loop.submit(UtilityCmd(2, "no_such_method"))
-    got = _until(outputs, lambda m: len(m.results) == 2)
+    got = messages_until(outputs, lambda m: len(m.results) == 2)
     [debug, unknown] = got[-1].results
     assert (debug.call_id, debug.error) == (1, None)
     assert debug.value == {
@@ -134,8 +118,8 @@ def test_a_failure_no_request_explains_kills_the_loop_and_says_why(config):
     loop = ServingLoop(EngineCore(config), outputs.put, faults=FaultInjection(engine_seed=7))
     loop.start()
     try:
-        loop.submit(_add("fatal", [5, 6], SamplingParams(max_tokens=4, seed=7)))
-        got = _until(outputs, lambda m: m.dead_reason is not None)
+        loop.submit(add_command("fatal", [5, 6], SamplingParams(max_tokens=4, seed=7)))
+        got = messages_until(outputs, lambda m: m.dead_reason is not None)
         reason = "the engine loop stopped: RuntimeError('injected engine fault')"
         assert got[-1].dead_reason == reason == loop.dead_reason
         assert [r for m in got for r in m.accepted] == ["fatal"]
@@ -152,8 +136,8 @@ def test_shutdown_joins_the_loop_and_ends_the_grammar_thread(started):
     params = SamplingParams(
         max_tokens=2, ignore_eos=True, structured=StructuredOutput("regex", "[a-c]+")
     )
-    loop.submit(_add("grammar", [5, 6, 7], params))
-    got = _until(outputs, lambda m: any(d.finished for d in m.deltas))
+    loop.submit(add_command("grammar", [5, 6, 7], params))
+    got = messages_until(outputs, lambda m: any(d.finished for d in m.deltas))
     assert [r for m in got for r in m.accepted] == ["grammar"]
     assert sum(len(m.grammar_compile_s) for m in got) == 1
     loop.shutdown()
