@@ -254,10 +254,40 @@ INL void prefetch_block(const void *block, const int bytes) {
     for (int o = 0; o < bytes; o += 64) _mm_prefetch((const char *)block + 8 * bytes + o, _MM_HINT_T0);
 }
 
+/* keeps GCC from re-associating a row's integer sums into one tree over every product of a block
+ * (32 live vectors at 4 rows: spilled to the stack), so each load's products are added as they come */
+#define PIN(v) __asm__("" : "+x"(v))
+
 INL __m256i bcast4(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm256_set1_epi32(v);
+}
+
+/* Rows m0 .. m0 + R - 1 of panel p, v[r] their 8 results: store_panel's operations on vectors where
+ * the panel's 8 columns all exist (the same fp32 adds, so the same bits), without a call and a
+ * scalar loop per row. ACT_BLOCK2: rows 2m and 2m + 1 (a tile starts at an even row and holds pairs)
+ * are added in registers, (v[2m] + bias) + v[2m + 1], and stored once. */
+INL void store_rows(const Linear *L, const __m256 *v, float *y, int m0, const int R, int p) {
+    const int n0 = p * QPANEL;
+    const int pairs = L->act_mode == ACT_BLOCK2;
+    if (L->n - n0 < QPANEL || (pairs && ((m0 | R) & 1))) {
+        for (int r = 0; r < R; r++) {
+            float out[QPANEL];
+            _mm256_storeu_ps(out, v[r]);
+            store_panel(L, out, y, m0 + r, p);
+        }
+        return;
+    }
+    const __m256 bias = L->bias ? _mm256_loadu_ps(L->bias + n0) : _mm256_setzero_ps();
+    if (pairs) {
+        for (int r = 0; r < R; r += 2)
+            _mm256_storeu_ps(y + (int64_t)((m0 + r) >> 1) * L->n + n0,
+                             _mm256_add_ps(_mm256_add_ps(v[r], bias), v[r + 1]));
+        return;
+    }
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_ps(y + (int64_t)(m0 + r) * L->n + n0, _mm256_add_ps(v[r], bias));
 }
 
 /* ---- a block's integer sums, R rows: blk[r] lane c = sum over the block's 32 inputs of column c's
@@ -278,6 +308,7 @@ INL void q8_sums_avx2(const Acts *a, const int8_t *wb, int m0, const int R, int 
                                       : _mm256_maddubs_epi16(bcast4(a->abs + off),
                                                              _mm256_sign_epi8(wv, xv));
             blk[r] = _mm256_add_epi32(blk[r], _mm256_madd_epi16(p16, ones));
+            PIN(blk[r]);
         }
     }
 }
@@ -297,6 +328,7 @@ INL void q4_sums_avx2(const Acts *a, const uint8_t *wb, int m0, const int R, int
             s16[r] = _mm256_add_epi16(
                 s16[r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(xr)),
                                          _mm256_maddubs_epi16(hi, bcast4(xr + 16))));
+            PIN(s16[r]);
         }
     }
     for (int r = 0; r < R; r++) blk[r] = _mm256_madd_epi16(s16[r], ones);
@@ -402,18 +434,16 @@ INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
         }
     }
     const __m256 s0 = load_h8(s);
+    __m256 v[DECODE_MAX_ROWS];
     for (int r = 0; r < R; r++) {
-        __m256 v;
         if (int_acc)
-            v = _mm256_mul_ps(
+            v[r] = _mm256_mul_ps(
                 _mm256_mul_ps(_mm256_cvtepi32_ps(total[r]),
                               _mm256_set1_ps(a->scale[(int64_t)(m0 + r) * nb])),
                 s0);
-        else v = G == 1 ? _mm256_mul_ps(acc[r], s0) : acc[r];
-        float out[QPANEL];
-        _mm256_storeu_ps(out, v);
-        store_panel(L, out, y, m0 + r, p);
+        else v[r] = G == 1 ? _mm256_mul_ps(acc[r], s0) : acc[r];
     }
+    store_rows(L, v, y, m0, R, p);
 }
 
 /* int4, R rows of panel p (as q8_panel): the zero-point enters per block as zero x (sum of the block's
@@ -447,11 +477,7 @@ INL void q4_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(a->scale[i]), sv), f, acc[r]);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float out[QPANEL];
-        _mm256_storeu_ps(out, acc[r]);
-        store_panel(L, out, y, m0 + r, p);
-    }
+    store_rows(L, acc, y, m0, R, p);
 }
 
 /* Q8(RR) or Q4(RR) by the kind, with RR = R (1-4) as a constant: each tile height is its own code */
