@@ -175,6 +175,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows (requests) in the step")
     parser.add_argument("--context", type=int, default=32, help="prompt tokens per row")
     parser.add_argument("--quantization", default=None, help="as LLM(quantization=...)")
+    parser.add_argument(
+        "--gguf-activations",
+        default="auto",
+        help="as LLM(gguf_activations=...), a GGUF model's products",
+    )
     parser.add_argument("--alternations", type=int, default=30)
     parser.add_argument("--block", type=int, default=10, help="calls (decode: tokens) per block")
     parser.add_argument("--threads", type=int, default=2)
@@ -192,6 +197,7 @@ def main() -> None:
     llm = llm_cls(
         args.model,
         quantization=args.quantization,
+        gguf_activations=args.gguf_activations,
         max_num_seqs=max(4, args.batch),
         max_model_len=max_model_len,
         max_num_batched_tokens=budget,
