@@ -17,6 +17,8 @@ Switches (A / B):
 Targets:
   step    the fused decode step, on inputs captured from a real batch (`--batch` rows at `--context`)
   head    the LM head on that step's rows
+  linear  one of the model's own quantised linears on the panel layout (the first whose name contains
+          `--linear`), `--batch` random rows through the native panel GEMV / GEMM (small_linear)
   decode  the whole engine: each block generates `--block` greedy tokens per row; the time per decode
           step is (last token - first token) / (tokens - 1), as benchmarks/peer_llamacpp.py measures it
 
@@ -171,7 +173,10 @@ def main() -> None:
     parser.add_argument(
         "--switch", required=True, help="guided, pooled, isa:A,B or sources:[DIR_A,]DIR_B"
     )
-    parser.add_argument("--target", choices=["step", "head", "decode"], default="step")
+    parser.add_argument("--target", choices=["step", "head", "linear", "decode"], default="step")
+    parser.add_argument(
+        "--linear", default="gate_up", help="linear target: part of the module's name"
+    )
     parser.add_argument("--batch", type=int, default=1, help="rows (requests) in the step")
     parser.add_argument("--context", type=int, default=32, help="prompt tokens per row")
     parser.add_argument("--quantization", default=None, help="as LLM(quantization=...)")
@@ -223,6 +228,26 @@ def main() -> None:
             end = max(m.finished_time for m in metrics)
             return (end - start) / args.block, [o.outputs[0].token_ids for o in outs]
 
+    elif args.target == "linear":
+        from kvserve.model import fused_decode
+
+        module = next(
+            (m for name, m in llm.engine.runner.model.named_modules()
+             if args.linear in name and getattr(m, "layout", None) == "panel"),
+            None,
+        )  # fmt: skip
+        if module is None:
+            raise SystemExit(
+                f"no quantised linear on the panel layout has {args.linear!r} in its name"
+            )
+        x = torch.randn(args.batch, module.in_features, generator=gen)
+
+        def run_block() -> tuple[float, object]:
+            start = time.perf_counter()
+            for _ in range(args.block):
+                out = fused_decode.small_linear(module._desc, x)
+            return (time.perf_counter() - start) / args.block, out
+
     else:
         llm.generate(prompts, greedy.with_updates(max_tokens=3))  # builds the fused step
         seen = capture(llm, prompts, greedy)
@@ -264,6 +289,8 @@ def main() -> None:
         "target": args.target,
         "model": args.model,
         "quantization": args.quantization,
+        "gguf_activations": args.gguf_activations,
+        "linear": module.extra_repr() if args.target == "linear" else None,
         "batch": args.batch,
         "context": args.context,
         "alternations": args.alternations,
