@@ -40,7 +40,6 @@ class _Linear(ctypes.Structure):
         ("groups", _INT),
         ("bpg", _INT),
         ("act_mode", _INT),
-        ("w_min", _INT),
         ("w", _PTR),
         ("scales", _PTR),
         ("zeros", _PTR),
@@ -179,14 +178,13 @@ def panel_descriptor(
             1,
             1,
             0,
-            0,
             panels.data_ptr(),
             None,
             None,
             _ptr(bias),
         )
     kind = _LIN_BF16 if panels.dtype == torch.bfloat16 else _LIN_F32
-    return _Linear(kind, n, k, k, 1, 1, 0, 0, panels.data_ptr(), None, None, _ptr(bias))
+    return _Linear(kind, n, k, k, 1, 1, 0, panels.data_ptr(), None, None, _ptr(bias))
 
 
 def quant_panel_descriptor(
@@ -199,7 +197,6 @@ def quant_panel_descriptor(
     bias: torch.Tensor | None,
     bpg: int,
     act_mode: int,
-    w_min: int,
     keep: list,
 ) -> _Linear:
     """An integer projection on its panels (csrc/decode_step.h): w [P, nb, 8, 8, 4] int8 |
@@ -213,7 +210,6 @@ def quant_panel_descriptor(
         scales.shape[1],
         int(bpg),
         act_mode,
-        int(w_min),
         w.data_ptr(),
         scales.data_ptr(),
         _ptr(zeros),

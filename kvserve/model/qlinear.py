@@ -107,10 +107,10 @@ def pack_panels(qt: QuantizedTensor) -> dict[str, torch.Tensor | int | None]:
         blocks_per_group = num_blocks  # one scale per row
     scales = _panel_rows(qt.scales.expand(num_rows, -1), padded_rows)
     codes = F.pad(qt.codes, (0, padded_cols - num_cols, 0, padded_rows - num_rows))  # [Np, Kp]
-    layout = {"scales": scales, "zeros": None, "bpg": blocks_per_group, "w_min": False}
+    layout = {"scales": scales, "zeros": None, "bpg": blocks_per_group}
     if scheme.bits == 8:
         w = codes.reshape(num_panels, PANEL, num_blocks, 8, 4).permute(0, 2, 3, 1, 4)
-        return layout | {"w": w.contiguous(), "w_min": bool((codes == -128).any())}
+        return layout | {"w": w.contiguous()}
     if qt.zeros is None:
         unsigned = (codes.to(torch.int16) + 8).to(torch.uint8)  # symmetric int4 as zero-point 8
     else:
@@ -141,7 +141,7 @@ class QuantLinear(nn.Module):
             self.kernel = f"kvq-int{qt.scheme.bits}-{fused_decode.isa()}"
             packed = pack_panels(qt)
             self.w, self.scales, self.zeros = packed["w"], packed["scales"], packed["zeros"]
-            self.bpg, self.w_min = packed["bpg"], packed["w_min"]
+            self.bpg = packed["bpg"]
             self.weight_deq = None
             self._keep: list = []
             self._desc = fused_decode.linear_descriptor(self, self._keep)
@@ -179,7 +179,6 @@ class QuantLinear(nn.Module):
             self.bias,
             self.bpg,
             self.act_mode,
-            self.w_min,
             keep,
         )
 

@@ -229,8 +229,8 @@ def test_quantised_gemv_equals_the_gemm_extension(fmt):
 
 @needs_kernel
 def test_panel_layout_puts_each_code_where_the_header_says(isa):
-    """pack_panels against the index formula of csrc/decode_step.h, and an int8 code of -128 (which
-    the |x| * sign(w, x) order cannot take: w_min switches the operand order) computed exactly."""
+    """pack_panels against the index formula of csrc/decode_step.h, and an int8 code of -128 (|w| is
+    the unsigned operand: 128, one past int8) computed exactly."""
     from kvserve.model.qlinear import pack_panels
     from kvserve.quant.rtn import QuantizedTensor
 
@@ -241,7 +241,7 @@ def test_panel_layout_puts_each_code_where_the_header_says(isa):
     scales = torch.rand(n, 1, generator=gen).half() + 0.5
     qt = QuantizedTensor(parse_tensor_scheme("int8"), codes, scales, None)
     packed = pack_panels(qt)
-    assert packed["w_min"] and packed["w"].shape == (2, 3, 8, 8, 4)
+    assert packed["w"].shape == (2, 3, 8, 8, 4)
     for col, inp in [(0, 0), (3, 5), (10, 69), (7, 33)]:
         p, c, b, j, t = col // 8, col % 8, inp // 32, (inp % 32) // 4, inp % 4
         assert packed["w"][p, b, j, c, t] == codes[col, inp]

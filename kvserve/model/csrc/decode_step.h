@@ -31,12 +31,11 @@ enum { LIN_F32 = 0, LIN_Q8 = 1, LIN_Q4 = 2, LIN_BF16 = 3, LIN_BF16DOT = 4 };
  *   int4: w[p][b][j][c][t] (uint8, j < 4) = code of input 32b + 4j + t (low nibble) and of input
  *     32b + 16 + 4j + t (high nibble); codes unsigned, value = scale * (code - zero).
  *   scales [P, G, 8] fp16 (P = Np / 8, G groups of bpg blocks: the checkpoint's fp16 scales, so
- *   exact), zeros [P, G, 8] fp16 or NULL (symmetric int4: zero 8). w_min: some int8 code is -128 (takes the |w| x sign(x, w) order). */
+ *   exact), zeros [P, G, 8] fp16 or NULL (symmetric int4: zero 8). */
 typedef struct {
     int kind;     /* LIN_F32 | LIN_Q8 | LIN_Q4 | LIN_BF16 | LIN_BF16DOT */
     int n, k, kp; /* outputs, inputs, inputs padded (quantised: to a multiple of 32; LIN_BF16DOT: even) */
     int groups, bpg, act_mode; /* scale groups per row, blocks per group, activation rounding mode */
-    int w_min;
     const void *w;
     const void *scales, *zeros; /* quantised: fp16 bits, see above */
     const float *bias;          /* [N] or NULL */
@@ -54,7 +53,6 @@ enum { ACT_BLOCK = 0, ACT_ROW = 1, ACT_TENSOR = 2, ACT_BLOCK2 = 3 };
 typedef struct {
     int rows, kp;
     int8_t *codes;   /* [M, Kp] */
-    int8_t *abs;     /* [M, Kp]: |codes| */
     float *scale;    /* [M, nb] */
     float *sum;      /* [M, nb]: sum of the block's codes */
     uint32_t *pairs; /* [M, Kp / 2]: bf16 products' activations (bf16dot.c), or NULL */

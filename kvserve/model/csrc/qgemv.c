@@ -11,8 +11,10 @@
  * panels as one sequential stream (every line prefetched 8 blocks ahead); a panel serves up to 4
  * rows per pass (more rows: row tiles of 4 over the panel while it is in L1).
  *
- * int8: x * w = |x| * sign(w, x) (the activation's magnitude is the unsigned operand, computed once
- *   per step); a weight with a -128 code takes |w| * sign(x, w) instead (one more op per load).
+ * int8: x * w = |w| * sign(x, w) (the weight's magnitude, computed once per load, is the unsigned
+ *   operand, so a -128 code is 128; each row's codes take the weight's sign). The other order,
+ *   |x| * sign(w, x) with |x| kept beside the codes (before session 1212), broadcast two vectors per
+ *   row and load instead of one: the SmolLM2 head at 16 rows ran 1.4x slower.
  * int4: codes are unsigned nibbles, the unsigned operand as they are; 8 products of one block sum in
  *   int16 without overflow (8 x 2 x 15 x 127 < 2^15); the zero-point enters per block as
  *   zero x (sum of the block's activation codes).
@@ -32,18 +34,16 @@
 int alloc_acts(Acts *a, int rows, int max_kp, int with_pairs) {
     a->rows = rows, a->kp = max_kp;
     a->codes = malloc((size_t)rows * max_kp);
-    a->abs = malloc((size_t)rows * max_kp);
     a->scale = malloc(sizeof(float) * rows * (max_kp / QBLOCK));
     a->sum = malloc(sizeof(float) * rows * (max_kp / QBLOCK));
     a->pairs = with_pairs ? malloc(sizeof(uint32_t) * rows * (max_kp / 2)) : NULL;
-    return a->codes && a->abs && a->scale && a->sum && (a->pairs || !with_pairs);
+    return a->codes && a->scale && a->sum && (a->pairs || !with_pairs);
 }
 
-void free_acts(Acts *a) { free(a->codes), free(a->abs), free(a->scale), free(a->sum), free(a->pairs); }
+void free_acts(Acts *a) { free(a->codes), free(a->scale), free(a->sum), free(a->pairs); }
 
-/* Rounds 32 values of one block with scale d = amax / 127: codes, |codes|; returns the codes' sum. */
-static int32_t round_block(const float *row, int n, float amax, int8_t *q, int8_t *qa, float *d_out,
-                           int isa) {
+/* Rounds 32 values of one block with scale d = amax / 127 into codes; returns the codes' sum. */
+static int32_t round_block(const float *row, int n, float amax, int8_t *q, float *d_out, int isa) {
     const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
     *d_out = d;
     (void)isa;
@@ -63,7 +63,6 @@ static int32_t round_block(const float *row, int n, float amax, int8_t *q, int8_
         const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i *)q, p8);
-        _mm256_storeu_si256((__m256i *)qa, _mm256_abs_epi8(p8));
         __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
@@ -77,7 +76,7 @@ static int32_t round_block(const float *row, int n, float amax, int8_t *q, int8_
             v = (int32_t)nearbyintf(row[k] * inv);
             v = v < -127 ? -127 : (v > 127 ? 127 : v);
         }
-        q[k] = (int8_t)v, qa[k] = (int8_t)(v < 0 ? -v : v);
+        q[k] = (int8_t)v;
         s += v;
     }
     return s;
@@ -122,16 +121,14 @@ static void quantize_rows(const float *x, int m0, int m1, int K, int Kp, int mod
             const float amax = per_block ? abs_max(row + k0, n, isa) : row_max;
             const int64_t i = am * nb + b;
             int8_t *q = a->codes + am * Kp + k0;
-            a->sum[i] = (float)round_block(row + k0, n, amax, q, a->abs + am * Kp + k0, &a->scale[i],
-                                           isa);
+            a->sum[i] = (float)round_block(row + k0, n, amax, q, &a->scale[i], isa);
             if (mode == ACT_BLOCK2) {
                 /* the remainder x - d q (one rounding: fmaf on every path, so the same bits), rounded
                  * with its own scale into the next row of a */
                 float rem[QBLOCK] = {0.f};
                 for (int k = 0; k < n; k++) rem[k] = fmaf(-(float)q[k], a->scale[i], row[k0 + k]);
                 a->sum[i + nb] =
-                    (float)round_block(rem, n, abs_max(rem, n, isa), q + Kp,
-                                       a->abs + (am + 1) * Kp + k0, &a->scale[i + nb], isa);
+                    (float)round_block(rem, n, abs_max(rem, n, isa), q + Kp, &a->scale[i + nb], isa);
             }
         }
     }
@@ -293,20 +290,17 @@ INL void store_rows(const Linear *L, const __m256 *v, float *y, int m0, const in
 /* ---- a block's integer sums, R rows: blk[r] lane c = sum over the block's 32 inputs of column c's
  * code times row r's activation code (exact) ---------------------------------------------------- */
 
-/* int8, AVX2: |x| * sign(w, x) (a -128 code: |w| * sign(x, w)) through vpmaddubsw + vpmaddwd */
+/* int8, AVX2: |w| * sign(x, w) through vpmaddubsw + vpmaddwd */
 INL void q8_sums_avx2(const Acts *a, const int8_t *wb, int m0, const int R, int Kp, int b,
-                      const int w_min, __m256i blk[]) {
+                      __m256i blk[]) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; r++) blk[r] = _mm256_setzero_si256();
     for (int j = 0; j < 8; j++) {
         const __m256i wv = _mm256_loadu_si256((const __m256i *)(wb + j * 32));
-        const __m256i aw = w_min ? _mm256_sign_epi8(wv, wv) : wv;
+        const __m256i aw = _mm256_sign_epi8(wv, wv); /* |w|: -128 becomes 128 as unsigned */
         for (int r = 0; r < R; r++) {
-            const int64_t off = (int64_t)(m0 + r) * Kp + b * QBLOCK + j * 4;
-            const __m256i xv = bcast4(a->codes + off);
-            const __m256i p16 = w_min ? _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv))
-                                      : _mm256_maddubs_epi16(bcast4(a->abs + off),
-                                                             _mm256_sign_epi8(wv, xv));
+            const __m256i xv = bcast4(a->codes + (int64_t)(m0 + r) * Kp + b * QBLOCK + j * 4);
+            const __m256i p16 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
             blk[r] = _mm256_add_epi32(blk[r], _mm256_madd_epi16(p16, ones));
             PIN(blk[r]);
         }
@@ -403,7 +397,7 @@ INL void q4_sums512(const Acts *a, const uint8_t *wb, int m0, const int R, int K
 /* int8, R rows m0 .. m0 + R - 1 of panel p: each block's sums (vnni: q8_sums512, else AVX2), then
  * the same fp32 operations on them. */
 INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const int R,
-                  const int int_acc, const int w_min, const int vnni) {
+                  const int int_acc, const int vnni) {
     const int nb = L->kp / QBLOCK, G = L->groups, Kp = L->kp;
     const int8_t *w = (const int8_t *)L->w + (int64_t)p * nb * QPANEL * QBLOCK;
     const uint16_t *s = (const uint16_t *)L->scales + (int64_t)p * G * QPANEL;
@@ -419,7 +413,7 @@ INL void q8_panel(const Linear *L, const Acts *a, float *y, int p, int m0, const
         if (vnni) q8_sums512(a, wb, m0, R, Kp, nb, b, blk);
         else
 #endif
-            q8_sums_avx2(a, wb, m0, R, Kp, b, w_min, blk);
+            q8_sums_avx2(a, wb, m0, R, Kp, b, blk);
         if (int_acc) {
             for (int r = 0; r < R; r++) total[r] = _mm256_add_epi32(total[r], blk[r]);
             continue;
@@ -502,11 +496,7 @@ INL void q_panel_rows(const Linear *L, const Acts *a, int M, float *y, int p, co
     const int int_acc = L->kind == LIN_Q8 && ACT_ONE_SCALE(L->act_mode) && L->groups == 1;
     for (int m0 = 0; m0 < M; m0 += DECODE_MAX_ROWS) {
         const int R = M - m0 < DECODE_MAX_ROWS ? M - m0 : DECODE_MAX_ROWS;
-#define Q8(RR)                                                                 \
-    (int_acc ? (L->w_min ? q8_panel(L, a, y, p, m0, RR, 1, 1, vnni)           \
-                         : q8_panel(L, a, y, p, m0, RR, 1, 0, vnni))          \
-             : (L->w_min ? q8_panel(L, a, y, p, m0, RR, 0, 1, vnni)           \
-                         : q8_panel(L, a, y, p, m0, RR, 0, 0, vnni)))
+#define Q8(RR) (int_acc ? q8_panel(L, a, y, p, m0, RR, 1, vnni) : q8_panel(L, a, y, p, m0, RR, 0, vnni))
 #define Q4(RR) q4_panel(L, a, y, p, m0, RR, vnni)
         BY_ROWS(L->kind, R, Q8, Q4);
 #undef Q8
