@@ -11,7 +11,8 @@ Per round, alternating the formats' order (A B C, then C B A):
 The fraction of the roof is bytes / step time / roof.
 
 Formats: `fp32`, kvserve's `--quantization` strings (`linear=int8,head=int8`, ...), and GGUF files
-as shipped (`gguf:PATH[:int8]`, `:int8` = `--gguf-activations int8`). The random checkpoint has
+as shipped (`gguf:PATH[:MODE]`, MODE one of `--gguf-activations`' int8, int8x2, fp32; without it
+fp32, the exact products). The random checkpoint has
 SmolLM2-135M's shape (benchmarks/decode.py builds it).
 
     flock /tmp/kvserve-bench.lock .venv/bin/python benchmarks/read_roof.py --rounds 2 \
