@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from kvserve.model import fused_decode
 from kvserve.model.cpu_kernels import SOURCE_DIR, kernel_available
 from tests import REPO_ROOT
 
@@ -29,11 +30,11 @@ def test_sign_test_is_the_two_sided_binomial_tail():
     assert sign_test_p(7, 3) == sign_test_p(3, 7)
 
 
-def _run(model_dir, tmp_path, switch: str) -> dict:
+def _run(model_dir, tmp_path, switch: str, *extra: str) -> dict:
     out = tmp_path / "ab.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "ab_switch.py"), "--model", str(model_dir),
            "--switch", switch, "--target", "step", "--batch", "2", "--alternations", "2",
-           "--block", "1", "--out", str(out)]  # fmt: skip
+           "--block", "1", "--out", str(out), *extra]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return json.loads(out.read_text())
@@ -96,3 +97,34 @@ def test_the_captured_step_has_every_row_when_prompts_end_in_different_steps(gpt
     assert all(c > 40 for c in context_lens.tolist())  # decode rows, past each prompt
     _, (head_rows,) = seen["head"]
     assert head_rows.shape[0] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernel_available(), reason="the C kernels did not build")
+@pytest.mark.skipif(
+    kernel_available() and fused_decode.isa() == "scalar", reason="the changed tile is AVX2 code"
+)
+def test_the_linear_target_times_the_models_own_panel_linear_on_each_build(
+    gpt2_model_dir, tmp_path
+):
+    """--target linear: one of the model's quantised linears through small_linear, under each build
+    (a copy of qgemv.c whose int4 tile scales its results is the one that runs under B). 3 rows: the
+    one-panel tile on AVX2 and AVX-512 alike (more rows take two-panel tiles on AVX-512)."""
+    changed = tmp_path / "csrc"
+    shutil.copytree(SOURCE_DIR, changed)
+    qgemv = changed / "qgemv.c"
+    text = qgemv.read_text()
+    line = "    store_rows(L, acc, y, m0, R, p);\n}"
+    assert text.count(line) == 1  # the int4 tile's store
+    qgemv.write_text(
+        text.replace(
+            line,
+            "    for (int r = 0; r < R; r++) acc[r] = _mm256_mul_ps(acc[r], _mm256_set1_ps(1.001f));\n"
+            + line,
+        )
+    )
+    args = ("--quantization", "int4-g32", "--target", "linear", "--linear", "mlp", "--batch", "3")
+    report = _run(gpt2_model_dir, tmp_path, f"sources:{changed}", *args)
+    assert report["target"] == "linear" and "int4-g32" in report["linear"]
+    assert report["batch"] == 3 and len(report["a_ms"]) == 2
+    assert report["bits_equal"] is False  # the changed tile ran under B
