@@ -774,3 +774,65 @@ def test_a_bf16_checkpoint_runs_on_bf16_panels_with_the_fp32_logits(tmp_path, mo
     ref_panels, _, ref_by_token, ref_whole = logits()
     assert set(ref_panels) == {torch.float32}
     assert torch.equal(by_token, ref_by_token) and torch.equal(whole, ref_whole)
+
+
+@needs_kernel
+def test_each_layer_op_gives_the_same_bits_on_one_thread_and_in_a_parallel_region(isa):
+    """csrc/layer_ops.c: above its size threshold an op splits its rows over a parallel region, below
+    it (or on one thread: every call inside the fused step) it runs them in a plain loop, with no
+    region at all (a nested `omp parallel if (0)` still builds a team: 13% of a batch-1 step). Both
+    paths call the same row function: on shapes past every threshold, 2 threads and 1 give the same
+    bits, and match the torch reference of each op."""
+    from kvserve.model.kv_cache import allocate_layers
+
+    gen = torch.Generator().manual_seed(21)
+    rows, dim, heads, kv_heads, head_dim, inter = 256, 576, 9, 3, 64, 1024
+    x, res = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+    weight = torch.randn(dim, generator=gen)
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 4
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, width, generator=gen)
+    angle = torch.rand(rows, 1, head_dim // 2, generator=gen) * 6
+    cos, sin = angle.cos().contiguous(), angle.sin().contiguous()
+    slots = torch.randperm(rows * 2, generator=gen)[:rows]
+
+    def run() -> list[torch.Tensor]:
+        normed, stream = cpu_kernels.add_rms_norm(x, res, weight, 1e-6)
+        rotated = qkv.clone()
+        cpu_kernels.rotary_(rotated, cos, sin, heads + kv_heads, head_dim)
+        k = rotated[:, heads * head_dim : (heads + kv_heads) * head_dim].view(
+            rows, kv_heads, head_dim
+        )
+        v = rotated[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+        caches = []
+        for kind in ("auto", "int8"):
+            _, (cache,) = allocate_layers(
+                1, rows * 2 // 16, 16, kv_heads, head_dim, torch.float32, kind, torch.device("cpu")
+            )
+            if kind == "auto":
+                cpu_kernels.write_kv(k, v, slots, cache.k, cache.v)
+                caches += [cache.k.clone(), cache.v.clone()]
+            else:
+                cpu_kernels.write_kv_q(k, v, slots, cache)
+                caches += [cache.k.clone(), cache.v.clone(), cache.k_scale.clone()]
+        return [normed, stream, rotated, cpu_kernels.silu_mul(gate_up), *caches]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        parallel = run()
+        torch.set_num_threads(1)
+        serial = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(parallel, serial, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)  # fmt: skip
+    h = x.double() + res.double()
+    want = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    torch.testing.assert_close(serial[0].double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(serial[1], x + res)
+    g, u = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(
+        serial[3].double(), torch.nn.functional.silu(g) * u, rtol=1e-6, atol=1e-6
+    )

@@ -15,12 +15,20 @@ int decode_isa(void); /* decode_step.c: 3 AVX-512, 2 AVX2, 0 the portable loops 
 
 #define PARALLEL_MIN_VALUES 32768 /* below this, one thread: waking the others costs more */
 
+/* Whether an op opens a parallel region: more than one thread asked for, and `values` worth waking
+ * them. Otherwise its rows run in a plain loop on the calling thread. An `omp parallel if (0)` is not
+ * free: libgomp still builds (and, nested inside the fused step's region, allocates) a team of one,
+ * about 2-5 us each on a Zen 3 VM, and the fused step calls these ops ~8 times a layer on each
+ * thread. Each op's row is one non-inlined function, called by both paths: the same code, the same
+ * bits. */
+#define PARALLEL(num_threads, values, min_values) ((num_threads) > 1 && (values) >= (min_values))
+#define NOINLINE __attribute__((noinline))
+
 /* residual_out = x + residual (when residual != NULL, else x); out = rms_norm(residual_out) * weight.
  * x, residual, out, residual_out: [T, D] contiguous; weight [D]. out may alias x. */
-void add_rms_norm(const float *x, const float *residual, const float *weight, float *out,
-                  float *residual_out, int num_rows, int dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * dim >= PARALLEL_MIN_VALUES)
-    for (int t = 0; t < num_rows; t++) {
+static NOINLINE void add_rms_norm_row(const float *x, const float *residual, const float *weight,
+                                      float *out, float *residual_out, int t, int dim, float eps) {
+    {
         const float *xr = x + (int64_t)t * dim;
         float *o = out + (int64_t)t * dim, *r = residual_out + (int64_t)t * dim;
         float sum = 0.f;
@@ -43,14 +51,24 @@ void add_rms_norm(const float *x, const float *residual, const float *weight, fl
     }
 }
 
+void add_rms_norm(const float *x, const float *residual, const float *weight, float *out,
+                  float *residual_out, int num_rows, int dim, float eps, int num_threads) {
+    if (!PARALLEL(num_threads, (int64_t)num_rows * dim, PARALLEL_MIN_VALUES)) {
+        for (int t = 0; t < num_rows; t++)
+            add_rms_norm_row(x, residual, weight, out, residual_out, t, dim, eps);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads)
+    for (int t = 0; t < num_rows; t++)
+        add_rms_norm_row(x, residual, weight, out, residual_out, t, dim, eps);
+}
+
 /* In place on the fused projection qkv [T, row_stride]: rotate the first num_rotated heads of head_dim
  * (q heads then k heads). cos, sin: [T, head_dim / 2], each row's position already looked up. */
-void rotary(float *qkv, int64_t row_stride, const float *cos_rows, const float *sin_rows, int num_rows,
-            int num_rotated, int head_dim, int num_threads) {
+static NOINLINE void rotary_row(float *qkv, int64_t row_stride, const float *cos_rows,
+                                const float *sin_rows, int t, int num_rotated, int head_dim) {
     const int half = head_dim / 2;
-#pragma omp parallel for num_threads(num_threads) \
-    if ((int64_t)num_rows * num_rotated * head_dim >= PARALLEL_MIN_VALUES)
-    for (int t = 0; t < num_rows; t++) {
+    {
         const float *c = cos_rows + (int64_t)t * half, *s = sin_rows + (int64_t)t * half;
         for (int h = 0; h < num_rotated; h++) {
             float *x1 = qkv + t * row_stride + (int64_t)h * head_dim, *x2 = x1 + half;
@@ -64,17 +82,38 @@ void rotary(float *qkv, int64_t row_stride, const float *cos_rows, const float *
     }
 }
 
+void rotary(float *qkv, int64_t row_stride, const float *cos_rows, const float *sin_rows, int num_rows,
+            int num_rotated, int head_dim, int num_threads) {
+    if (!PARALLEL(num_threads, (int64_t)num_rows * num_rotated * head_dim, PARALLEL_MIN_VALUES)) {
+        for (int t = 0; t < num_rows; t++)
+            rotary_row(qkv, row_stride, cos_rows, sin_rows, t, num_rotated, head_dim);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads)
+    for (int t = 0; t < num_rows; t++)
+        rotary_row(qkv, row_stride, cos_rows, sin_rows, t, num_rotated, head_dim);
+}
+
 /* Copy rows of k and v (heads of head_dim, row stride in elements) into cache slots:
  * cache[slot[t], :, :] = src[t] for k_cache, v_cache [num_slots, num_kv_heads, head_dim]. */
+static NOINLINE void write_kv_row(const float *k, const float *v, int64_t row_stride,
+                                  const int64_t *slots, float *k_cache, float *v_cache, int t,
+                                  int kv_values) {
+    float *kd = k_cache + slots[t] * kv_values, *vd = v_cache + slots[t] * kv_values;
+    const float *ks = k + t * row_stride, *vs = v + t * row_stride;
+#pragma omp simd
+    for (int d = 0; d < kv_values; d++) kd[d] = ks[d], vd[d] = vs[d];
+}
+
 void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t *slots, float *k_cache,
               float *v_cache, int num_rows, int kv_values, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * kv_values >= PARALLEL_MIN_VALUES)
-    for (int t = 0; t < num_rows; t++) {
-        float *kd = k_cache + slots[t] * kv_values, *vd = v_cache + slots[t] * kv_values;
-        const float *ks = k + t * row_stride, *vs = v + t * row_stride;
-#pragma omp simd
-        for (int d = 0; d < kv_values; d++) kd[d] = ks[d], vd[d] = vs[d];
+    if (!PARALLEL(num_threads, (int64_t)num_rows * kv_values, PARALLEL_MIN_VALUES)) {
+        for (int t = 0; t < num_rows; t++)
+            write_kv_row(k, v, row_stride, slots, k_cache, v_cache, t, kv_values);
+        return;
     }
+#pragma omp parallel for num_threads(num_threads)
+    for (int t = 0; t < num_rows; t++) write_kv_row(k, v, row_stride, slots, k_cache, v_cache, t, kv_values);
 }
 
 /* The same rows into an 8-bit cache (kv_cache.py `quantise`, bit for bit): per (row, kv head) the fp16
@@ -82,7 +121,7 @@ void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t 
  * int8 (kind 1, code_max 127) rounded half to even, fp8 e4m3fn (kind 2, code_max 448) converted as torch
  * converts. codes [num_blocks, block_size, KVH, Dh] uint8, scales [num_blocks, block_size, KVH] fp16.
  * A NaN value gives a NaN scale and codes of 0 (int8) or NaN (fp8). */
-static void quantise_row(const float *x, int head_dim, int kind, uint8_t *codes, uint16_t *scale) {
+static NOINLINE void quantise_row(const float *x, int head_dim, int kind, uint8_t *codes, uint16_t *scale) {
     const float code_max = kind == 1 ? 127.f : 448.f;
     float amax = 0.f;
     int nan = 0;
@@ -111,14 +150,22 @@ void write_kv_q(const float *k, const float *v, int64_t row_stride, const int64_
                 uint8_t *k_codes, uint8_t *v_codes, uint16_t *k_scale, uint16_t *v_scale,
                 int num_rows, int num_kv_heads, int head_dim, int kind, int num_threads) {
     const int64_t kv_values = (int64_t)num_kv_heads * head_dim;
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * kv_values >= PARALLEL_MIN_VALUES)
-    for (int t = 0; t < num_rows; t++)
-        for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t index = slots[t] * num_kv_heads + h;
-            const int64_t src = t * row_stride + (int64_t)h * head_dim;
-            quantise_row(k + src, head_dim, kind, k_codes + index * head_dim, k_scale + index);
-            quantise_row(v + src, head_dim, kind, v_codes + index * head_dim, v_scale + index);
-        }
+    /* quantise_row is not inlined into both loops (it is called, as it was, from each): the same
+     * code on either path */
+#define WRITE_KV_Q_ROW(t)                                                                          \
+    for (int h = 0; h < num_kv_heads; h++) {                                                       \
+        const int64_t index = slots[t] * num_kv_heads + h;                                         \
+        const int64_t src = (t) * row_stride + (int64_t)h * head_dim;                              \
+        quantise_row(k + src, head_dim, kind, k_codes + index * head_dim, k_scale + index);        \
+        quantise_row(v + src, head_dim, kind, v_codes + index * head_dim, v_scale + index);        \
+    }
+    if (!PARALLEL(num_threads, (int64_t)num_rows * kv_values, PARALLEL_MIN_VALUES)) {
+        for (int t = 0; t < num_rows; t++) WRITE_KV_Q_ROW(t)
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads)
+    for (int t = 0; t < num_rows; t++) WRITE_KV_Q_ROW(t)
+#undef WRITE_KV_Q_ROW
 }
 
 /* out = silu(gate) * up for gate_up [T, 2 I] (gate first); out [T, I]. */
@@ -139,13 +186,9 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
 
 /* out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate first). The vector path is taken where
  * decode_isa() allows AVX2 (tests force the portable one). */
-void silu_mul(const float *gate_up, float *out, int num_rows, int inter, int num_threads) {
-    const int vec = decode_isa() >= 2;
-    /* the vector path does ~8 values a ns: below 8x the portable threshold (a 32-token prefill of a
-     * 1,536-wide MLP), waking the other threads costs more than it saves */
-    const int64_t min_values = vec ? 8 * PARALLEL_MIN_VALUES : PARALLEL_MIN_VALUES;
-#pragma omp parallel for num_threads(num_threads) if ((int64_t)num_rows * inter >= min_values)
-    for (int t = 0; t < num_rows; t++) {
+static NOINLINE void silu_mul_row(const float *gate_up, float *out, int t, int inter, int vec) {
+    (void)vec;
+    {
         const float *g = gate_up + (int64_t)t * 2 * inter, *u = g + inter;
         float *o = out + (int64_t)t * inter;
         int d = 0;
@@ -156,4 +199,17 @@ void silu_mul(const float *gate_up, float *out, int num_rows, int inter, int num
 #endif
         for (; d < inter; d++) o[d] = silu_mul1(g[d], u[d]);
     }
+}
+
+void silu_mul(const float *gate_up, float *out, int num_rows, int inter, int num_threads) {
+    const int vec = decode_isa() >= 2;
+    /* the vector path does ~8 values a ns: below 8x the portable threshold (a 32-token prefill of a
+     * 1,536-wide MLP), waking the other threads costs more than it saves */
+    const int64_t min_values = vec ? 8 * PARALLEL_MIN_VALUES : PARALLEL_MIN_VALUES;
+    if (!PARALLEL(num_threads, (int64_t)num_rows * inter, min_values)) {
+        for (int t = 0; t < num_rows; t++) silu_mul_row(gate_up, out, t, inter, vec);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads)
+    for (int t = 0; t < num_rows; t++) silu_mul_row(gate_up, out, t, inter, vec);
 }

@@ -109,7 +109,7 @@ static float tensor_abs_max(const float *x, int M, int K, int isa) {
 }
 
 /* rows [m0, m1) of x rounded into a (mode 2: tensor_max is the whole tensor's) */
-static void quantize_rows(const float *x, int m0, int m1, int K, int Kp, int mode, float tensor_max,
+static __attribute__((noinline)) void quantize_rows(const float *x, int m0, int m1, int K, int Kp, int mode, float tensor_max,
                           Acts *a, int isa) {
     const int nb = Kp / QBLOCK, per_block = mode == ACT_BLOCK || mode == ACT_BLOCK2;
     for (int m = m0; m < m1; m++) {
@@ -136,7 +136,11 @@ static void quantize_rows(const float *x, int m0, int m1, int K, int Kp, int mod
 
 void quantize_acts(const float *x, int M, int K, int Kp, int mode, Acts *a, int isa, int num_threads) {
     const float tensor_max = mode == ACT_TENSOR ? tensor_abs_max(x, M, K, isa) : 0.f;
-#pragma omp parallel for num_threads(num_threads) if (M > DECODE_MAX_ROWS && num_threads > 1)
+    if (M <= DECODE_MAX_ROWS || num_threads <= 1) { /* no region: see layer_ops.c PARALLEL */
+        quantize_rows(x, 0, M, K, Kp, mode, tensor_max, a, isa);
+        return;
+    }
+#pragma omp parallel for num_threads(num_threads)
     for (int m = 0; m < M; m++) quantize_rows(x, m, m + 1, K, Kp, mode, tensor_max, a, isa);
 }
 
