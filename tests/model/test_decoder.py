@@ -18,6 +18,7 @@ from transformers.models.llama.modeling_llama import (
 
 from kvserve.config import ModelConfig
 from kvserve.core.errors import UnsupportedModelError
+from kvserve.model import cpu_kernels
 from kvserve.model.decoder import MLP, OffsetRMSNorm, RMSNorm, norm_class
 from kvserve.model.registry import get_arch
 from kvserve.model.rope import RotaryEmbedding, apply_rotary
@@ -83,6 +84,38 @@ def test_offset_rms_norm_matches_gemma3(dtype):
     ours, theirs = ours.to(dtype), theirs.to(dtype)
     x = torch.randn(6, HIDDEN, dtype=dtype)
     torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not cpu_kernels.kernel_available(), reason="the C kernels do not build here")
+def test_offset_rms_norm_on_the_c_kernel_matches_its_torch_ops(monkeypatch):
+    """With the C kernels (DecoderLM.use_cpu_kernels) Gemma's norm runs csrc/layer_ops.c add_rms_norm
+    scaled by 1 + w: within an ulp or two of its torch ops (the sum of squares in another order),
+    the residual's sum bit for bit, the q / k norms' [T, heads, D] shape kept, a row's bits the same
+    alone and among other rows, and a changed weight used at once (1 + w is cached per weight)."""
+    gen = torch.Generator().manual_seed(4)
+    norm = OffsetRMSNorm(HIDDEN, 1e-6)
+    norm.weight.data.copy_(torch.randn(HIDDEN, generator=gen))
+    x, residual = torch.randn(9, HIDDEN, generator=gen) * 3, torch.randn(9, HIDDEN, generator=gen)
+    heads = torch.randn(5, 4, HIDDEN, generator=gen)
+    want = [norm(x), *norm.add_norm(x, residual), norm(heads)]
+    calls = []
+    kernel = cpu_kernels.add_rms_norm
+    monkeypatch.setattr(cpu_kernels, "add_rms_norm", lambda *a: calls.append(a) or kernel(*a))
+    norm.cpu_kernels = True
+    got = [norm(x), *norm.add_norm(x, residual), norm(heads)]
+    assert len(calls) == 3  # each call ran on the kernel
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[2], x + residual)
+    assert torch.equal(norm(x[3:4]), got[0][3:4])  # a row alone: the same bits
+    assert norm.add_norm(x, None)[1] is x
+    with torch.no_grad():
+        norm.weight.mul_(2.0)
+    norm.cpu_kernels = False
+    doubled = norm(x)
+    norm.cpu_kernels = True
+    torch.testing.assert_close(norm(x), doubled, rtol=1e-6, atol=1e-6)
 
 
 def test_norm_class_follows_the_architecture():
