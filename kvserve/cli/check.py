@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvserve.config import GGUF_ACTIVATIONS
+
 DEFAULT_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",
@@ -72,6 +74,12 @@ def register(subparsers: Any) -> None:
         metavar="FMT",
         default=None,
         help="the engine's --quantization (offline; docs/quantization.md)",
+    )
+    b.add_argument(
+        "--gguf-activations",
+        default="auto",
+        choices=GGUF_ACTIVATIONS,
+        help="a GGUF model's products, as the engine's --gguf-activations (offline; docs/gguf.md)",
     )
     b.add_argument(
         "--max-model-len", type=int, default=None, help="context length (default: the model's)"
@@ -146,11 +154,13 @@ def run(args: argparse.Namespace) -> int:
         if args.endpoint:
             from kvserve.lab.check.endpoint import EndpointCheck
 
-            if args.quantization:
-                raise ValueError(
-                    "--quantization is for the offline check; with --endpoint the server's own "
-                    "format runs (its /manifest)"
-                )
+            for flag, given in (("--quantization", args.quantization),
+                                ("--gguf-activations", args.gguf_activations != "auto")):  # fmt: skip
+                if given:
+                    raise ValueError(
+                        f"{flag} is for the offline check; with --endpoint the server's own "
+                        "format runs (its /manifest)"
+                    )
             if not args.timeout > 0:
                 raise ValueError(f"--timeout must be > 0, got {args.timeout:g}")
             check = EndpointCheck(
@@ -193,6 +203,8 @@ def _offline(args: argparse.Namespace, cfg, prompts):
         options["max_model_len"] = args.max_model_len
     if args.quantization:
         options["quantization"] = args.quantization
+    if args.gguf_activations != "auto":
+        options["gguf_activations"] = args.gguf_activations
 
     def make_llm(**extra):
         return LLM(model, **(options | extra))
@@ -203,5 +215,6 @@ def _offline(args: argparse.Namespace, cfg, prompts):
         "model_dir": model,
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "gguf_activations": args.gguf_activations,
     }
     return OfflineCheck(make_llm, prompts, cfg), target

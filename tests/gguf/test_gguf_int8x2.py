@@ -94,3 +94,31 @@ def test_int8x2_gives_a_prompt_the_same_tokens_and_logprobs_alone_and_batched(q4
         assert [(x.token_id, x.logprob) for x in a.logprobs] == [
             (x.token_id, x.logprob) for x in b.logprobs
         ]
+
+
+def test_the_batch_invariance_check_runs_the_engine_in_the_products_it_is_given(
+    q4_dir, tmp_path, capsys
+):
+    """`kvserve check batch-invariance --gguf-activations int8x2` builds every shape's engine with
+    those products (the report says so), and on a file whose every matrix runs on the panel kernel
+    every shape gives the solo run's tokens; with --endpoint the server's own products run, so the
+    option is refused there."""
+    import json
+
+    from kvserve.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt_token_ids": PROMPT[:12]}) + "\n"
+                       + json.dumps({"prompt_token_ids": PROMPT[5:30]}) + "\n")  # fmt: skip
+    out = tmp_path / "report.json"
+    args = ["check", "batch-invariance", str(q4_dir), "--prompts", str(prompts)]
+    args += ["--max-tokens", "4", "--batch-sizes", "2", "--max-model-len", "128"]
+    args += ["--output", str(out)]
+    assert main(args + ["--gguf-activations", "int8x2"]) == 0
+    report = json.loads(out.read_text())
+    assert report["target"]["gguf_activations"] == "int8x2"
+    assert report["invariant"] is True
+    capsys.readouterr()
+    endpoint = ["check", "batch-invariance", "--endpoint", "http://127.0.0.1:9"]
+    assert main(endpoint + ["--gguf-activations", "int8"]) == 2
+    assert "the server's" in capsys.readouterr().err
