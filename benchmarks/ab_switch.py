@@ -10,6 +10,9 @@ Switches (A / B):
   pooled               the step forks and joins per linear / the pooled step (one parallel region
                        whose thread pool stays up for the whole step)
   isa:LEVEL,LEVEL      the kernels capped at an ISA level (scalar, avx2, avx512), e.g. isa:avx2,avx512
+  norms                Gemma's offset RMSNorms (the q, k and layer norms) as torch ops / on the C
+                       RMSNorm scaled by 1 + w (model/decoder.py OffsetRMSNorm); models without
+                       them are refused
   sources:DIR          the package's C sources / the C files in DIR, a modified copy of
                        kvserve/model/csrc with the same structs (both builds loaded side by side);
                        sources:DIR_A,DIR_B compares two such copies
@@ -56,8 +59,9 @@ def sign_test_p(above: int, below: int) -> float:
 class Switch:
     """`apply("a")` / `apply("b")` puts the kernels in one setting; `restore()` puts back the first."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, model=None) -> None:
         from kvserve.model import cpu_kernels, fused_decode
+        from kvserve.model.decoder import OffsetRMSNorm
 
         self.lib = cpu_kernels.load_kernel()
         if self.lib is None:
@@ -74,6 +78,18 @@ class Switch:
                           "b": lambda: self.lib.decode_set_pooled_step(1)}  # fmt: skip
             self.labels = ("forking", "pooled")
             self._restore = lambda: self.lib.decode_set_pooled_step(1)
+        elif name == "norms":
+            norms = [m for m in model.modules() if isinstance(m, OffsetRMSNorm)]
+            if not norms:
+                raise SystemExit("--switch norms: this model has no offset RMSNorms (Gemma 3's)")
+
+            def set_norms(on: bool) -> None:
+                for norm in norms:
+                    norm.cpu_kernels = on
+
+            self.sides = {"a": lambda: set_norms(False), "b": lambda: set_norms(True)}
+            self.labels = ("torch norms", "C norms")
+            self._restore = lambda: set_norms(True)
         elif name == "isa":
             levels = arg.split(",")
             if len(levels) != 2 or any(v not in fused_decode.available_isas() for v in levels):
@@ -99,7 +115,7 @@ class Switch:
             self._restore = lambda: setattr(cpu_kernels, "load_kernel", self.loader)
         else:
             raise SystemExit(
-                f"unknown switch {spec!r} (guided, pooled, isa:A,B, sources:[DIR_A,]DIR_B)"
+                f"unknown switch {spec!r} (guided, pooled, norms, isa:A,B, sources:[DIR_A,]DIR_B)"
             )
 
     def apply(self, side: str) -> None:
@@ -210,7 +226,7 @@ def main() -> None:
         block_size=block_size,
         num_blocks=max(4, args.batch) * -(-max_model_len // block_size) + 8,
     )
-    switch = Switch(args.switch)
+    switch = Switch(args.switch, llm.engine.runner.model)
     gen = torch.Generator().manual_seed(0)
     vocab = llm.engine.config.model.vocab_size
     prompts = torch.randint(3, vocab, (args.batch, args.context), generator=gen).tolist()

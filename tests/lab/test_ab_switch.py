@@ -128,3 +128,23 @@ def test_the_linear_target_times_the_models_own_panel_linear_on_each_build(
     assert report["target"] == "linear" and "int4-g32" in report["linear"]
     assert report["batch"] == 3 and len(report["a_ms"]) == 2
     assert report["bits_equal"] is False  # the changed tile ran under B
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernel_available(), reason="the C kernels did not build")
+def test_the_norms_switch_times_gemmas_norms_as_torch_ops_and_on_the_c_kernel(
+    gpt2_model_dir, tmp_path
+):
+    """--switch norms: Gemma 3's offset RMSNorms as torch ops under A, on the C RMSNorm under B, in
+    one engine (the whole decode); a model without them is refused."""
+    from tests.checkpoints import build_checkpoint
+
+    gemma = tmp_path / "gemma3"
+    build_checkpoint(gemma, "gemma3")
+    report = _run(gemma, tmp_path, "norms", "--target", "decode", "--block", "3")
+    assert (report["a"], report["b"]) == ("torch norms", "C norms")
+    assert report["target"] == "decode" and len(report["b_ms"]) == 2
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "ab_switch.py"), "--model", str(gpt2_model_dir),
+           "--switch", "norms", "--target", "decode"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode != 0 and "no offset RMSNorms" in result.stderr
