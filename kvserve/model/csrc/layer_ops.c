@@ -28,27 +28,25 @@ int decode_isa(void); /* decode_step.c: 3 AVX-512, 2 AVX2, 0 the portable loops 
  * x, residual, out, residual_out: [T, D] contiguous; weight [D]. out may alias x. */
 static NOINLINE void add_rms_norm_row(const float *x, const float *residual, const float *weight,
                                       float *out, float *residual_out, int t, int dim, float eps) {
-    {
-        const float *xr = x + (int64_t)t * dim;
-        float *o = out + (int64_t)t * dim, *r = residual_out + (int64_t)t * dim;
-        float sum = 0.f;
-        if (residual != NULL) {
-            const float *rr = residual + (int64_t)t * dim;
+    const float *xr = x + (int64_t)t * dim;
+    float *o = out + (int64_t)t * dim, *r = residual_out + (int64_t)t * dim;
+    float sum = 0.f;
+    if (residual != NULL) {
+        const float *rr = residual + (int64_t)t * dim;
 #pragma omp simd reduction(+ : sum)
-            for (int d = 0; d < dim; d++) {
-                float h = xr[d] + rr[d];
-                r[d] = h;
-                sum += h * h;
-            }
-        } else {
-#pragma omp simd reduction(+ : sum)
-            for (int d = 0; d < dim; d++) sum += xr[d] * xr[d];
+        for (int d = 0; d < dim; d++) {
+            float h = xr[d] + rr[d];
+            r[d] = h;
+            sum += h * h;
         }
-        const float *h = residual != NULL ? r : xr;
-        float inv = 1.f / sqrtf(sum / dim + eps);
-#pragma omp simd
-        for (int d = 0; d < dim; d++) o[d] = weight[d] * (h[d] * inv);
+    } else {
+#pragma omp simd reduction(+ : sum)
+        for (int d = 0; d < dim; d++) sum += xr[d] * xr[d];
     }
+    const float *h = residual != NULL ? r : xr;
+    float inv = 1.f / sqrtf(sum / dim + eps);
+#pragma omp simd
+    for (int d = 0; d < dim; d++) o[d] = weight[d] * (h[d] * inv);
 }
 
 void add_rms_norm(const float *x, const float *residual, const float *weight, float *out,
@@ -68,16 +66,14 @@ void add_rms_norm(const float *x, const float *residual, const float *weight, fl
 static NOINLINE void rotary_row(float *qkv, int64_t row_stride, const float *cos_rows,
                                 const float *sin_rows, int t, int num_rotated, int head_dim) {
     const int half = head_dim / 2;
-    {
-        const float *c = cos_rows + (int64_t)t * half, *s = sin_rows + (int64_t)t * half;
-        for (int h = 0; h < num_rotated; h++) {
-            float *x1 = qkv + t * row_stride + (int64_t)h * head_dim, *x2 = x1 + half;
+    const float *c = cos_rows + (int64_t)t * half, *s = sin_rows + (int64_t)t * half;
+    for (int h = 0; h < num_rotated; h++) {
+        float *x1 = qkv + t * row_stride + (int64_t)h * head_dim, *x2 = x1 + half;
 #pragma omp simd
-            for (int d = 0; d < half; d++) {
-                float a = x1[d], b = x2[d];
-                x1[d] = a * c[d] - b * s[d];
-                x2[d] = b * c[d] + a * s[d];
-            }
+        for (int d = 0; d < half; d++) {
+            float a = x1[d], b = x2[d];
+            x1[d] = a * c[d] - b * s[d];
+            x2[d] = b * c[d] + a * s[d];
         }
     }
 }
@@ -113,7 +109,8 @@ void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t 
         return;
     }
 #pragma omp parallel for num_threads(num_threads)
-    for (int t = 0; t < num_rows; t++) write_kv_row(k, v, row_stride, slots, k_cache, v_cache, t, kv_values);
+    for (int t = 0; t < num_rows; t++)
+        write_kv_row(k, v, row_stride, slots, k_cache, v_cache, t, kv_values);
 }
 
 /* The same rows into an 8-bit cache (kv_cache.py `quantise`, bit for bit): per (row, kv head) the fp16
@@ -121,7 +118,8 @@ void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t 
  * int8 (kind 1, code_max 127) rounded half to even, fp8 e4m3fn (kind 2, code_max 448) converted as torch
  * converts. codes [num_blocks, block_size, KVH, Dh] uint8, scales [num_blocks, block_size, KVH] fp16.
  * A NaN value gives a NaN scale and codes of 0 (int8) or NaN (fp8). */
-static NOINLINE void quantise_row(const float *x, int head_dim, int kind, uint8_t *codes, uint16_t *scale) {
+static NOINLINE void quantise_row(const float *x, int head_dim, int kind, uint8_t *codes,
+                                  uint16_t *scale) {
     const float code_max = kind == 1 ? 127.f : 448.f;
     float amax = 0.f;
     int nan = 0;
@@ -188,17 +186,15 @@ static inline __m256 silu_mul8(__m256 g, __m256 u) {
  * decode_isa() allows AVX2 (tests force the portable one). */
 static NOINLINE void silu_mul_row(const float *gate_up, float *out, int t, int inter, int vec) {
     (void)vec;
-    {
-        const float *g = gate_up + (int64_t)t * 2 * inter, *u = g + inter;
-        float *o = out + (int64_t)t * inter;
-        int d = 0;
+    const float *g = gate_up + (int64_t)t * 2 * inter, *u = g + inter;
+    float *o = out + (int64_t)t * inter;
+    int d = 0;
 #ifdef __AVX2__
-        if (vec)
-            for (; d + 8 <= inter; d += 8)
-                _mm256_storeu_ps(o + d, silu_mul8(_mm256_loadu_ps(g + d), _mm256_loadu_ps(u + d)));
+    if (vec)
+        for (; d + 8 <= inter; d += 8)
+            _mm256_storeu_ps(o + d, silu_mul8(_mm256_loadu_ps(g + d), _mm256_loadu_ps(u + d)));
 #endif
-        for (; d < inter; d++) o[d] = silu_mul1(g[d], u[d]);
-    }
+    for (; d < inter; d++) o[d] = silu_mul1(g[d], u[d]);
 }
 
 void silu_mul(const float *gate_up, float *out, int num_rows, int inter, int num_threads) {
