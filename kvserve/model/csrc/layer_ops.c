@@ -24,6 +24,18 @@ int decode_isa(void); /* decode_step.c: 3 AVX-512, 2 AVX2, 0 the portable loops 
 #define PARALLEL(num_threads, values, min_values) ((num_threads) > 1 && (values) >= (min_values))
 #define NOINLINE __attribute__((noinline))
 
+/* ROW_CALL for t = 0 .. num_rows - 1: in a plain loop, or split over the caller's `num_threads` when
+ * PARALLEL says so */
+#define FOR_ROWS(num_rows, values, min_values, ROW_CALL)                                              \
+    do {                                                                                           \
+        if (!PARALLEL(num_threads, (values), (min_values))) {                                      \
+            for (int t = 0; t < (num_rows); t++) ROW_CALL;                                         \
+        } else {                                                                                   \
+            _Pragma("omp parallel for num_threads(num_threads)")                                   \
+            for (int t = 0; t < (num_rows); t++) ROW_CALL;                                         \
+        }                                                                                          \
+    } while (0)
+
 /* residual_out = x + residual (when residual != NULL, else x); out = rms_norm(residual_out) * weight.
  * x, residual, out, residual_out: [T, D] contiguous; weight [D]. out may alias x. */
 static NOINLINE void add_rms_norm_row(const float *x, const float *residual, const float *weight,
@@ -51,14 +63,8 @@ static NOINLINE void add_rms_norm_row(const float *x, const float *residual, con
 
 void add_rms_norm(const float *x, const float *residual, const float *weight, float *out,
                   float *residual_out, int num_rows, int dim, float eps, int num_threads) {
-    if (!PARALLEL(num_threads, (int64_t)num_rows * dim, PARALLEL_MIN_VALUES)) {
-        for (int t = 0; t < num_rows; t++)
-            add_rms_norm_row(x, residual, weight, out, residual_out, t, dim, eps);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads)
-    for (int t = 0; t < num_rows; t++)
-        add_rms_norm_row(x, residual, weight, out, residual_out, t, dim, eps);
+    FOR_ROWS(num_rows, (int64_t)num_rows * dim, PARALLEL_MIN_VALUES,
+             add_rms_norm_row(x, residual, weight, out, residual_out, t, dim, eps));
 }
 
 /* In place on the fused projection qkv [T, row_stride]: rotate the first num_rotated heads of head_dim
@@ -80,14 +86,8 @@ static NOINLINE void rotary_row(float *qkv, int64_t row_stride, const float *cos
 
 void rotary(float *qkv, int64_t row_stride, const float *cos_rows, const float *sin_rows, int num_rows,
             int num_rotated, int head_dim, int num_threads) {
-    if (!PARALLEL(num_threads, (int64_t)num_rows * num_rotated * head_dim, PARALLEL_MIN_VALUES)) {
-        for (int t = 0; t < num_rows; t++)
-            rotary_row(qkv, row_stride, cos_rows, sin_rows, t, num_rotated, head_dim);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads)
-    for (int t = 0; t < num_rows; t++)
-        rotary_row(qkv, row_stride, cos_rows, sin_rows, t, num_rotated, head_dim);
+    FOR_ROWS(num_rows, (int64_t)num_rows * num_rotated * head_dim, PARALLEL_MIN_VALUES,
+             rotary_row(qkv, row_stride, cos_rows, sin_rows, t, num_rotated, head_dim));
 }
 
 /* Copy rows of k and v (heads of head_dim, row stride in elements) into cache slots:
@@ -103,14 +103,8 @@ static NOINLINE void write_kv_row(const float *k, const float *v, int64_t row_st
 
 void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t *slots, float *k_cache,
               float *v_cache, int num_rows, int kv_values, int num_threads) {
-    if (!PARALLEL(num_threads, (int64_t)num_rows * kv_values, PARALLEL_MIN_VALUES)) {
-        for (int t = 0; t < num_rows; t++)
-            write_kv_row(k, v, row_stride, slots, k_cache, v_cache, t, kv_values);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads)
-    for (int t = 0; t < num_rows; t++)
-        write_kv_row(k, v, row_stride, slots, k_cache, v_cache, t, kv_values);
+    FOR_ROWS(num_rows, (int64_t)num_rows * kv_values, PARALLEL_MIN_VALUES,
+             write_kv_row(k, v, row_stride, slots, k_cache, v_cache, t, kv_values));
 }
 
 /* The same rows into an 8-bit cache (kv_cache.py `quantise`, bit for bit): per (row, kv head) the fp16
@@ -144,26 +138,25 @@ static NOINLINE void quantise_row(const float *x, int head_dim, int kind, uint8_
     }
 }
 
+static NOINLINE void write_kv_q_row(const float *k, const float *v, int64_t row_stride,
+                                    const int64_t *slots, uint8_t *k_codes, uint8_t *v_codes,
+                                    uint16_t *k_scale, uint16_t *v_scale, int t, int num_kv_heads,
+                                    int head_dim, int kind) {
+    for (int h = 0; h < num_kv_heads; h++) {
+        const int64_t index = slots[t] * num_kv_heads + h;
+        const int64_t src = t * row_stride + (int64_t)h * head_dim;
+        quantise_row(k + src, head_dim, kind, k_codes + index * head_dim, k_scale + index);
+        quantise_row(v + src, head_dim, kind, v_codes + index * head_dim, v_scale + index);
+    }
+}
+
 void write_kv_q(const float *k, const float *v, int64_t row_stride, const int64_t *slots,
                 uint8_t *k_codes, uint8_t *v_codes, uint16_t *k_scale, uint16_t *v_scale,
                 int num_rows, int num_kv_heads, int head_dim, int kind, int num_threads) {
     const int64_t kv_values = (int64_t)num_kv_heads * head_dim;
-    /* quantise_row is not inlined into both loops (it is called, as it was, from each): the same
-     * code on either path */
-#define WRITE_KV_Q_ROW(t)                                                                          \
-    for (int h = 0; h < num_kv_heads; h++) {                                                       \
-        const int64_t index = slots[t] * num_kv_heads + h;                                         \
-        const int64_t src = (t) * row_stride + (int64_t)h * head_dim;                              \
-        quantise_row(k + src, head_dim, kind, k_codes + index * head_dim, k_scale + index);        \
-        quantise_row(v + src, head_dim, kind, v_codes + index * head_dim, v_scale + index);        \
-    }
-    if (!PARALLEL(num_threads, (int64_t)num_rows * kv_values, PARALLEL_MIN_VALUES)) {
-        for (int t = 0; t < num_rows; t++) WRITE_KV_Q_ROW(t)
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads)
-    for (int t = 0; t < num_rows; t++) WRITE_KV_Q_ROW(t)
-#undef WRITE_KV_Q_ROW
+    FOR_ROWS(num_rows, (int64_t)num_rows * kv_values, PARALLEL_MIN_VALUES,
+             write_kv_q_row(k, v, row_stride, slots, k_codes, v_codes, k_scale, v_scale, t,
+                            num_kv_heads, head_dim, kind));
 }
 
 /* out = silu(gate) * up for gate_up [T, 2 I] (gate first); out [T, I]. */
@@ -202,10 +195,5 @@ void silu_mul(const float *gate_up, float *out, int num_rows, int inter, int num
     /* the vector path does ~8 values a ns: below 8x the portable threshold (a 32-token prefill of a
      * 1,536-wide MLP), waking the other threads costs more than it saves */
     const int64_t min_values = vec ? 8 * PARALLEL_MIN_VALUES : PARALLEL_MIN_VALUES;
-    if (!PARALLEL(num_threads, (int64_t)num_rows * inter, min_values)) {
-        for (int t = 0; t < num_rows; t++) silu_mul_row(gate_up, out, t, inter, vec);
-        return;
-    }
-#pragma omp parallel for num_threads(num_threads)
-    for (int t = 0; t < num_rows; t++) silu_mul_row(gate_up, out, t, inter, vec);
+    FOR_ROWS(num_rows, (int64_t)num_rows * inter, min_values, silu_mul_row(gate_up, out, t, inter, vec));
 }
