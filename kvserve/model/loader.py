@@ -316,9 +316,12 @@ def install_block_weights(
     the same with the remainder of that rounding rounded again (ACT_BLOCK2: KL 1.5e-5 from the exact
     path on SmolLM2, docs/gguf.md)."""
     act = GGUF_ACTIVATION_ACTS.get(gguf_activations)  # None: fp32, the file's blocks as they are
+    exact_types: set[str] = set()  # with act: the types left on the fp32 block kernel
 
     def block_layer(parts: list[BlockWeight], bias: torch.Tensor | None) -> nn.Module:
         qt = None if act is None else as_quantized_tensor(parts, act)
+        if qt is None and act is not None:
+            exact_types.update(p.ggml_type for p in parts)
         return BlockLinear(parts, bias) if qt is None else QuantLinear(qt, bias)
 
     table = blocks.pop("model.embed_tokens.weight", None)
@@ -338,6 +341,17 @@ def install_block_weights(
         else:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+    if exact_types:
+        # the block kernel's sums change with a step's row count, and rounding the next linear's
+        # activations magnifies that: Gemma 3 Q4_K_M with int8 changed greedy tokens with batching
+        # (max |dlogp| 0.8), with int8x2 log probabilities moved 2.4e-3 (fp32: 4.6e-5)
+        logger.warning(
+            "--gguf-activations %s: the %s matrices have no integer panel format and stay on the "
+            "fp32 block kernel, so outputs depend on what else a step batches (docs/determinism.md; "
+            "--gguf-activations fp32 keeps them batch-invariant)",
+            gguf_activations,
+            ", ".join(sorted(exact_types)),
+        )
 
 
 def _copied_by_cpu_layout(model: DecoderLM, name: str) -> bool:

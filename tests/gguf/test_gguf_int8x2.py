@@ -122,3 +122,29 @@ def test_the_batch_invariance_check_runs_the_engine_in_the_products_it_is_given(
     endpoint = ["check", "batch-invariance", "--endpoint", "http://127.0.0.1:9"]
     assert main(endpoint + ["--gguf-activations", "int8"]) == 2
     assert "the server's" in capsys.readouterr().err
+
+
+def test_rounding_activations_beside_the_fp32_block_kernel_warns_at_load(
+    hf_model, q4_dir, tmp_path, caplog
+):
+    """A file with matrices that have no integer panel format (Q5_1 here, the K-quants in Gemma 3)
+    keeps them on the fp32 block kernel under --gguf-activations int8 / int8x2; that mix makes
+    outputs depend on batching (docs/determinism.md), so loading says so, naming the types. A file
+    the panel kernel runs whole, or the exact path, loads without it."""
+    import logging
+
+    from kvserve import LLM
+
+    mixed = gguf_model_dir(write_llama_gguf(tmp_path / "q5_1.gguf", hf_model, "Q5_1", "Q8_0"))
+    loads = [(mixed, "int8", True), (mixed, "int8x2", True), (mixed, "fp32", False),
+             (q4_dir, "int8x2", False)]  # fmt: skip
+    for model_dir, mode, warns in loads:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvserve.model.loader"):
+            LLM(str(model_dir), gguf_activations=mode, **OPTIONS)
+        said = [
+            r.getMessage() for r in caplog.records if "no integer panel format" in r.getMessage()
+        ]
+        assert bool(said) == warns, (mode, said)
+        if warns:
+            assert said[0].startswith(f"--gguf-activations {mode}: the Q5_1 matrices")
