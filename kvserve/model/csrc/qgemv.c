@@ -109,8 +109,8 @@ static float tensor_abs_max(const float *x, int M, int K, int isa) {
 }
 
 /* rows [m0, m1) of x rounded into a (mode 2: tensor_max is the whole tensor's) */
-static __attribute__((noinline)) void quantize_rows(const float *x, int m0, int m1, int K, int Kp, int mode, float tensor_max,
-                          Acts *a, int isa) {
+static __attribute__((noinline)) void quantize_rows(const float *x, int m0, int m1, int K, int Kp,
+                                                    int mode, float tensor_max, Acts *a, int isa) {
     const int nb = Kp / QBLOCK, per_block = mode == ACT_BLOCK || mode == ACT_BLOCK2;
     for (int m = m0; m < m1; m++) {
         const float *row = x + (int64_t)m * K;
