@@ -154,8 +154,11 @@ def run(args: argparse.Namespace) -> int:
         if args.endpoint:
             from kvserve.lab.check.endpoint import EndpointCheck
 
-            for flag, given in (("--quantization", args.quantization),
-                                ("--gguf-activations", args.gguf_activations != "auto")):  # fmt: skip
+            offline_only = {
+                "--quantization": args.quantization,
+                "--gguf-activations": args.gguf_activations != "auto",
+            }
+            for flag, given in offline_only.items():
                 if given:
                     raise ValueError(
                         f"{flag} is for the offline check; with --endpoint the server's own "
